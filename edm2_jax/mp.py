@@ -1,0 +1,182 @@
+"""Magnitude-preserving (MP) primitives of EDM2 (Karras et al., CVPR 2024, Appendix B).
+
+Arrays are NHWC. Convolution weights are stored HWIO (`[kh, kw, in, out]`), dense
+weights `[in, out]`; the output unit is always the last axis, so "fan-in axes" are all
+the others. Everything here is a pure function or a parameter-holding `linen` module
+with no training logic; forced weight normalisation (`force_normalize`) is a pure
+function over the params pytree that the training step applies to the online weights.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+Array = jax.Array
+DType = Any
+
+BUFFERS = "buffers"  # Variable collection of fixed, never-trained arrays (MPFourier).
+
+
+def normalize(x: Array, axis: int | Sequence[int] | None = None, eps: float = 1e-4) -> Array:
+    """Scale `x` to unit RMS over `axis` (Eq. 47 / 66 normalisation).
+
+    Computes `x / (eps + ||x||_axis / sqrt(n))` with `n` the number of elements reduced
+    over. The norm is taken in float32; the result keeps `x.dtype`.
+
+    Args:
+      x: any shape and float dtype.
+      axis: axes to reduce; `None` means all axes but the first (per-example).
+      eps: added to the RMS to avoid division by zero.
+    Returns:
+      array of `x.shape` and `x.dtype`.
+    """
+    if axis is None:
+        axis = tuple(range(1, x.ndim))
+    elif isinstance(axis, int):
+        axis = (axis,)
+    axis = tuple(a % x.ndim for a in axis)
+    n = math.prod(x.shape[a] for a in axis)
+    x32 = x.astype(jnp.float32)
+    norm = jnp.sqrt(jnp.sum(jnp.square(x32), axis=axis, keepdims=True))
+    norm = eps + norm / math.sqrt(n)
+    return (x32 / norm).astype(x.dtype)
+
+
+def pixel_norm(x: Array, eps: float = 1e-4) -> Array:
+    """Pixel normalisation: `normalize` over the channel (last) axis of NHWC `x`."""
+    return normalize(x, axis=-1, eps=eps)
+
+
+def mp_silu(x: Array) -> Array:
+    """Magnitude-preserving SiLU, `silu(x) / 0.596` (Eq. 81)."""
+    return jax.nn.silu(x) / 0.596
+
+
+def mp_sum(a: Array, b: Array, t: float = 0.5) -> Array:
+    """Magnitude-preserving sum `((1-t) a + t b) / sqrt((1-t)^2 + t^2)` (Eq. 88).
+
+    `t` is the weight of `b` (the residual "balance"); unit-variance independent
+    inputs give a unit-variance output.
+    """
+    return ((1 - t) * a + t * b) / math.sqrt((1 - t) ** 2 + t**2)
+
+
+def mp_cat(a: Array, b: Array, t: float = 0.5, axis: int = -1) -> Array:
+    """Magnitude-preserving concatenation along `axis` (Eq. 103).
+
+    With `Na`, `Nb` channels, `C = sqrt((Na + Nb) / ((1-t)^2 + t^2))` and the output is
+    `concat(C (1-t) / sqrt(Na) a, C t / sqrt(Nb) b)`: unit-RMS inputs give a unit-RMS
+    output, and `t` sets the relative contribution of `b`.
+    """
+    na, nb = a.shape[axis], b.shape[axis]
+    c = math.sqrt((na + nb) / ((1 - t) ** 2 + t**2))
+    wa = c / math.sqrt(na) * (1 - t)
+    wb = c / math.sqrt(nb) * t
+    return jnp.concatenate([wa * a, wb * b], axis=axis)
+
+
+def resample(x: Array, mode: str = "keep") -> Array:
+    """Resampling with the [1,1] filter on NHWC `x`.
+
+    `mode='down'`: 2x2 average pooling, stride 2 (H and W must be even).
+    `mode='up'`: nearest-neighbour 2x upsampling. `mode='keep'`: identity.
+    Raises ValueError for any other mode.
+    """
+    if mode == "keep":
+        return x
+    if mode == "down":
+        n, h, w, c = x.shape
+        return x.reshape(n, h // 2, 2, w // 2, 2, c).mean(axis=(2, 4))
+    if mode == "up":
+        return jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
+    raise ValueError(f"resample: unknown mode {mode!r}; expected 'keep', 'down' or 'up'")
+
+
+class MPFourier(nn.Module):
+    """Magnitude-preserving Fourier features of a scalar (Eq. 75).
+
+    Buffers `freqs = 2 pi N(0,1) bandwidth` and `phases = 2 pi U(0,1)` live in the
+    non-trainable `'buffers'` collection; they are drawn once from the `'params'` init
+    rng and must be saved with checkpoints. Input `x` `[N]` (any float dtype) ->
+    `sqrt(2) cos(outer(x, freqs) + phases)`, `[N, num_channels]` float32.
+    """
+
+    num_channels: int
+    bandwidth: float = 1.0
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        freqs = self.variable(
+            BUFFERS, "freqs",
+            lambda: 2 * jnp.pi * self.bandwidth
+            * jax.random.normal(self.make_rng("params"), (self.num_channels,), jnp.float32))
+        phases = self.variable(
+            BUFFERS, "phases",
+            lambda: 2 * jnp.pi
+            * jax.random.uniform(self.make_rng("params"), (self.num_channels,), jnp.float32))
+        y = jnp.outer(x.astype(jnp.float32), freqs.value.astype(jnp.float32))
+        return jnp.sqrt(2.0) * jnp.cos(y + phases.value.astype(jnp.float32))
+
+
+class MPConv(nn.Module):
+    """Magnitude-preserving convolution / dense layer without bias (Eq. 47, 66).
+
+    The stored weight `W` (`[*kernel, in, out]`, init N(0,1)) is normalised per output
+    unit over its fan-in axes, then scaled by `gain / sqrt(fan_in)`, so unit-RMS inputs
+    give unit-RMS outputs at gain 1. 3x3 convs use 'same' zero padding. The weight is
+    normalised and scaled in float32 and cast to `dtype` together with the input; the
+    output is returned as float32.
+
+    Attributes:
+      in_channels, out_channels: channel counts (last axis of input / output).
+      kernel: `()` for dense, `(k, k)` for a conv.
+      dtype: compute dtype of the matmul / convolution (float32 or bfloat16).
+    Call: `x` `[..., in]` (dense) or `[N, H, W, in]` (conv), scalar `gain` -> float32.
+    """
+
+    in_channels: int
+    out_channels: int
+    kernel: tuple[int, ...] = ()
+    dtype: DType = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, gain: Array | float = 1.0) -> Array:
+        shape = (*self.kernel, self.in_channels, self.out_channels)
+        weight = self.param("weight", nn.initializers.normal(stddev=1.0), shape, jnp.float32)
+        fan_in = math.prod(shape[:-1])
+        w = normalize(weight.astype(jnp.float32), axis=tuple(range(weight.ndim - 1)))
+        w = (w * (gain / math.sqrt(fan_in))).astype(self.dtype)
+        x = x.astype(self.dtype)
+        if not self.kernel:
+            y = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+        else:
+            y = jax.lax.conv_general_dilated(
+                x, w, window_strides=(1, 1), padding="SAME",
+                dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                preferred_element_type=jnp.float32)
+        return y.astype(jnp.float32)
+
+
+def _is_mp_weight(path: tuple, leaf: Array) -> bool:
+    last = path[-1]
+    name = getattr(last, "key", getattr(last, "name", last))
+    return name == "weight" and getattr(leaf, "ndim", 0) >= 2
+
+
+def force_normalize(params: Any) -> Any:
+    """Forced weight normalisation (paper Sec. 2.3, Eq. 66): a pure function.
+
+    Returns `params` with every `MPConv` weight (a leaf named `weight` of rank >= 2)
+    replaced by `normalize(W)` over its fan-in axes, so each output unit's stored
+    weight has L2 norm `sqrt(fan_in)` (up to the 1e-4 eps). Idempotent up to that
+    eps. Apply to the online training weights before each forward; never to EMAs.
+    """
+    def fn(path, leaf):
+        if _is_mp_weight(path, leaf):
+            return normalize(leaf, axis=tuple(range(leaf.ndim - 1))).astype(leaf.dtype)
+        return leaf
+    return jax.tree_util.tree_map_with_path(fn, params)
