@@ -1,0 +1,68 @@
+"""Config builders shared by the files in `configs/` (ml_collections, big_vision style).
+
+`base_config()` holds every field with its default; `preset_config('img64-s')` fills in a
+released preset from `presets.py`. Durations are in kimg (thousands of images), `t_ref`
+in batches, learning rates absolute.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from edm2_jax import presets
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    # Network: keyword arguments of networks.Precond (dtype as a string).
+    c.network = ml_collections.ConfigDict(dict(
+        img_resolution=32, img_channels=1, label_dim=10, model_channels=32,
+        channel_mult=(1, 2, 2), num_blocks=1, attn_resolutions=(8,), dropout=0.0,
+        channels_per_head=64, sigma_data=0.5, logvar_channels=128, dtype="float32"))
+
+    # Loss (SPEC section 4): ln(sigma) ~ N(P_mean, P_std^2).
+    c.loss = ml_collections.ConfigDict(dict(P_mean=-0.8, P_std=1.6, sigma_data=0.5))
+
+    # Optimiser: Adam + inverse-sqrt decay after t_ref batches, linear ramp-up.
+    c.optim = ml_collections.ConfigDict(dict(
+        ref_lr=0.0120, t_ref=35000, rampup_kimg=10 * 2**20 / 1000,
+        beta1=0.9, beta2=0.99, eps=1e-8, grad_clip=0.0))  # grad_clip 0 = off
+
+    # EMA (SPEC section 5): power-function EMAs by sigma_rel; traditional EMA off if 0.
+    c.ema = ml_collections.ConfigDict(dict(
+        sigma_rels=(0.05, 0.10), trad_halflife_kimg=0.0, trad_rampup_ratio=0.09))
+
+    # Data: source in {'fashion_mnist', 'tfds', 'folder'} (folder = dir or zip of PNGs).
+    c.data = ml_collections.ConfigDict(dict(
+        source="fashion_mnist", path="", name="", split="train", data_dir="",
+        use_labels=True, num_workers=2))
+
+    c.batch_size = 2048          # global batch (images per optimiser step)
+    c.batch_per_device = 0       # micro-batch per device; 0 = no gradient accumulation
+    c.total_kimg = 2**30 // 1000
+    c.status_kimg = 128
+    c.checkpoint_kimg = 128 * 2**10 // 1000
+    c.snapshot_kimg = 8 * 2**20 // 1000
+    c.keep_checkpoints = 3
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
+
+    c.sample = ml_collections.ConfigDict(dict(num_steps=32, grid_rows=8, grid_cols=8, seed=0))
+    return c
+
+
+def preset_config(name: str) -> ml_collections.ConfigDict:
+    """Config of a released preset, e.g. 'img64-s' or 'img512-xxl'.
+
+    Raises KeyError naming the valid presets.
+    """
+    if name not in presets.NETWORK_PRESETS:
+        raise KeyError(f"unknown preset {name!r}; valid: {sorted(presets.NETWORK_PRESETS)}")
+    c = base_config()
+    c.network.update(presets.NETWORK_PRESETS[name])
+    t = presets.TRAINING_PRESETS[name]
+    c.loss.P_mean, c.loss.P_std = t["P_mean"], t["P_std"]
+    c.optim.ref_lr, c.optim.t_ref, c.optim.rampup_kimg = t["ref_lr"], t["t_ref"], t["rampup_kimg"]
+    c.batch_size = t["batch_size"]
+    c.total_kimg = t["total_kimg"]
+    return c
