@@ -34,9 +34,12 @@ def base_config() -> ml_collections.ConfigDict:
         sigma_rels=(0.05, 0.10), trad_halflife_kimg=0.0, trad_rampup_ratio=0.09))
 
     # Data: source in {'fashion_mnist', 'tfds', 'folder'} (folder = dir or zip of PNGs).
+    # resolution 0 = the data's own; tfds images of another size are fitted by `transform`
+    # ('center-crop-dhariwal' = ImageNet-64 as in the release, 'center-crop', 'none').
     c.data = ml_collections.ConfigDict(dict(
         source="fashion_mnist", path="", name="", split="train", data_dir="",
-        use_labels=True, num_workers=2))
+        use_labels=True, num_workers=2,
+        resolution=0, transform="center-crop-dhariwal", xflip=False))
 
     c.batch_size = 2048          # global batch (images per optimiser step)
     c.batch_per_device = 0       # micro-batch per device; 0 = no gradient accumulation

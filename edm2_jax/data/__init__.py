@@ -1,0 +1,67 @@
+"""Training data: sources behind one interface, and the batch pipeline.
+
+    from edm2_jax import configs, data
+    cfg = configs.base_config()
+    source = data.make_source(cfg.data)   # Fashion-MNIST from the Debian package
+    print(data.describe(source))          # fashion_mnist[train]: 60000 images, 32x32x1, 10 classes
+    it = data.make_iterator(source, global_batch=cfg.batch_size, seed=cfg.seed,
+                            start_nimg=nimg, process_index=jax.process_index(),
+                            process_count=jax.process_count(),
+                            num_workers=cfg.data.num_workers)
+    batch = next(it)  # {'image': f32 [B, H, W, C] in [-1, 1], 'label': f32 one-hot [B, L]}
+
+Sources (`cfg.data.source`):
+  'fashion_mnist'  `FashionMNIST`: /usr/share/datasets/fashion-mnist (apt-get install
+                   dataset-fashion-mnist) or `data.path`; 28x28 padded to 32x32, 10 classes.
+  'tfds'           `TFDSSource` via `tfds.data_source(data.name, split=data.split,
+                   data_dir=data.data_dir)`; optional dependency tensorflow-datasets.
+  'folder'         `ImageFolder`: directory or zip in the EDM2 release's layout (`data.path`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from edm2_jax.data.base import (NO_LABEL, Source, XFlip, center_crop, center_crop_dhariwal,
+                                check_transform, describe, network_kwargs)
+from edm2_jax.data.fashion_mnist import FashionMNIST
+from edm2_jax.data.image_folder import ImageFolder
+from edm2_jax.data.pipeline import StreamOrder, epoch_permutation, make_iterator
+from edm2_jax.data.tfds_source import TFDSSource, open_tfds
+
+SOURCES = ("fashion_mnist", "tfds", "folder")
+
+
+def make_source(data_config: Any) -> Source:
+    """Open the source described by `config.data` (an ml_collections.ConfigDict or dict with
+    the fields of `configs.base_config().data`: source, path, name, split, data_dir,
+    use_labels, num_workers, resolution, transform, xflip; missing fields take defaults).
+
+    Raises ValueError for an unknown source or a resolution the source cannot give, plus the
+    errors of the chosen source (missing files, bad images, missing labels, missing
+    tensorflow-datasets), each naming the fix.
+    """
+    get = data_config.get
+    kind = get("source", "fashion_mnist")
+    use_labels = bool(get("use_labels", True))
+    resolution = int(get("resolution", 0) or 0)
+    transform = check_transform(get("transform", "center-crop-dhariwal"))
+    if kind == "fashion_mnist":
+        if resolution not in (0, FashionMNIST.resolution):
+            raise ValueError(f"Fashion-MNIST is 32x32 (28x28 padded); data.resolution="
+                             f"{resolution} is not available: set it to 0 or 32")
+        source = FashionMNIST(split=get("split", "train") or "train", path=get("path", ""),
+                              use_labels=use_labels)
+    elif kind == "tfds":
+        source = open_tfds(get("name", ""), split=get("split", "train") or "train",
+                           data_dir=get("data_dir", ""), use_labels=use_labels,
+                           resolution=resolution, transform=transform)
+    elif kind == "folder":
+        source = ImageFolder(get("path", ""), use_labels=use_labels, resolution=resolution)
+    else:
+        raise ValueError(f"unknown data.source {kind!r}; valid: {list(SOURCES)}")
+    return XFlip(source) if get("xflip", False) else source
+
+
+__all__ = ["NO_LABEL", "SOURCES", "FashionMNIST", "ImageFolder", "Source", "StreamOrder",
+           "TFDSSource", "XFlip", "center_crop", "center_crop_dhariwal", "describe",
+           "epoch_permutation", "make_iterator", "make_source", "network_kwargs", "open_tfds"]

@@ -1,0 +1,150 @@
+"""What every training-data source provides, and the image fitting shared by sources.
+
+A *source* is a random-access sequence of labelled images (the same contract as a
+`torch.utils.data.Dataset` of the release, or grain's `RandomAccessDataSource`):
+
+    len(source)                -> number of images N
+    source[i]                  -> (image uint8 [H, W, C] with H == W == resolution, label int)
+    source.resolution          -> H (== W), pixels
+    source.num_channels        -> C
+    source.label_dim           -> number of classes L; 0 = unconditional (labels are then -1)
+    source.num_images          -> N
+    source.name                -> short human-readable name for logs
+
+Sources validate what they can when they are opened (file lists, image sizes, labels)
+so that a bad dataset fails before the first training step; per-image decoding errors
+are raised lazily but always name the offending file.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import PIL.Image
+
+NO_LABEL = -1  # label returned by sources opened with use_labels=False (label_dim == 0)
+TRANSFORMS = ("center-crop-dhariwal", "center-crop", "none")
+
+
+@runtime_checkable
+class Source(Protocol):
+    """Random-access labelled images; see the module docstring for the contract."""
+
+    name: str
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]: ...
+
+    @property
+    def resolution(self) -> int: ...
+
+    @property
+    def num_channels(self) -> int: ...
+
+    @property
+    def label_dim(self) -> int: ...
+
+    @property
+    def num_images(self) -> int: ...
+
+
+def describe(source: Source) -> str:
+    """One line for logs, e.g. 'fashion_mnist[train]: 60000 images, 32x32x1, 10 classes'."""
+    classes = f"{source.label_dim} classes" if source.label_dim else "unlabelled"
+    return (f"{source.name}: {len(source)} images, {source.resolution}x{source.resolution}"
+            f"x{source.num_channels}, {classes}")
+
+
+def network_kwargs(source: Source) -> dict:
+    """The `networks.Precond` keyword arguments dictated by the data:
+    `{'img_resolution', 'img_channels', 'label_dim'}`."""
+    return dict(img_resolution=int(source.resolution), img_channels=int(source.num_channels),
+                label_dim=int(source.label_dim))
+
+
+class XFlip:
+    """Doubles a source with mirrored copies, as the release's `--xflip`: index `i < N` is
+    `source[i]`, index `N + i` is `source[i]` flipped left-right. Off by default."""
+
+    def __init__(self, source: Source):
+        self.source = source
+        self.name = f"{source.name}+xflip"
+        self.resolution, self.num_channels = source.resolution, source.num_channels
+        self.label_dim = source.label_dim
+
+    def __len__(self) -> int:
+        return 2 * len(self.source)
+
+    @property
+    def num_images(self) -> int:
+        return len(self)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        n = len(self.source)
+        if not 0 <= i < 2 * n:
+            raise IndexError(f"index {i} out of range for {self.name} with {2 * n} images")
+        image, label = self.source[i % n]
+        return (image[:, ::-1] if i >= n else image), label
+
+
+def _to_pil(image: np.ndarray) -> PIL.Image.Image:
+    return PIL.Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image)
+
+
+def _from_pil(pil: PIL.Image.Image) -> np.ndarray:
+    arr = np.asarray(pil)
+    return arr[..., None] if arr.ndim == 2 else arr
+
+
+def center_crop_dhariwal(image: np.ndarray, resolution: int) -> np.ndarray:
+    """ImageNet preprocessing of ADM (Dhariwal & Nichol 2021), which the EDM2 release uses for
+    ImageNet-64 (`dataset_tool.py --transform=center-crop-dhariwal --resolution=64x64`).
+
+    Halve both sides with a 2x2 box filter while the short side is at least 2 * resolution,
+    bicubic-resize so that the short side equals `resolution` (long side rounded), then take
+    the central `resolution x resolution` crop (offsets floor((size - resolution) / 2)).
+    uint8 [H, W, C] -> uint8 [resolution, resolution, C].
+    """
+    pil = _to_pil(image)
+    while min(pil.size) >= 2 * resolution:
+        pil = pil.resize((pil.size[0] // 2, pil.size[1] // 2), PIL.Image.Resampling.BOX)
+    scale = resolution / min(pil.size)
+    pil = pil.resize(tuple(round(s * scale) for s in pil.size), PIL.Image.Resampling.BICUBIC)
+    arr = _from_pil(pil)
+    top, left = (arr.shape[0] - resolution) // 2, (arr.shape[1] - resolution) // 2
+    return arr[top:top + resolution, left:left + resolution]
+
+
+def center_crop(image: np.ndarray, resolution: int) -> np.ndarray:
+    """The release's `--transform=center-crop`: the central square of side min(H, W)
+    (offsets floor((size - side) / 2)), resized to `resolution` with a Lanczos filter.
+    uint8 [H, W, C] -> uint8 [resolution, resolution, C]."""
+    side = min(image.shape[:2])
+    top, left = (image.shape[0] - side) // 2, (image.shape[1] - side) // 2
+    square = image[top:top + side, left:left + side]
+    if side == resolution:
+        return square
+    return _from_pil(_to_pil(square).resize((resolution, resolution),
+                                            PIL.Image.Resampling.LANCZOS))
+
+
+def fit_resolution(image: np.ndarray, resolution: int, transform: str, what: str) -> np.ndarray:
+    """Bring uint8 [H, W, C] to [resolution, resolution, C] with `transform` (one of
+    TRANSFORMS); `what` names the image in errors. Images already at the resolution are
+    returned unchanged. Raises ValueError for transform 'none' on a size mismatch."""
+    if image.shape[:2] == (resolution, resolution):
+        return image
+    if transform == "center-crop-dhariwal":
+        return center_crop_dhariwal(image, resolution)
+    if transform == "center-crop":
+        return center_crop(image, resolution)
+    raise ValueError(f"{what} is {image.shape[0]}x{image.shape[1]}, not {resolution}x{resolution}, "
+                     f"and data.transform='none'; set data.transform to 'center-crop-dhariwal' "
+                     f"or 'center-crop', or data.resolution=0 to keep the native size")
+
+
+def check_transform(transform: str) -> str:
+    if transform not in TRANSFORMS:
+        raise ValueError(f"unknown data.transform {transform!r}; valid: {list(TRANSFORMS)}")
+    return transform
