@@ -43,10 +43,10 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.batch_size = 2048          # global batch (images per optimiser step)
     c.batch_per_device = 0       # micro-batch per device; 0 = no gradient accumulation
-    c.total_kimg = 2**30 // 1000
-    c.status_kimg = 128
-    c.checkpoint_kimg = 128 * 2**10 // 1000
-    c.snapshot_kimg = 8 * 2**20 // 1000
+    c.total_kimg = 2**30 / 1000    # kimg (floats throughout)
+    c.status_kimg = 128.0
+    c.checkpoint_kimg = 128 * 2**10 / 1000
+    c.snapshot_kimg = 8 * 2**20 / 1000
     c.keep_checkpoints = 3
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
 

@@ -75,7 +75,8 @@ class Block(nn.Module):
             x = MPConv(cin, cout, (1, 1), self.dtype, name="conv_skip")(x)
         x = mp_sum(x, y, self.res_balance)
 
-        if self.attention:
+        # As in the release, heads = out // channels_per_head; zero heads = no attention.
+        if self.attention and cout // self.channels_per_head > 0:
             x = mp_sum(x, self._attention(x), self.attn_balance)
         if self.clip_act:
             x = jnp.clip(x, -self.clip_act, self.clip_act)
@@ -85,9 +86,9 @@ class Block(nn.Module):
         """Multi-head self-attention with cosine (pixel-normalised) q, k, v."""
         n, h, w, c = x.shape
         heads = c // self.channels_per_head
-        if heads < 1 or c % heads:
-            raise ValueError(f"attention needs channels ({c}) divisible into "
-                             f"channels_per_head={self.channels_per_head} heads")
+        if c % heads:
+            raise ValueError(f"attention: {c} channels do not split into {heads} heads of "
+                             f"channels_per_head={self.channels_per_head}; change channels_per_head")
         cph = c // heads
         qkv = MPConv(c, 3 * c, (1, 1), self.dtype, name="attn_qkv")(x)
         qkv = normalize(qkv.reshape(n, h * w, heads, cph, 3), axis=3)
