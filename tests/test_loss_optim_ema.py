@@ -1,0 +1,371 @@
+"""EDM2 training math: loss (Sec. 2), optimiser and schedule (Sec. 2.4), EMA (Sec. 3).
+
+Golden parity against one training step of the authors' release on a tiny conditional
+network (`shared/golden/edm2_ref/train_step_tiny.npz`, see shared/golden/README.md) and
+the release's sigma_rel -> gamma / beta values (`phema.npz`), plus closed forms by hand.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from edm2_jax import ema, loss, mp, optim
+from edm2_jax.networks import Precond
+
+GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "edm2_ref"
+STEP_NPZ = GOLDEN / "train_step_tiny.npz"
+PHEMA_NPZ = GOLDEN / "phema.npz"
+
+
+def _rel(a, b) -> float:
+    """max |a - b| / max |b| (relative to the tensor's scale)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def _worst(tree_a, tree_b) -> tuple[float, str]:
+    """Largest per-tensor relative error between two trees of the same structure."""
+    assert jax.tree.structure(tree_a) == jax.tree.structure(tree_b)
+    errs = jax.tree_util.tree_flatten_with_path(jax.tree.map(_rel, tree_a, tree_b))[0]
+    path, err = max(errs, key=lambda pe: pe[1])
+    return err, jax.tree_util.keystr(path)
+
+
+def _release_to_tree(d, prefix: str) -> tuple[dict, dict]:
+    """Release state_dict entries `prefix/<key>` -> (params, buffers) in this project's
+    layout: `unet.enc.16x16_block0.x` -> ['unet']['enc_16x16_block0']['x'], conv OIHW ->
+    HWIO, dense [out, in] -> [in, out], Fourier freqs/phases -> buffers."""
+    params, buffers = {}, {}
+    for k in d.files:
+        if not k.startswith(prefix + "/"):
+            continue
+        key = k[len(prefix) + 1:].split(".")
+        a = d[k]
+        if key[0] == "unet" and key[1] in ("enc", "dec"):
+            key = ["unet", f"{key[1]}_{key[2]}"] + key[3:]
+        tree = buffers if key[-1] in ("freqs", "phases") else params
+        if tree is params:
+            a = a.transpose(2, 3, 1, 0) if a.ndim == 4 else a.T if a.ndim == 2 else a
+        for p in key[:-1]:
+            tree = tree.setdefault(p, {})
+        tree[key[-1]] = a
+    return params, buffers
+
+
+@pytest.fixture(scope="module")
+def golden():
+    if not STEP_NPZ.exists():
+        pytest.skip(f"golden data not found at {STEP_NPZ}")
+    d = np.load(STEP_NPZ)
+    g = {p: _release_to_tree(d, p)[0] for p in ("wn", "g", "w1", "ema0.050", "ema0.100")}
+    w0, buffers = _release_to_tree(d, "w0")
+    return dict(
+        d=d, w0=w0, buffers=buffers, **g,
+        net=Precond(img_resolution=16, img_channels=3, label_dim=10, model_channels=32,
+                    channel_mult=(1, 2), num_blocks=1, attn_resolutions=(8,)),
+        images=d["in/images"].transpose(0, 2, 3, 1), labels=d["in/labels"],
+        loss_kw=dict(P_mean=float(d["cfg/P_mean"]), P_std=float(d["cfg/P_std"]),
+                     rnd_normal=d["in/rnd_normal"].reshape(-1),
+                     noise_unit=d["in/noise_unit"].transpose(0, 2, 3, 1)),
+        optim_cfg=dict(ref_lr=float(d["cfg/ref_lr"]), t_ref=float(d["cfg/t_ref_batches"]),
+                       rampup_kimg=float(d["cfg/rampup_Mimg"]) * 1e3),
+        batch_size=int(d["cfg/batch_size"]), nimg=int(d["cfg/nimg_before"]))
+
+
+@pytest.fixture(scope="module")
+def golden_step(golden):
+    """Force-normalise w0, then per-element loss and gradients of mean(per_image_loss)
+    at the normalised weights, in one jitted call (XLA optimisations off: the graph is
+    compiled once and run once, so compile time dominates on CPU)."""
+    net, kw = golden["net"], golden["loss_kw"]
+
+    def objective(params):
+        per_elem, _, _ = loss.edm2_loss_per_element(
+            params, golden["buffers"], net, golden["images"], golden["labels"], **kw)
+        return jnp.mean(jnp.sum(per_elem, axis=(1, 2, 3))), per_elem
+
+    def step(w0):
+        params = mp.force_normalize(w0)
+        (obj, per_elem), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return params, obj, per_elem, grads
+
+    prev = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        params, obj, per_elem, grads = jax.device_get(jax.jit(step)(golden["w0"]))
+    finally:
+        jax.config.update("jax_disable_most_optimizations", prev)
+    return dict(params=params, objective=obj, per_elem=per_elem, grads=grads)
+
+
+# ------------------------------------------------------------------ golden parity
+
+def test_forced_weight_normalisation_matches_release(golden):
+    err, where = _worst(jax.jit(mp.force_normalize)(golden["w0"]), golden["wn"])
+    assert err <= 1e-5, f"forced WN differs at {where}: {err:.2e}"
+
+
+def test_loss_per_element_and_objective_match_release(golden, golden_step):
+    d = golden["d"]
+    ref = d["out/loss"].transpose(0, 2, 3, 1)
+    assert _rel(golden_step["per_elem"], ref) <= 1e-5
+    # Objective = per-image sum over pixels and channels, averaged over the batch.
+    assert golden_step["objective"] == pytest.approx(float(d["out/objective"]), rel=1e-5)
+
+
+def test_gradients_at_normalised_weights_match_release(golden, golden_step):
+    err, where = _worst(golden_step["grads"], golden["g"])
+    assert err <= 1e-4, f"gradient differs at {where}: {err:.2e}"
+
+
+def test_learning_rate_matches_release(golden):
+    lr = optim.learning_rate(golden["nimg"], batch_size=golden["batch_size"],
+                             **golden["optim_cfg"])
+    assert float(lr) == pytest.approx(float(golden["d"]["out/lr"]), rel=1e-6)
+
+
+def test_adam_step_matches_release(golden, golden_step):
+    tx = optim.make_optimizer(golden["optim_cfg"], golden["batch_size"])
+    wn = golden_step["params"]
+    adam_step = jax.jit(lambda g, p, nimg: optax.apply_updates(
+        p, tx.update(g, tx.init(p), p, nimg=nimg)[0]))
+
+    # The optimiser alone, fed the release's gradients (fresh state, as in the golden).
+    err, where = _worst(adam_step(golden["g"], wn, golden["nimg"]), golden["w1"])
+    assert err <= 1e-5, f"Adam step differs at {where}: {err:.2e}"
+
+    # The whole step with our own gradients. Adam's first step is lr * g / (|g| + eps),
+    # about lr * sign(g), so entries with |g| near eps amplify 1e-6-level gradient
+    # differences to a fraction of lr; hence the looser bound.
+    err, where = _worst(adam_step(golden_step["grads"], wn, golden["nimg"]), golden["w1"])
+    assert err <= 5e-4, f"full step differs at {where}: {err:.2e}"
+
+
+def test_power_emas_match_release(golden):
+    sigma_rels = (0.05, 0.10)
+    update = jax.jit(lambda state, params, nimg_after: ema.update_ema(
+        state, params, nimg_after, golden["batch_size"], sigma_rels=sigma_rels))
+    # EMAs start at w0 and take the post-Adam weights at t = nimg + batch (images seen
+    # after the step).
+    state = update(ema.init_ema_state(golden["w0"], sigma_rels), golden["w1"],
+                   golden["nimg"] + golden["batch_size"])
+    for key in ("0.050", "0.100"):
+        err, where = _worst(state["power"][key], golden["ema" + key])
+        assert err <= 1e-5, f"EMA {key} differs at {where}: {err:.2e}"
+
+
+def test_gamma_and_beta_match_release():
+    if not PHEMA_NPZ.exists():
+        pytest.skip(f"golden data not found at {PHEMA_NPZ}")
+    d = np.load(PHEMA_NPZ)
+    np.testing.assert_allclose(ema.sigma_rel_to_gamma(d["sigma_rel"]), d["gamma"], rtol=1e-10)
+    gamma = float(ema.sigma_rel_to_gamma(float(d["beta_sigma_rel"])))
+    beta = ema.power_ema_beta(d["beta_t_next"], float(d["beta_dt"]), gamma)
+    np.testing.assert_allclose(np.asarray(beta), d["beta"], rtol=1e-5, atol=0)
+
+
+# ------------------------------------------------------------------ loss, by hand
+
+class _StubNet:
+    """Stands in for Precond: returns a fixed denoiser output and logvar, and records
+    what it was called with."""
+
+    def __init__(self, denoised, logvar):
+        self.denoised, self.logvar, self.calls = denoised, logvar, []
+
+    def apply(self, variables, x, sigma, labels, *, train, return_logvar, rngs):
+        self.calls.append(dict(x=x, sigma=sigma, labels=labels, train=train, rngs=rngs))
+        assert return_logvar
+        return jnp.broadcast_to(self.denoised, x.shape), self.logvar
+
+
+def test_loss_is_uncertainty_weighted_edm_loss_by_hand():
+    # Two 1x1x2 images; sigma = 1 and 2 (P_mean 0, P_std ln 2, rnd_normal 0 and 1).
+    y = np.array([0.3, -0.2, 0.5, 0.1], np.float32).reshape(2, 1, 1, 2)
+    n = np.array([1.0, -1.0, 0.5, 2.0], np.float32).reshape(2, 1, 1, 2)
+    logvar = np.array([math.log(2.0), -0.5], np.float32)
+    net = _StubNet(denoised=jnp.full((2, 1, 1, 2), 0.4), logvar=jnp.asarray(logvar))
+    per_image, aux = loss.edm2_loss(
+        {}, {}, net, y, None, P_mean=0.0, P_std=math.log(2.0), sigma_data=0.5,
+        rnd_normal=np.array([0.0, 1.0]), noise_unit=n)
+
+    # weight = (sigma^2 + 0.25) / (0.25 sigma^2): 5 at sigma 1, 4.25 at sigma 2.
+    expected = [5 / 2 * ((0.4 - 0.3) ** 2 + (0.4 + 0.2) ** 2) + 2 * math.log(2.0),
+                4.25 / math.exp(-0.5) * ((0.4 - 0.5) ** 2 + (0.4 - 0.1) ** 2) - 2 * 0.5]
+    np.testing.assert_allclose(np.asarray(per_image), expected, rtol=1e-6)
+    np.testing.assert_allclose(net.calls[0]["sigma"], [1.0, 2.0], rtol=1e-6)
+    sigma = np.array([1.0, 2.0])[:, None, None, None]
+    np.testing.assert_allclose(net.calls[0]["x"], y + n * sigma, rtol=1e-6)
+    assert float(aux["loss"]) == pytest.approx(sum(expected) / 4, rel=1e-6)
+    assert float(aux["logvar"]) == pytest.approx(float(logvar.mean()), rel=1e-6)
+    objective, _ = loss.edm2_objective(
+        {}, {}, net, y, None, P_mean=0.0, P_std=math.log(2.0), sigma_data=0.5,
+        rnd_normal=np.array([0.0, 1.0]), noise_unit=n)
+    assert float(objective) == pytest.approx(sum(expected) / 2, rel=1e-6)
+
+
+def test_loss_draws_from_rng_and_routes_dropout_key():
+    y = jnp.zeros((3, 2, 2, 1))
+    net = _StubNet(denoised=0.0, logvar=jnp.zeros(3))
+    per_image, _ = loss.edm2_loss({}, {}, net, y, None, jax.random.PRNGKey(0),
+                                  P_mean=-0.4, P_std=1.0)
+    assert per_image.shape == (3,) and bool(jnp.all(jnp.isfinite(per_image)))
+    assert "dropout" in net.calls[0]["rngs"] and net.calls[0]["train"] is True
+    # D = 0 and y = 0 leave a zero loss regardless of the draws; with D = 1 every pixel
+    # costs weight(sigma) exactly.
+    assert np.allclose(per_image, 0.0)
+    net1 = _StubNet(denoised=1.0, logvar=jnp.zeros(3))
+    per_image, _ = loss.edm2_loss({}, {}, net1, y, None, jax.random.PRNGKey(0),
+                                  P_mean=-0.4, P_std=1.0)
+    sigma = net1.calls[0]["sigma"]
+    np.testing.assert_allclose(per_image, 4 * loss.loss_weight(sigma), rtol=1e-6)
+
+
+def test_loss_rejects_missing_or_misshaped_draws():
+    net = _StubNet(denoised=0.0, logvar=jnp.zeros(2))
+    y = jnp.zeros((2, 2, 2, 1))
+    with pytest.raises(ValueError, match="rng"):
+        loss.edm2_loss({}, {}, net, y, None, P_mean=0.0, P_std=1.0, rnd_normal=jnp.zeros(2))
+    with pytest.raises(ValueError, match="noise_unit"):
+        loss.edm2_loss({}, {}, net, y, None, P_mean=0.0, P_std=1.0, rnd_normal=jnp.zeros(2),
+                       noise_unit=jnp.zeros((2, 1, 2, 2)))
+    with pytest.raises(ValueError, match="rnd_normal"):
+        loss.edm2_loss({}, {}, net, y, None, P_mean=0.0, P_std=1.0, rnd_normal=jnp.zeros(3),
+                       noise_unit=jnp.zeros((2, 2, 2, 1)))
+
+
+def test_sigma_is_log_normal_with_P_mean_P_std():
+    sigma = loss.sample_sigma(jax.random.PRNGKey(1), 200_000, P_mean=-0.8, P_std=1.6)
+    assert sigma.shape == (200_000,) and sigma.dtype == jnp.float32
+    log_sigma = np.log(np.asarray(sigma, np.float64))
+    assert log_sigma.mean() == pytest.approx(-0.8, abs=0.02)
+    assert log_sigma.std() == pytest.approx(1.6, abs=0.02)
+
+
+# ------------------------------------------------------------------ schedule and optimiser
+
+def test_learning_rate_closed_form_ramp_plateau_decay():
+    kw = dict(batch_size=10, ref_lr=0.01, t_ref=100, rampup_kimg=1.0)  # ramp 1000 imgs
+    lr = lambda nimg, **o: float(optim.learning_rate(nimg, **{**kw, **o}))
+    assert lr(0) == 0.0                                   # first step: no update
+    assert lr(250) == pytest.approx(0.0025, rel=1e-6)     # linear ramp, before decay
+    assert lr(500) == pytest.approx(0.005, rel=1e-6)
+    assert lr(1000) == pytest.approx(0.01, rel=1e-6)      # ramp done, t = t_ref
+    assert lr(4000) == pytest.approx(0.005, rel=1e-6)     # t = 4 t_ref: 1/sqrt(4)
+    assert lr(9000) == pytest.approx(0.01 / 3, rel=1e-6)   # t = 9 t_ref
+    assert lr(0, rampup_kimg=0) == pytest.approx(0.01)    # no ramp
+    assert lr(10**9, t_ref=0) == pytest.approx(0.01)      # no decay
+    jitted = jax.jit(lambda n: optim.learning_rate(n, **kw))(jnp.int32(4000))
+    assert float(jitted) == pytest.approx(0.005, rel=1e-6)
+
+
+def test_first_step_does_not_move_the_weights():
+    tx = optim.make_optimizer(dict(ref_lr=0.01, t_ref=70, rampup_kimg=1.0), batch_size=8)
+    params = {"w": jnp.ones((3, 2))}
+    updates, state = tx.update({"w": jnp.full((3, 2), 0.5)}, tx.init(params), params, nimg=0)
+    assert np.all(np.asarray(updates["w"]) == 0)
+    assert int(optax.tree_utils.tree_get(state, "count")) == 1  # Adam moments did advance
+
+
+def test_force_finite_zeroes_nan_and_inf_gradient_entries():
+    g = {"w": jnp.array([1.0, jnp.nan, jnp.inf, -jnp.inf, -2.0])}
+    out, _ = optim.force_finite().update(g, optim.force_finite().init(g))
+    np.testing.assert_array_equal(out["w"], [1.0, 0.0, 0.0, 0.0, -2.0])
+
+    # Through the whole chain (with clipping on): the bad entries do not move, the good
+    # ones take Adam's first step ~ -lr sign(g), and nothing becomes non-finite.
+    cfg = dict(ref_lr=0.01, t_ref=0, rampup_kimg=0, grad_clip=1.0)
+    tx = optim.make_optimizer(cfg, batch_size=8)
+    params = {"w": jnp.zeros(5)}
+    updates, _ = tx.update(g, tx.init(params), params, nimg=8)
+    np.testing.assert_allclose(updates["w"], [-0.01, 0, 0, 0, 0.01], rtol=1e-5, atol=1e-9)
+
+
+def test_optimizer_requires_nimg():
+    tx = optim.make_optimizer(dict(ref_lr=0.01, t_ref=70, rampup_kimg=1.0), batch_size=8)
+    params = {"w": jnp.ones(2)}
+    with pytest.raises(ValueError, match="nimg"):
+        tx.update(params, tx.init(params), params)
+    with pytest.raises(KeyError, match="ref_lr"):
+        optim.make_optimizer(dict(t_ref=70, rampup_kimg=1.0), batch_size=8)
+
+
+# ------------------------------------------------------------------ EMA, by hand
+
+def test_sigma_rel_gamma_round_trip_and_known_values():
+    # Exact points of Eq. 123: gamma 0 -> sqrt(1/12), 1 -> sqrt(1/18), 2 -> sqrt(3/80).
+    np.testing.assert_allclose(ema.gamma_to_sigma_rel([0.0, 1.0, 2.0]),
+                               np.sqrt([1 / 12, 1 / 18, 3 / 80]), rtol=1e-14)
+    np.testing.assert_allclose(ema.sigma_rel_to_gamma(np.sqrt([1 / 12, 1 / 18, 3 / 80])),
+                               [0.0, 1.0, 2.0], atol=1e-9)
+    gamma = ema.sigma_rel_to_gamma([0.05, 0.10])
+    np.testing.assert_allclose(gamma, [16.9721986, 6.93720394], rtol=1e-8)
+    for g, s in zip(gamma, (0.05, 0.10)):  # gamma is a root of the cubic of Eq. 126
+        c = s**-2
+        assert abs(g**3 + 7 * g**2 + (16 - c) * g + (12 - c)) < 1e-8 * c * g
+    s = np.linspace(0.01, 0.29, 29)
+    np.testing.assert_allclose(ema.gamma_to_sigma_rel(ema.sigma_rel_to_gamma(s)), s, rtol=1e-10)
+    for bad in (0.0, -0.1, 0.31):
+        with pytest.raises(ValueError, match="sigma_rel"):
+            ema.sigma_rel_to_gamma(bad)
+
+
+def test_first_ema_update_copies_params():
+    params = {"a": jnp.arange(4.0), "b": {"c": jnp.full((2, 2), -3.0)}}
+    state = ema.init_ema_state(jax.tree.map(jnp.zeros_like, params), (0.05, 0.10),
+                               trad_halflife_kimg=0)
+    assert sorted(state) == ["power"] and sorted(state["power"]) == ["0.050", "0.100"]
+    new = ema.update_ema(state, params, 16, 16, sigma_rels=(0.05, 0.10))
+    for key in ("0.050", "0.100"):
+        for got, want in zip(jax.tree.leaves(new["power"][key]), jax.tree.leaves(params)):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_power_ema_update_is_beta_lerp_and_accurate_late_in_training():
+    gamma = float(ema.sigma_rel_to_gamma(0.05))
+    # Mid-training, by hand in float64.
+    t, dt = 800.0, 8.0
+    beta = (1 - dt / t) ** (gamma + 1)
+    state = {"power": {"0.050": {"w": jnp.array([2.0, -1.0])}}}
+    new = jax.jit(lambda s, p, t: ema.update_ema(s, p, t, 8, sigma_rels=(0.05,)))(
+        state, {"w": jnp.array([1.0, 3.0])}, t)
+    np.testing.assert_allclose(new["power"]["0.050"]["w"],
+                               [beta * 2 + (1 - beta) * 1, beta * -1 + (1 - beta) * 3], rtol=1e-6)
+    # At 2^31 images with batch 2048, 1 - beta ~ 1.7e-5; a float32 evaluation of
+    # 1 - (1 - dt/t)^(gamma+1) would be off by ~2e-3 relative (rounding of 1 - dt/t).
+    t, dt = 2.0**31, 2048.0
+    one_minus_beta = -math.expm1((gamma + 1) * math.log1p(-dt / t))
+    state = {"power": {"0.050": {"w": jnp.zeros(1)}}}
+    new = ema.update_ema(state, {"w": jnp.ones(1)}, jnp.float32(t), dt, sigma_rels=(0.05,))
+    assert float(new["power"]["0.050"]["w"][0]) == pytest.approx(one_minus_beta, rel=1e-4)
+
+
+def test_traditional_ema_half_life_and_ramp_up():
+    # Half-life 1 kimg, batch 100: beta = 0.5^(100/1000); ramped at 1000 imgs: 0.5^(100/90).
+    assert float(ema.traditional_ema_beta(10**6, 100, 1.0, rampup_ratio=None)) == \
+        pytest.approx(0.5**0.1, rel=1e-6)
+    assert float(ema.traditional_ema_beta(1000, 100, 1.0, rampup_ratio=0.09)) == \
+        pytest.approx(0.5 ** (100 / 90), rel=1e-6)
+    state = ema.init_ema_state({"w": jnp.zeros(1)}, (0.1,), trad_halflife_kimg=1.0)
+    new = ema.update_ema(state, {"w": jnp.ones(1)}, 10**6, 100, sigma_rels=(0.1,),
+                         trad_halflife_kimg=1.0, trad_rampup_ratio=0.09)
+    assert float(new["traditional"]["w"][0]) == pytest.approx(1 - 0.5**0.1, rel=1e-5)
+
+
+def test_ema_state_mismatch_and_bad_times_raise():
+    state = ema.init_ema_state({"w": jnp.zeros(1)}, (0.05, 0.10))
+    with pytest.raises(ValueError, match="sigma_rels"):
+        ema.update_ema(state, {"w": jnp.ones(1)}, 16, 8, sigma_rels=(0.05,))
+    with pytest.raises(ValueError, match="trad_halflife_kimg"):
+        ema.update_ema(state, {"w": jnp.ones(1)}, 16, 8, sigma_rels=(0.05, 0.10),
+                       trad_halflife_kimg=500.0)
+    with pytest.raises(ValueError, match="nimg_after"):
+        ema.update_ema(state, {"w": jnp.ones(1)}, 4, 8, sigma_rels=(0.05, 0.10))
+    with pytest.raises(ValueError, match="collide"):
+        ema.init_ema_state({"w": jnp.zeros(1)}, (0.1, 0.1001))
