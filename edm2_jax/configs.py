@@ -26,7 +26,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     # Optimiser: Adam + inverse-sqrt decay after t_ref batches, linear ramp-up.
     c.optim = ml_collections.ConfigDict(dict(
-        ref_lr=0.0120, t_ref=35000, rampup_kimg=10 * 2**20 / 1000,
+        ref_lr=0.0120, t_ref=35000, rampup_kimg=10_000.0,  # 10 Mimg = 1e7 images, as the release
         beta1=0.9, beta2=0.99, eps=1e-8, grad_clip=0.0))  # grad_clip 0 = off
 
     # EMA (SPEC section 5): power-function EMAs by sigma_rel; traditional EMA off if 0.

@@ -8,7 +8,7 @@ Config fields are overridden with `--config.field=value`, e.g. `--config.total_k
 """
 from __future__ import annotations
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 FLAGS = flags.FLAGS
@@ -22,6 +22,8 @@ flags.DEFINE_string("src", None, "convert: released network pickle / state_dict 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
     if not FLAGS.workdir:
         raise app.UsageError("--workdir is required")
     if FLAGS.mode == "convert":

@@ -34,7 +34,7 @@ NETWORK_PRESETS = {
     for name, p in _TABLE.items()}
 
 TRAINING_PRESETS = {
-    name: dict(batch_size=2048, ref_lr=p["ref_lr"], t_ref=p["t_ref"], rampup_kimg=10 * Mi / 1000,
+    name: dict(batch_size=2048, ref_lr=p["ref_lr"], t_ref=p["t_ref"], rampup_kimg=10_000.0,
                P_mean=p["P"][0], P_std=p["P"][1], total_kimg=p["dur"] * Mi / 1000)
     for name, p in _TABLE.items()}
 
