@@ -295,7 +295,8 @@ def init_variables(net: Precond, rng: Array, batch: int = 1) -> dict:
     x = jnp.zeros((batch, net.img_resolution, net.img_resolution, net.img_channels), jnp.float32)
     sigma = jnp.ones((batch,), jnp.float32)
     labels = jnp.zeros((batch, net.label_dim), jnp.float32) if net.label_dim else None
-    return dict(net.init({"params": rng}, x, sigma, labels, return_logvar=True))
+    init = jax.jit(lambda r: net.init({"params": r}, x, sigma, labels, return_logvar=True))
+    return dict(init(rng))  # jitted: eager init dispatches thousands of small ops
 
 
 def count_params(net: Precond, include_buffers: bool = False) -> int:

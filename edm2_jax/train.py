@@ -126,17 +126,13 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
             drop_keys = jax.random.split(k_drop, num_accum)
 
             def body(carry, xs):
-                g_acc, l_acc, a_acc = carry
                 (img, lab, rnd, noi), dk = xs
                 (l, a), g = grad_fn(params, buffers, img, lab, rnd, noi, dk)
-                return (jax.tree.map(jnp.add, g_acc, g), l_acc + l,
-                        jax.tree.map(lambda s, v: s + v / num_accum, a_acc, a)), None
+                return (jax.tree.map(jnp.add, carry[0], g), carry[1] + l), a
 
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            aux0 = {k: jnp.zeros((), jnp.float32) for k in
-                    jax.eval_shape(lambda: grad_fn(params, buffers, *jax.tree.map(lambda x: x[0], micro), drop_keys[0])[0][1])}
-            (grads, loss, aux), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), aux0),
-                                                 (micro, drop_keys))
+            zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
+            (grads, loss), auxs = jax.lax.scan(body, zeros, (micro, drop_keys))
+            aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxs)
 
         nimg = state["step"].astype(jnp.float32) * batch_size
         updates, opt_state = tx.update(grads, state["opt_state"], params, nimg=nimg)
