@@ -121,7 +121,9 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
             (loss, aux), grads = grad_fn(params, buffers, images, labels, rnd_normal, noise_unit, k_drop)
         else:
             def split(x):
-                return x.reshape(num_accum, batch_size // num_accum, *x.shape[1:])
+                # Micro-batch k takes every num_accum-th image, so each device's shard of
+                # the batch contributes equally to every micro-batch (no resharding).
+                return jnp.swapaxes(x.reshape(batch_size // num_accum, num_accum, *x.shape[1:]), 0, 1)
             micro = jax.tree.map(split, (images, labels, rnd_normal, noise_unit))
             drop_keys = jax.random.split(k_drop, num_accum)
 
