@@ -4,6 +4,8 @@ Modes:
   train    (default) train `--config` in `--workdir`, resuming if it holds a run.
   convert  import released weights: `--mode=convert --src=edm2-img64-s-1073741-0.075.pkl
            --workdir=DIR` writes a network checkpoint that the rest of the project loads.
+  generate images for `--seeds` from `--net` (network checkpoint, run dir or EMA snapshot)
+           into `--outdir` and/or a `--grid` PNG; `--guide`/`--guidance` for (auto)guidance.
 Config fields are overridden with `--config.field=value`, e.g. `--config.total_kimg=100`.
 """
 from __future__ import annotations
@@ -15,8 +17,25 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py[:variant]).",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory of the run (checkpoints, logs, samples).")
-flags.DEFINE_enum("mode", "train", ["train", "convert"], "What to do.")
+flags.DEFINE_enum("mode", "train", ["train", "convert", "generate"], "What to do.")
 flags.DEFINE_string("src", None, "convert: released network pickle / state_dict (.pkl, .pt, .npz).")
+# generate
+flags.DEFINE_string("net", None, "generate: network checkpoint, training run dir or RUN/snapshots/<step>.")
+flags.DEFINE_string("ema", None, "generate: which EMA of a run ('0.100', 'online'); default largest sigma_rel.")
+flags.DEFINE_string("seeds", "0-63", "generate: seeds, e.g. '0-49999' or '1,5,7-9'.")
+flags.DEFINE_string("outdir", None, "generate: directory for PNGs.")
+flags.DEFINE_bool("subdirs", False, "generate: one subdirectory per 1000 seeds.")
+flags.DEFINE_string("grid", None, "generate: also write all images as one grid PNG here.")
+flags.DEFINE_integer("class_idx", None, "generate: class for every image (default random per seed).")
+flags.DEFINE_integer("batch", 64, "generate: images per batch (split over devices).")
+flags.DEFINE_integer("steps", 32, "generate: sampler steps N (2N-1 network evaluations).")
+flags.DEFINE_string("guide", None, "generate: guide network (unconditional for CFG, smaller/earlier for autoguidance).")
+flags.DEFINE_string("guide_ema", None, "generate: which EMA of the guide run.")
+flags.DEFINE_float("guidance", 1.0, "generate: guidance weight w in D_g + w (D - D_g).")
+flags.DEFINE_float("S_churn", 0.0, "generate: stochastic churn.")
+flags.DEFINE_float("S_min", 0.0, "generate: churn lower sigma.")
+flags.DEFINE_float("S_max", float("inf"), "generate: churn upper sigma.")
+flags.DEFINE_float("S_noise", 1.0, "generate: churn noise scale.")
 
 
 def main(argv):
@@ -24,6 +43,17 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+    if FLAGS.mode == "generate":
+        if not FLAGS.net:
+            raise app.UsageError("--mode=generate needs --net=PATH")
+        from edm2_jax import generate
+        generate.main_generate(
+            FLAGS.net, FLAGS.seeds, FLAGS.outdir, ema=FLAGS.ema, batch_size=FLAGS.batch,
+            class_idx=FLAGS.class_idx, subdirs=FLAGS.subdirs, guide_path=FLAGS.guide,
+            guide_ema=FLAGS.guide_ema, guidance=FLAGS.guidance, num_steps=FLAGS.steps,
+            grid=FLAGS.grid, S_churn=FLAGS.S_churn, S_min=FLAGS.S_min, S_max=FLAGS.S_max,
+            S_noise=FLAGS.S_noise)
+        return
     if not FLAGS.workdir:
         raise app.UsageError("--workdir is required")
     if FLAGS.mode == "convert":

@@ -1,0 +1,184 @@
+"""`--mode=generate`: images for a seed range from any network this project knows.
+
+    python -m edm2_jax.main --mode=generate --net=runs/fmnist --seeds=0-999 --outdir=out
+    python -m edm2_jax.main --mode=generate --net=nets/img64-s --seeds=0-49999 --subdirs \
+        --guide=nets/img64-xs --guidance=1.4 --outdir=out
+    python -m edm2_jax.main --mode=generate --net=runs/fmnist --seeds=0-99 --grid=out/grid.png
+
+`--net` may be a network checkpoint (written by `--mode=convert` or post-hoc EMA), a
+training run directory (its latest checkpoint; `--ema=0.100` picks the power EMA,
+`--ema=online` the raw weights, default the largest sigma_rel), or one EMA snapshot
+directory of a run (`RUN/snapshots/<step>`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from typing import Iterable, Sequence
+
+import jax
+import numpy as np
+
+from edm2_jax import checkpoint as ckpt_lib
+from edm2_jax.networks import Precond, precond_from_config
+
+MAX_SEEDS_PER_DIR = 1000
+
+
+def parse_seeds(spec: str) -> list[int]:
+    """'0-49999' / '1,5,7-9' -> list of ints. Raises ValueError on a malformed range."""
+    seeds: list[int] = []
+    for part in str(spec).split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise ValueError(f"bad seed spec {part!r}; use e.g. '0-49999' or '1,5,7-9'")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise ValueError(f"seed range {part!r} is empty")
+        seeds.extend(range(lo, hi + 1))
+    return seeds
+
+
+def _restore_raw(path: str) -> dict:
+    import orbax.checkpoint as ocp
+    return ocp.StandardCheckpointer().restore(path)
+
+
+def _run_config(run_dir: str) -> dict:
+    with open(os.path.join(run_dir, "config.json")) as f:
+        return json.load(f)
+
+
+def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
+    """Load `(net, variables, description)` from any checkpoint kind (see module doc).
+
+    Raises FileNotFoundError naming what was looked for, KeyError for an unknown EMA.
+    """
+    path = os.path.abspath(os.path.expanduser(path))
+    if ckpt_lib.is_network_checkpoint(path):
+        cfg, variables, meta = ckpt_lib.load_network(path)
+        return precond_from_config(cfg), variables, f"network checkpoint {path}"
+
+    snap = re.fullmatch(r"(.*)/snapshots/(\d+)/?", path)
+    if snap:
+        from edm2_jax import checkpoint_train as ct
+        run_dir, step = snap.group(1), int(snap.group(2))
+        tree, meta = ct.restore_snapshot(run_dir, step)
+        buffers = _latest_state(run_dir)["buffers"]
+        key = ema or max(tree["power"], key=float)
+        if key not in tree["power"]:
+            raise KeyError(f"snapshot {path} has EMAs {sorted(tree['power'])}, not {key!r}")
+        cfg = _run_config(run_dir)["network"]
+        return (precond_from_config(cfg), {"params": tree["power"][key], "buffers": buffers},
+                f"EMA {key} of snapshot {step} ({meta['nimg'] / 1000:.1f} kimg) in {run_dir}")
+
+    if os.path.isfile(os.path.join(path, "config.json")) and os.path.isdir(os.path.join(path, "checkpoints")):
+        state = _latest_state(path)
+        cfg = _run_config(path)["network"]
+        if ema == "online":
+            params, what = state["params"], "online weights"
+        else:
+            key = ema or max(state["ema"]["power"], key=float)
+            if key not in state["ema"]["power"]:
+                raise KeyError(f"run {path} tracks EMAs {sorted(state['ema']['power'])}, not "
+                               f"{key!r} (or use --ema=online)")
+            params, what = state["ema"]["power"][key], f"EMA sigma_rel={key}"
+        return (precond_from_config(cfg), {"params": params, "buffers": state["buffers"]},
+                f"{what} of run {path} at step {int(state['step'])}")
+    raise FileNotFoundError(
+        f"{path} is neither a network checkpoint (network.json + variables/), a training run "
+        f"(config.json + checkpoints/), nor an EMA snapshot (RUN/snapshots/<step>)")
+
+
+def _latest_state(run_dir: str) -> dict:
+    ckdir = os.path.join(run_dir, "checkpoints")
+    steps = sorted((int(d) for d in os.listdir(ckdir) if d.isdigit()), reverse=True)
+    if not steps:
+        raise FileNotFoundError(f"no complete checkpoint in {ckdir}")
+    return _restore_raw(os.path.join(ckdir, str(steps[0]), "default"))
+
+
+def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outdir: str | None = None,
+                    batch_size: int = 64, class_idx: int | None = None, subdirs: bool = False,
+                    guide: tuple[Precond, dict] | None = None, guidance: float = 1.0,
+                    num_steps: int = 32, S_churn: float = 0.0, S_min: float = 0.0,
+                    S_max: float = float("inf"), S_noise: float = 1.0,
+                    progress: bool = True) -> Iterable[tuple[np.ndarray, np.ndarray]]:
+    """Yield `(seeds [b], images uint8 [b, H, W, C])` batches; write `seed%06d.png` files
+    to `outdir` (in `outdir/000000/`, `outdir/001000/`, ... with `subdirs`) if given.
+
+    Each process of a multi-host job takes every `process_count`-th batch; within a batch
+    the seeds are split over the local devices (sampling is per seed, so images do not
+    depend on batch size or device count).
+    """
+    import PIL.Image
+    from tqdm import tqdm
+
+    from edm2_jax.sampling import sample_images
+
+    n_dev = jax.local_device_count()
+    batch_size = max(n_dev, (batch_size + n_dev - 1) // n_dev * n_dev)
+    batches = [list(seeds[i:i + batch_size]) for i in range(0, len(seeds), batch_size)]
+    mine = batches[jax.process_index()::jax.process_count()]
+    mesh = jax.sharding.Mesh(np.asarray(jax.local_devices()), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    guide_net, guide_vars = guide if guide else (None, None)
+    bar = tqdm(total=sum(len(b) for b in mine), unit="img", disable=not progress,
+               dynamic_ncols=True)
+    for b in mine:
+        padded = np.asarray(b + [b[-1]] * (batch_size - len(b)), np.int64)
+        seeds_dev = jax.device_put(padded.astype(np.uint32), sharding)
+        imgs = np.asarray(sample_images(
+            net, variables, seeds_dev, class_idx, guide_net=guide_net, guide_variables=guide_vars,
+            guidance=guidance, num_steps=num_steps, S_churn=S_churn, S_min=S_min, S_max=S_max,
+            S_noise=S_noise))[:len(b)]
+        if outdir:
+            for seed, img in zip(b, imgs):
+                d = os.path.join(outdir, f"{seed - seed % MAX_SEEDS_PER_DIR:06d}") if subdirs else outdir
+                os.makedirs(d, exist_ok=True)
+                PIL.Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(
+                    os.path.join(d, f"{seed:06d}.png"))
+        bar.update(len(b))
+        yield np.asarray(b), imgs
+    bar.close()
+
+
+def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | None = None,
+                  batch_size: int = 64, class_idx: int | None = None, subdirs: bool = False,
+                  guide_path: str | None = None, guide_ema: str | None = None,
+                  guidance: float = 1.0, num_steps: int = 32, grid: str | None = None,
+                  S_churn: float = 0.0, S_min: float = 0.0, S_max: float = float("inf"),
+                  S_noise: float = 1.0) -> None:
+    """CLI body of `--mode=generate` (see module doc)."""
+    seed_list = parse_seeds(seeds)
+    if not outdir and not grid:
+        raise ValueError("--mode=generate needs --outdir=DIR and/or --grid=FILE.png")
+    net, variables, desc = load_net(net_path, ema)
+    print(f"Generating {len(seed_list)} images from {desc}")
+    guide = None
+    if guide_path:
+        gnet, gvars, gdesc = load_net(guide_path, guide_ema)
+        guide = (gnet, gvars)
+        print(f"Guidance {guidance} with guide {gdesc}")
+    t = time.time()
+    all_imgs = []
+    for _, imgs in generate_images(net, variables, seed_list, outdir=outdir, batch_size=batch_size,
+                                   class_idx=class_idx, subdirs=subdirs, guide=guide,
+                                   guidance=guidance, num_steps=num_steps, S_churn=S_churn,
+                                   S_min=S_min, S_max=S_max, S_noise=S_noise):
+        if grid:
+            all_imgs.append(imgs)
+    dt = time.time() - t
+    print(f"{len(seed_list)} images in {dt:.1f} s ({len(seed_list) / dt:.2f} img/s)"
+          + (f" -> {outdir}" if outdir else ""))
+    if grid and jax.process_index() == 0:
+        from edm2_jax.sampling import save_image_grid
+        imgs = np.concatenate(all_imgs)
+        cols = int(np.ceil(np.sqrt(len(imgs))))
+        rows = int(np.ceil(len(imgs) / cols))
+        os.makedirs(os.path.dirname(os.path.abspath(grid)), exist_ok=True)
+        save_image_grid(imgs, grid, rows, cols)
+        print(f"Grid -> {grid}")
