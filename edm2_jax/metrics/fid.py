@@ -1,0 +1,211 @@
+"""Frechet Inception Distance as the EDM2 release reports it (paper Sec. 5; SPEC.md Sec. 7).
+
+FID (Heusel et al. 2017, Eq. 6) between generated images and a dataset is the Frechet
+distance between Gaussians fitted to their Inception-v3 pool_3 features
+(`inception.features_uint8`: uint8 RGB, TF1-bilinear resized to 299x299):
+`|mu_g - mu_r|^2 + tr(sigma_g + sigma_r - 2 (sigma_g sigma_r)^(1/2))`, means and N - 1
+covariances accumulated in float64 batch by batch (`stats.FeatureStats`), the square root
+by `scipy.linalg.sqrtm`, real part (`stats.frechet_distance`). The paper reports the
+minimum over three sets of 50,000 generated images.
+
+Reference statistics come from a dataset (`stats_from_source`) or from the release's
+files: `.pkl` as written by its `calculate_metrics.py ref` (`img64.pkl`, `img512.pkl` of
+its `dataset-refs`: a dict `{'num_images': N, 'fid': {'mu': [2048], 'sigma': [2048, 2048]},
+'fd_dinov2': {...}}`) or the EDM (v1) `.npz` with `mu` and `sigma`.
+
+    params = inception.load_inception_params()
+    ref = load_ref_stats('img64.pkl')                     # (mu, sigma)
+    fid = compute_fid(batches_of_uint8_nhwc, ref, params)
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from edm2_jax.metrics import inception
+from edm2_jax.metrics.stats import FeatureStats, frechet_distance
+
+__all__ = ["FeatureStats", "compute_fid", "fid_from_stats", "frechet_distance",
+           "load_ref_stats", "save_ref_stats", "stats_from_images", "stats_from_source"]
+
+RefStats = Any  # (mu, sigma) | FeatureStats | dict | str | os.PathLike
+
+
+def _batch_images(batch) -> np.ndarray:
+    """The images of one batch: an array, `{'image'|'images': array, ...}`, or
+    `(images, labels)` (the forms the release's metric loop accepts)."""
+    if isinstance(batch, dict):
+        for key in ("image", "images"):
+            if key in batch:
+                return np.asarray(batch[key])
+        raise ValueError(f"batch dict has no 'image' / 'images' entry (keys {list(batch)})")
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return np.asarray(batch[0])
+    return np.asarray(batch)
+
+
+def stats_from_images(batches: Iterable, params,
+                      feature_fn: Callable = inception.features_uint8) -> FeatureStats:
+    """Feature statistics of a stream of image batches.
+
+    Args:
+      batches: iterable of uint8 NHWC batches `[n, H, W, C]` (C = 3, or 1 for grayscale),
+        optionally wrapped as dicts with 'image' or as `(images, labels)`.
+      params: Inception params (`inception.load_inception_params()`).
+      feature_fn: `(params, images) -> [n, D]`; default the FID features.
+    Returns: `FeatureStats` (float64 mean and N - 1 covariance). A batch smaller than the
+      first one (the last) is zero-padded to the first batch's size and the padding rows
+      dropped, so the jitted extractor compiles once.
+    Raises ValueError (from the extractor) on bad images; `FeatureStats.cov()` needs
+      at least 2 images.
+    """
+    stats = FeatureStats()
+    batch_size = None
+    for batch in batches:
+        images = _batch_images(batch)
+        n = len(images)
+        if n == 0:
+            continue
+        if batch_size is None:
+            batch_size = n
+        if n < batch_size:
+            pad = np.zeros((batch_size - n,) + images.shape[1:], images.dtype)
+            images = np.concatenate([images, pad])
+        feats = np.asarray(feature_fn(params, images), np.float64)[:n]
+        stats.append(feats)
+    return stats
+
+
+def stats_from_source(source, params, num_images: int | None = None, batch_size: int = 64,
+                      seed: int = 0,
+                      feature_fn: Callable = inception.features_uint8) -> FeatureStats:
+    """Reference statistics of a dataset (any `edm2_jax.data` Source: `source[i]` is
+    `(uint8 [H, W, C], label)`), like the release's `calculate_metrics.py ref`.
+
+    Args: num_images: use a random subset of this many images (chosen with
+      `np.random.RandomState(seed)`, then taken in index order), None = all; batch_size:
+      images per extractor call.
+    Returns: `FeatureStats`.
+    Raises ValueError if the source has fewer than 2 images or fewer than `num_images`.
+    """
+    n = len(source)
+    idx = np.arange(n)
+    if num_images is not None:
+        if num_images > n:
+            raise ValueError(f"{getattr(source, 'name', 'source')} has {n} images, fewer than "
+                             f"num_images={num_images}")
+        if num_images < n:
+            np.random.RandomState(seed % (1 << 31)).shuffle(idx)
+            idx = np.sort(idx[:num_images])
+    if len(idx) < 2:
+        raise ValueError(f"reference statistics need at least 2 images, got {len(idx)}")
+
+    def batches():
+        for start in range(0, len(idx), batch_size):
+            yield np.stack([source[int(i)][0] for i in idx[start:start + batch_size]])
+
+    return stats_from_images(batches(), params, feature_fn)
+
+
+class _StatsUnpickler(pickle.Unpickler):
+    """Reads statistics pickles: containers and numpy arrays only, nothing executable."""
+    _ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray",
+                "_reconstruct"), ("numpy", "ndarray"), ("numpy", "dtype"),
+                ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+                ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+                ("collections", "OrderedDict"), ("builtins", "dict")}
+
+    def find_class(self, module, name):
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module == "dnnlib.util" and name == "EasyDict":
+            return dict
+        raise pickle.UnpicklingError(f"statistics pickle refers to {module}.{name}; only "
+                                     f"dicts of numpy arrays are read")
+
+
+def _mu_sigma(entry, where: str) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        mu, sigma = np.asarray(entry["mu"], np.float64), np.asarray(entry["sigma"], np.float64)
+    except (KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"{where}: expected 'mu' and 'sigma' entries") from e
+    if mu.ndim != 1 or sigma.shape != (mu.size, mu.size):
+        raise ValueError(f"{where}: mu must be [D] and sigma [D, D], got {mu.shape}, "
+                         f"{sigma.shape}")
+    return mu, sigma
+
+
+def load_ref_stats(path: str | os.PathLike,
+                   metric: str = "fid") -> tuple[np.ndarray, np.ndarray]:
+    """Read reference statistics `(mu float64 [D], sigma float64 [D, D])`.
+
+    `.pkl`: the release's layout `{'fid': {'mu', 'sigma'}, ...}` (entry `metric`) or a
+    plain `{'mu', 'sigma'}` dict; `.npz`: arrays `mu` and `sigma` (EDM v1 refs). Local
+    files only (download the release's refs, e.g. `dataset-refs/img64.pkl`, yourself).
+    Raises FileNotFoundError, or ValueError for another suffix, a missing `metric`
+    entry, or malformed arrays.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"reference statistics file {path} not found")
+    suffix = path.suffix.lower()
+    if suffix == ".npz":
+        with np.load(path) as data:
+            return _mu_sigma(data, str(path))
+    if suffix != ".pkl":
+        raise ValueError(f"reference statistics must be .pkl or .npz, got {path}")
+    with open(path, "rb") as f:
+        data = _StatsUnpickler(f).load()
+    if isinstance(data, dict) and metric in data:
+        return _mu_sigma(data[metric], f"{path}[{metric!r}]")
+    if isinstance(data, dict) and "mu" in data:
+        return _mu_sigma(data, str(path))
+    keys = list(data) if isinstance(data, dict) else type(data).__name__
+    raise ValueError(f"{path} has no {metric!r} statistics (found {keys})")
+
+
+def save_ref_stats(path: str | os.PathLike, stats: FeatureStats, metric: str = "fid") -> None:
+    """Write statistics in the release's layout: `.pkl` -> `{'num_images': N, metric:
+    {'mu', 'sigma'}}`, `.npz` -> arrays `mu`, `sigma`. Raises ValueError for another
+    suffix or fewer than 2 images."""
+    path = Path(path)
+    mu, sigma = stats.mean_cov()
+    if path.suffix.lower() == ".npz":
+        np.savez(path, mu=mu, sigma=sigma)
+    elif path.suffix.lower() == ".pkl":
+        with open(path, "wb") as f:
+            pickle.dump({"num_images": stats.num_items, metric: {"mu": mu, "sigma": sigma}}, f)
+    else:
+        raise ValueError(f"save_ref_stats writes .pkl or .npz, got {path}")
+
+
+def _as_mu_sigma(ref: RefStats) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(ref, (str, os.PathLike)):
+        return load_ref_stats(ref)
+    if isinstance(ref, FeatureStats):
+        return ref.mean_cov()
+    if isinstance(ref, dict):
+        return _mu_sigma(ref.get("fid", ref), "reference statistics dict")
+    mu, sigma = ref
+    return np.asarray(mu, np.float64), np.asarray(sigma, np.float64)
+
+
+def fid_from_stats(stats: RefStats, ref: RefStats) -> float:
+    """FID between two sets of statistics, each a `(mu, sigma)` pair, a `FeatureStats`,
+    a stats dict, or a `.pkl` / `.npz` path. Raises ValueError on mismatched shapes."""
+    return frechet_distance(*_as_mu_sigma(stats), *_as_mu_sigma(ref))
+
+
+def compute_fid(gen_images: Iterable, ref: RefStats, params) -> float:
+    """FID of generated images against reference statistics.
+
+    Args: gen_images: iterable of uint8 NHWC batches (see `stats_from_images`); ref:
+      reference statistics (see `fid_from_stats`); params: Inception params.
+    Returns: FID as a Python float. The paper uses 50,000 generated images; fewer give a
+      biased (higher) value.
+    """
+    return fid_from_stats(stats_from_images(gen_images, params), ref)
