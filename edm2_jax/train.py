@@ -365,6 +365,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             step += 1
             metrics["_step"] = step - 1
             pending.append(metrics)
+            if len(pending) >= 2:  # at most 2 steps in flight: honest progress and timings
+                jax.block_until_ready(pending[-2]["objective"])
             if first_step_time is None:
                 jax.block_until_ready(metrics["objective"])
                 first_step_time = time.time() - t_start
