@@ -4,6 +4,8 @@ Modes:
   train    (default) train `--config` in `--workdir`, resuming if it holds a run.
   convert  import released weights: `--mode=convert --src=edm2-img64-s-1073741-0.075.pkl
            --workdir=DIR` writes a network checkpoint that the rest of the project loads.
+  eval     metrics (`--metrics=fid,cls`) of `--images=DIR` or of `--net` generating
+           `--num_images`; reference: `--ref=stats.pkl` or the dataset of `--config`.
   generate images for `--seeds` from `--net` (network checkpoint, run dir or EMA snapshot)
            into `--outdir` and/or a `--grid` PNG; `--guide`/`--guidance` for (auto)guidance.
 Config fields are overridden with `--config.field=value`, e.g. `--config.total_kimg=100`.
@@ -17,7 +19,7 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py[:variant]).",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory of the run (checkpoints, logs, samples).")
-flags.DEFINE_enum("mode", "train", ["train", "convert", "generate"], "What to do.")
+flags.DEFINE_enum("mode", "train", ["train", "convert", "generate", "eval"], "What to do.")
 flags.DEFINE_string("src", None, "convert: released network pickle / state_dict (.pkl, .pt, .npz).")
 # generate
 flags.DEFINE_string("net", None, "generate: network checkpoint, training run dir or RUN/snapshots/<step>.")
@@ -36,6 +38,12 @@ flags.DEFINE_float("S_churn", 0.0, "generate: stochastic churn.")
 flags.DEFINE_float("S_min", 0.0, "generate: churn lower sigma.")
 flags.DEFINE_float("S_max", float("inf"), "generate: churn upper sigma.")
 flags.DEFINE_float("S_noise", 1.0, "generate: churn noise scale.")
+# eval
+flags.DEFINE_string("images", None, "eval: folder of images to evaluate instead of --net.")
+flags.DEFINE_integer("num_images", 50000, "eval: number of images (error if fewer are available).")
+flags.DEFINE_string("metrics", "fid", "eval: comma list of fid (Inception), cls (classifier FD/KID/PR).")
+flags.DEFINE_string("ref", None, "eval: reference statistics (.pkl/.npz) for FID.")
+flags.DEFINE_string("out_json", None, "eval: append the results as one JSON line here.")
 
 
 def main(argv):
@@ -53,6 +61,15 @@ def main(argv):
             guide_ema=FLAGS.guide_ema, guidance=FLAGS.guidance, num_steps=FLAGS.steps,
             grid=FLAGS.grid, S_churn=FLAGS.S_churn, S_min=FLAGS.S_min, S_max=FLAGS.S_max,
             S_noise=FLAGS.S_noise)
+        return
+    if FLAGS.mode == "eval":
+        from edm2_jax import evaluate
+        evaluate.main_eval(
+            images_dir=FLAGS.images, net_path=FLAGS.net, num_images=FLAGS.num_images,
+            metrics=FLAGS.metrics, ref=FLAGS.ref,
+            data_config=FLAGS.config.data.to_dict() if FLAGS.config else None,
+            ema=FLAGS.ema, batch_size=FLAGS.batch, num_steps=FLAGS.steps, out_json=FLAGS.out_json,
+            class_idx=FLAGS.class_idx, guide=None, guidance=1.0)
         return
     if not FLAGS.workdir:
         raise app.UsageError("--workdir is required")
