@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Train on a TPU VM pod slice: the same command on every worker; each is one JAX
+# process and jax.distributed.initialize() finds its peers from the TPU metadata.
+#
+#   launch/tpu_pod.sh --tpu=my-v5p-64 --zone=us-east5-a --config=configs/img64.py:m \
+#       --workdir=gs://bucket/runs/img64-m [--repo_dir=edm2-jax] [--dry-run] [-- --config.total_kimg=1000]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=launch/common.sh
+. launch/common.sh
+
+TPU="" ZONE="" PROJECT="" CONFIG="" WORKDIR="" REPO_DIR="edm2-jax"  # relative to the remote home DRY_RUN=0 EXTRA=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tpu=*) TPU="${1#*=}" ;;
+    --zone=*) ZONE="${1#*=}" ;;
+    --project=*) PROJECT="${1#*=}" ;;
+    --config=*) CONFIG="${1#*=}" ;;
+    --workdir=*) WORKDIR="${1#*=}" ;;
+    --repo_dir=*) REPO_DIR="${1#*=}" ;;
+    --dry-run) DRY_RUN=1 ;;
+    --) shift; EXTRA=("$@"); break ;;
+    *) die "unknown argument $1 (see the header of $0)" ;;
+  esac
+  shift
+done
+export DRY_RUN
+[ -n "$TPU" ] || die "--tpu=NAME is required"
+[ -n "$ZONE" ] || die "--zone=ZONE is required"
+check_config "$CONFIG"
+check_workdir "$WORKDIR"
+case "$WORKDIR" in gs://*) ;; *) echo "warning: $WORKDIR is not a gs:// path; every worker must see the same directory" >&2 ;; esac
+if [ "$DRY_RUN" != 1 ]; then command -v gcloud >/dev/null || die "gcloud not found (install the Google Cloud SDK)"; fi
+
+remote="cd $REPO_DIR && python -m edm2_jax.main --config=$CONFIG --workdir=$WORKDIR"
+for arg in "${EXTRA[@]}"; do remote+=" $(printf '%q' "$arg")"; done
+project_flag=()
+[ -n "$PROJECT" ] && project_flag=(--project="$PROJECT")
+run gcloud compute tpus tpu-vm ssh "$TPU" --zone="$ZONE" "${project_flag[@]}" --worker=all --command="$remote"

@@ -1,0 +1,46 @@
+"""Launch scripts: they check their inputs, print what they would run with --dry-run, and
+pass shellcheck (when it is installed)."""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ["launch/single_gpu.sh", "launch/slurm.sbatch", "launch/tpu_pod.sh"]
+
+
+def run(*args):
+    return subprocess.run(["bash", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("SLURM")})
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+def test_shellcheck_clean():
+    r = subprocess.run(["shellcheck", "-x", *SCRIPTS, "launch/common.sh"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
+
+
+def test_dry_run_prints_the_command():
+    r = run("launch/single_gpu.sh", "--config=configs/img64.py:xs", "--workdir=runs/x", "--dry-run",
+            "--", "--config.batch_per_device=32")
+    assert r.returncode == 0, r.stderr
+    assert "python -m edm2_jax.main --config=configs/img64.py:xs --workdir=runs/x --config.batch_per_device=32" in r.stdout
+    r = run("launch/slurm.sbatch", "--config=configs/img512.py:xl", "--workdir=/lustre/x", "--dry-run")
+    assert r.returncode == 0 and "srun --kill-on-bad-exit=1 python -m edm2_jax.main" in r.stdout
+    r = run("launch/tpu_pod.sh", "--tpu=pod", "--zone=us-east5-a", "--config=configs/img64.py:m",
+            "--workdir=gs://b/r", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "gcloud compute tpus tpu-vm ssh pod --zone=us-east5-a --worker=all" in r.stdout
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_inputs_are_checked(script):
+    tpu = ["--tpu=t", "--zone=z"] if "tpu" in script else []
+    r = run(script, "--config=configs/nope.py", "--workdir=w", *tpu, "--dry-run")
+    assert r.returncode == 2 and "configs/nope.py not found" in r.stderr
+    r = run(script, "--config=configs/img64.py", *tpu, "--dry-run")
+    assert r.returncode == 2 and "--workdir is required" in r.stderr
+    r = run(script, "--bogus")
+    assert r.returncode == 2 and "unknown argument" in r.stderr
