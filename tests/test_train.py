@@ -1,0 +1,485 @@
+"""Training loop (SPEC section 4-5): one step, its sharding and accumulation, EMA tracking,
+and `train_and_evaluate` end to end (resume, bad input, NaN, the CLI).
+
+Everything runs on a 1-level 8x8 network with 8 channels (7.8k parameters) so that XLA
+compiles quickly. The end-to-end runs share a persistent XLA compilation
+cache (module fixture), since a fresh, resumed and CLI run compile identical programs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import ml_collections
+import numpy as np
+import PIL.Image
+import pytest
+
+from edm2_jax import data as data_lib
+from edm2_jax import ema as ema_lib
+from edm2_jax import optim as optim_lib
+from edm2_jax import sharding as shard_lib
+from edm2_jax import train
+from edm2_jax.mp import force_normalize
+from edm2_jax.networks import init_variables
+
+REPO = Path(__file__).resolve().parents[1]
+FMNIST_CONFIG = REPO / "configs" / "fashion_mnist.py"
+FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+# The tiny run: configs/fashion_mnist.py:tiny with these overrides (also given to the CLI
+# as --config.<field>=<value>, so that it compiles the same programs). 4 steps of 8 images;
+# a checkpoint every 2 steps, one EMA snapshot + sample grid at the end.
+TINY_OVERRIDES = {
+    "data.source": "folder", "data.num_workers": 0,
+    "network.model_channels": 8, "network.channel_mult": (1,), "network.logvar_channels": 8,
+    "batch_size": 8, "optim.rampup_kimg": 0.0,
+    "total_kimg": 0.032, "status_kimg": 0.016, "checkpoint_kimg": 0.016, "snapshot_kimg": 0.032,
+    "sample.num_steps": 2, "sample.grid_rows": 1, "sample.grid_cols": 2,
+}
+
+
+def _load_fmnist_config(variant: str = "tiny") -> ml_collections.ConfigDict:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("fmnist_config", FMNIST_CONFIG)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config(variant)
+
+
+def tiny_config(data_path, **overrides) -> ml_collections.ConfigDict:
+    c = _load_fmnist_config("tiny")
+    for field, value in {**TINY_OVERRIDES, "data.path": str(data_path), **overrides}.items():
+        *parents, leaf = field.split(".")
+        node = c
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+def make_image_folder(path: Path, n: int = 16, resolution: int = 8, labels: bool = True) -> Path:
+    """`n` random grayscale PNGs (+ dataset.json with 2 classes) in the release's layout."""
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    table = []
+    for i in range(n):
+        PIL.Image.fromarray(rng.integers(0, 256, (resolution, resolution), np.uint8)).save(
+            path / f"img{i:03d}.png")
+        table.append([f"img{i:03d}.png", i % 2])
+    if labels:
+        (path / "dataset.json").write_text(json.dumps({"labels": table}))
+    return path
+
+
+def _rel(a, b) -> float:
+    """max |a - b| / max |b| of one tensor."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def _worst(a, b) -> float:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    return max(jax.tree.leaves(jax.tree.map(_rel, a, b)))
+
+
+# --------------------------------------------------------------------------------------
+# One step (no data source, no loop)
+
+STEP_NET = dict(img_resolution=8, img_channels=1, label_dim=2)
+
+
+def step_config(batch_size: int = 16) -> ml_collections.ConfigDict:
+    c = tiny_config("", batch_size=batch_size)
+    c.network.update(STEP_NET)
+    # A wide EMA (beta = 0.5^1.6 at the second update) makes its closed form discriminate.
+    c.ema.sigma_rels = (0.05, 0.25)
+    return c
+
+
+def random_state(config, seed: int = 0, weight_scale: float = 3.0) -> tuple:
+    """A train state with N(0, weight_scale^2) weights (not yet normalised, so forced
+    normalisation is visible) and non-zero gains (at init the zero `out_gain` would stop
+    every gradient but its own). Host numpy arrays, so that donation cannot consume them.
+    Filled from numpy: flax's own init compiles slowly on a busy CPU.
+    Returns `(state, net, tx)`."""
+    net = train.make_network(config)
+    tx = optim_lib.make_optimizer(config.optim, int(config.batch_size))
+    shapes = jax.eval_shape(lambda k: init_variables(net, k), jax.random.PRNGKey(0))
+    rng = np.random.default_rng(seed)
+
+    def fill(path, leaf):
+        if str(path[-1].key).endswith("gain"):
+            return np.float32(0.7)
+        return (weight_scale * rng.standard_normal(leaf.shape)).astype(np.float32)
+
+    v = jax.tree_util.tree_map_with_path(fill, dict(shapes))
+    state = {"step": np.int32(0), "params": v["params"], "buffers": v["buffers"],
+             "opt_state": tx.init(v["params"]),
+             "ema": ema_lib.init_ema_state(v["params"], tuple(config.ema.sigma_rels),
+                                           float(config.ema.trad_halflife_kimg)),
+             "rng": np.asarray(jax.random.PRNGKey(seed + 1))}
+    # Same pytree as train.init_train_state builds.
+    ref = jax.eval_shape(lambda r: train.init_train_state(config, net, tx, r),
+                         jax.random.PRNGKey(0))
+    assert jax.tree.structure(ref) == jax.tree.structure(state)
+    return jax.device_get(state), net, tx
+
+
+def random_batch(config, seed: int = 0) -> dict:
+    rng = np.random.default_rng(100 + seed)
+    b, r, c, L = (int(config.batch_size), config.network.img_resolution,
+                  config.network.img_channels, config.network.label_dim)
+    return {"image": rng.uniform(-1, 1, (b, r, r, c)).astype(np.float32),
+            "label": np.eye(L, dtype=np.float32)[rng.integers(0, L, b)]}
+
+
+def run_steps(config, num_accum: int = 1, num_devices: int = 1, steps: int = 1):
+    """`steps` jitted steps from `random_state` on a mesh of `num_devices`; returns the
+    states after each step and the metrics, as numpy."""
+    state, net, tx = random_state(config)
+    fn = train.jit_train_step(train.make_train_step(config, net, tx, num_accum),
+                              shard_lib.make_mesh(num_devices))
+    states, metrics = [], []
+    for i in range(steps):
+        state, m = fn(state, random_batch(config, i))
+        state, m = jax.device_get((state, m))
+        states.append(state)
+        metrics.append(m)
+    return states, metrics
+
+
+@pytest.fixture(scope="module")
+def two_steps():
+    """Two steps with one micro-batch on one device (the reference of several tests)."""
+    config = step_config()
+    states, metrics = run_steps(config, steps=2)
+    return config, states, metrics
+
+
+def test_micro_batch_count_and_its_errors():
+    c = step_config(batch_size=16)
+    assert train.num_micro_batches(c, 1) == 1
+    c.batch_per_device = 4
+    assert train.num_micro_batches(c, 1) == 4
+    assert train.num_micro_batches(c, 2) == 2
+    with pytest.raises(ValueError, match="not divisible by the 3 devices"):
+        train.num_micro_batches(c, 3)
+    c.batch_per_device = 3
+    with pytest.raises(ValueError, match="not a multiple of batch_per_device"):
+        train.num_micro_batches(c, 1)
+
+
+def test_step_force_normalises_then_adam_then_ema(two_steps):
+    """One step from weights W0: the online weights become normalize(W0) + Adam update
+    (|update| < lr per element on Adam's first step), the lr is ref_lr (no ramp-up, before
+    t_ref), and the first EMA update copies the post-update weights (beta = 0 at t = dt)."""
+    config, states, metrics = two_steps
+    state0, _, _ = random_state(config)
+    s1 = states[0]
+    lr = config.optim.ref_lr
+    assert int(s1["step"]) == 1
+    np.testing.assert_allclose(metrics[0]["lr"], lr, rtol=1e-6)
+    normalised = jax.device_get(force_normalize(state0["params"]))
+    moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), s1["params"], normalised)
+    assert max(jax.tree.leaves(moved)) <= lr + 1e-6  # + float32 rounding of |W| ~ 3
+    assert max(jax.tree.leaves(moved)) > lr / 2  # it did move
+    # W0 ~ N(0, 9) is far from normalised: the stored weights really were replaced.
+    w0 = state0["params"]["unet"]["enc_8x8_conv"]["weight"]
+    w1 = s1["params"]["unet"]["enc_8x8_conv"]["weight"]
+    fan_in = np.prod(w0.shape[:-1])
+    np.testing.assert_allclose(np.linalg.norm(w1.reshape(-1, w1.shape[-1]), axis=0),
+                               np.sqrt(fan_in), rtol=0.05)
+    for key, e in s1["ema"]["power"].items():
+        assert _worst(e, s1["params"]) < 1e-6, key
+
+
+def test_ema_second_step_closed_form_and_not_normalised(two_steps):
+    """Second update (t = 2 dt): ema = beta p1 + (1 - beta) p2 with
+    beta = (1 - dt/t)^(gamma+1) = 0.5^(gamma+1) (Eq. 127); the EMA is a plain average of
+    post-Adam weights and is never force-normalised."""
+    config, (s1, s2), _ = two_steps
+    p1, p2 = s1["params"], s2["params"]
+    for sigma_rel in config.ema.sigma_rels:
+        gamma = float(ema_lib.sigma_rel_to_gamma(sigma_rel))
+        beta = 0.5 ** (gamma + 1)
+        want = jax.tree.map(lambda a, b: beta * a.astype(np.float64) + (1 - beta) * b, p1, p2)
+        got = s2["ema"]["power"][ema_lib.ema_key(sigma_rel)]
+        assert _worst(got, want) < 1e-6, sigma_rel
+        # Its weights keep the post-Adam norms, which forced normalisation would change.
+        assert _worst(jax.device_get(force_normalize(got)), got) > 1e-4
+
+
+def test_accumulation_equals_one_full_batch(two_steps):
+    """4 micro-batches of 4 (lax.scan) == 1 batch of 16: same objective, same weights."""
+    config, (ref, _), (ref_m, _) = two_steps
+    (acc,), (acc_m,) = run_steps(config, num_accum=4)
+    assert _worst(acc["params"], ref["params"]) <= 1e-5
+    assert _worst(acc["ema"], ref["ema"]) <= 1e-5
+    for k in ("objective", "loss/loss", "loss/logvar", "loss/sigma", "grad_norm"):
+        np.testing.assert_allclose(acc_m[k], ref_m[k], rtol=1e-5, err_msg=k)
+    np.testing.assert_array_equal(acc["rng"], ref["rng"])
+
+
+def _sharded_step_npz(out: str, num_accum: int) -> None:
+    """Run in a fresh process with 8 simulated CPU devices: one step on all 8."""
+    assert jax.device_count() == 8, jax.devices()
+    (state,), (metrics,) = run_steps(step_config(), num_accum=num_accum, num_devices=8)
+    np.savez(out, *jax.tree.leaves((state, metrics)))
+
+
+def _step_on_8_devices(tmp_path, like, num_accum: int = 1):
+    """`(state, metrics)` of `_sharded_step_npz` in a subprocess (XLA_FLAGS must be set
+    before jax is imported), unflattened like `like`."""
+    out = tmp_path / "dev8.npz"
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO)!r})
+        from tests.test_train import _sharded_step_npz
+        _sharded_step_npz({str(out)!r}, {num_accum})
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with np.load(out) as f:
+        leaves = [f[f"arr_{i}"] for i in range(len(f.files))]
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def test_sharded_step_equals_single_device(two_steps, tmp_path):
+    """The same step with the batch split over 8 devices (SPMD, gradients all-reduced)
+    gives the single-device weights to float32 summation-order error (~4e-8 here).
+
+    Adam's first update, lr g / (|g| + eps), is close to lr sign(g), so an entry whose
+    gradient were zero up to rounding could flip; none does for these seeds, and a
+    missing or wrong all-reduce changes every gradient, not only such entries."""
+    config, (ref, _), (ref_m, _) = two_steps
+    state, metrics = _step_on_8_devices(tmp_path, (ref, ref_m))
+    assert _worst(state["params"], ref["params"]) <= 1e-6
+    assert _worst(state["ema"], ref["ema"]) <= 1e-6
+    np.testing.assert_allclose(metrics["objective"], ref_m["objective"], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_sharded_accumulation_equals_single_device(two_steps, tmp_path):
+    """2 interleaved micro-batches of 8 on 8 devices (1 image per device per round) ==
+    one batch of 16 on one device."""
+    config, (ref, _), (ref_m, _) = two_steps
+    state, metrics = _step_on_8_devices(tmp_path, (ref, ref_m), num_accum=2)
+    assert _worst(state["params"], ref["params"]) <= 1e-6
+    assert _worst(state["ema"], ref["ema"]) <= 1e-6
+    np.testing.assert_allclose(metrics["objective"], ref_m["objective"], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# train_and_evaluate end to end
+
+
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory):
+    """A persistent compilation cache for the end-to-end runs (restored afterwards)."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+    path = str(tmp_path_factory.mktemp("xla_cache"))
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    old = {n: getattr(jax.config, n) for n in names}
+    for n, v in zip(names, (path, 0.0, -1)):
+        jax.config.update(n, v)
+    cc.reset_cache()
+    yield path
+    for n, v in old.items():
+        jax.config.update(n, v)
+    cc.reset_cache()
+
+
+def _restore(workdir, step=None) -> tuple[int, dict]:
+    """(step, state as numpy) of a checkpoint in `workdir/checkpoints` (default latest)."""
+    import orbax.checkpoint as ocp
+    mngr = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"),
+                                 options=ocp.CheckpointManagerOptions(create=False))
+    step = mngr.latest_step() if step is None else step
+    state = mngr.restore(step, args=ocp.args.StandardRestore())
+    mngr.close()
+    return step, jax.device_get(state)
+
+
+def _steps(workdir, sub="checkpoints") -> list[int]:
+    d = Path(workdir) / sub
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, xla_cache):
+    """`full`: 4 steps in one go. `half`: the same config stopped after 2 steps (its
+    total_kimg halved), with a pristine copy for tests that resume it differently."""
+    root = tmp_path_factory.mktemp("runs")
+    data = make_image_folder(root / "data")
+    full, half, pristine = root / "full", root / "half", root / "half_pristine"
+    r_full = train.train_and_evaluate(tiny_config(data), str(full))
+    r_half = train.train_and_evaluate(tiny_config(data, total_kimg=0.016), str(half))
+    shutil.copytree(half, pristine)
+    return dict(data=data, full=full, half=half, pristine=pristine, r_full=r_full,
+                r_half=r_half)
+
+
+def _fresh_copy(runs, tmp_path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(runs["pristine"], dst)
+    return dst
+
+
+def test_run_writes_its_outputs(runs):
+    full = runs["full"]
+    assert runs["r_full"]["finished"] and runs["r_full"]["step"] == 4
+    assert _steps(full) == [2, 4]
+    assert _steps(full, "snapshots") == [4]
+    assert (full / "samples" / "000000000.png").exists()
+    saved = json.loads((full / "config.json").read_text())
+    assert saved["network"]["img_resolution"] == 8 and saved["network"]["label_dim"] == 2
+    stats = [json.loads(line) for line in (full / "stats.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in stats] == [2, 4]
+    assert all(np.isfinite(s["loss/loss"]) for s in stats)
+    from edm2_jax import checkpoint_train as ct
+    (step, meta), = ct.list_snapshots(str(full))
+    assert step == 4 and meta["nimg"] == 32 and meta["batch_size"] == 8
+    assert meta["ema_keys"] == ["0.050", "0.100"]
+    ema, _ = ct.restore_snapshot(str(full), 4)
+    _, state = _restore(full, 4)
+    assert _worst(ema, state["ema"]) == 0
+
+
+def test_resume_is_bitwise_identical(runs, monkeypatch):
+    """Stopping after 2 steps and resuming (with a larger total_kimg, which may change)
+    ends in exactly the state of the uninterrupted run; a finished run does nothing."""
+    half = runs["half"]
+    assert runs["r_half"]["finished"] and _steps(half) == [2]
+    r = train.train_and_evaluate(tiny_config(runs["data"]), str(half))
+    assert r["finished"] and r["step"] == 4 and _steps(half) == [2, 4]
+    (sa, a), (sb, b) = _restore(runs["full"]), _restore(half)
+    assert sa == sb == 4
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert np.array_equal(x, y)
+    assert int(b["step"]) == 4
+    # The full run's step-2 checkpoint was saved asynchronously while training went on
+    # with donated buffers; it equals the half run's, saved as its last act.
+    (_, a2), (_, b2) = _restore(runs["full"], 2), _restore(runs["pristine"], 2)
+    for x, y in zip(jax.tree.leaves(a2), jax.tree.leaves(b2)):
+        assert np.array_equal(x, y)
+    # A finished run: nothing is built, trained or written.
+    monkeypatch.setattr(train, "make_train_step", lambda *a, **k: pytest.fail("trained"))
+    before = sorted(p.name for p in half.rglob("*"))
+    r = train.train_and_evaluate(tiny_config(runs["data"]), str(half))
+    assert r == {"kimg": 0.032, "finished": True}
+    assert sorted(p.name for p in half.rglob("*")) == before
+
+
+def test_config_mismatch_fails_before_any_step(runs, tmp_path, monkeypatch):
+    run = _fresh_copy(runs, tmp_path)
+    saved = (run / "config.json").read_text()
+    monkeypatch.setattr(train, "make_train_step", lambda *a, **k: pytest.fail("trained"))
+    cfg = tiny_config(runs["data"], **{"network.model_channels": 16, "optim.ref_lr": 0.02})
+    with pytest.raises(ValueError) as e:
+        train.train_and_evaluate(cfg, str(run))
+    msg = str(e.value)
+    assert "network.model_channels: checkpoint 8 vs now 16" in msg
+    assert "optim.ref_lr: checkpoint 0.01 vs now 0.02" in msg
+    assert "--workdir" in msg
+    assert (run / "config.json").read_text() == saved  # the run's record is untouched
+    assert _steps(run) == [2]
+
+
+class _StopBeforeCompiling(Exception):
+    pass
+
+
+def test_labels_wanted_but_data_unlabelled(tmp_path, monkeypatch):
+    data = make_image_folder(tmp_path / "data", labels=False)
+    with pytest.raises(ValueError, match="no dataset.json.*use_labels=False"):
+        train.train_and_evaluate(tiny_config(data), str(tmp_path / "run"))
+    assert not (tmp_path / "run" / "config.json").exists()
+    # The fix the message names: an unconditional run, although the config's network
+    # asked for 10 classes (the data decide). Stopped once its config is recorded.
+    def stop(*args, **kwargs):
+        raise _StopBeforeCompiling
+    monkeypatch.setattr(train.shard_lib, "make_mesh", stop)
+    cfg = tiny_config(data, **{"data.use_labels": False})
+    assert cfg.network.label_dim == 10
+    with pytest.raises(_StopBeforeCompiling):
+        train.train_and_evaluate(cfg, str(tmp_path / "run"))
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["network"]["label_dim"] == 0 and saved["data"]["use_labels"] is False
+
+
+def test_missing_fashion_mnist_names_the_package(tmp_path):
+    c = _load_fmnist_config("tiny")
+    c.data.path = "/nonexistent"
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
+        train.train_and_evaluate(c, str(tmp_path / "run"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(runs, tmp_path, monkeypatch):
+    """Resuming on data that turns NaN raises NonFiniteLossError before the next
+    checkpoint; the checkpoint that was there is kept and still restores."""
+    run = _fresh_copy(runs, tmp_path)
+    _, good = _restore(run, 2)
+    make_iterator = data_lib.make_iterator
+
+    def nan_iterator(*args, **kwargs):
+        for batch in make_iterator(*args, **kwargs):
+            yield dict(batch, image=np.full_like(batch["image"], np.nan))
+
+    monkeypatch.setattr(train.data_lib, "make_iterator", nan_iterator)
+    with pytest.raises(train.NonFiniteLossError, match="non-finite loss.*step 2.*ref_lr"):
+        train.train_and_evaluate(tiny_config(runs["data"]), str(run))
+    assert _steps(run) == [2]
+    assert _steps(run, "snapshots") == [2]
+    step, state = _restore(run)
+    assert step == 2
+    for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(good)):
+        assert np.array_equal(x, y)
+
+
+def _cli(config_arg: str, workdir, overrides: dict, env_extra: dict | None = None):
+    flags = [f"--config.{k}={v}" for k, v in overrides.items()]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "edm2_jax.main", f"--config={config_arg}",
+                           f"--workdir={workdir}", *flags],
+                          env=env, capture_output=True, text=True, cwd=REPO, timeout=900)
+
+
+def _check_cli_outputs(workdir: Path, steps: list[int]) -> None:
+    assert json.loads((workdir / "config.json").read_text())["batch_size"] > 0
+    assert _steps(workdir) == steps
+    assert _steps(workdir, "snapshots")
+    assert (workdir / "stats.jsonl").read_text().strip()
+    assert list((workdir / "samples").glob("*.png"))
+
+
+def test_cli_trains_the_tiny_config(runs, tmp_path, xla_cache):
+    """`python -m edm2_jax.main --config=configs/fashion_mnist.py:tiny --config.x=...`
+    on the tiny image folder (the same programs as `runs`, so compiled ones are reused)."""
+    overrides = {**TINY_OVERRIDES, "data.path": runs["data"]}
+    r = _cli(f"{FMNIST_CONFIG}:tiny", tmp_path / "run", overrides,
+             {"JAX_COMPILATION_CACHE_DIR": xla_cache,
+              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check_cli_outputs(tmp_path / "run", [2, 4])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FMNIST_DIR.exists(), reason="apt-get install dataset-fashion-mnist")
+def test_cli_fashion_mnist_tiny(tmp_path):
+    """The documented smoke test, unchanged: Fashion-MNIST 32x32, 8 steps of 32."""
+    r = _cli(f"{FMNIST_CONFIG}:tiny", tmp_path / "run", {})
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check_cli_outputs(tmp_path / "run", [4, 8])
