@@ -144,9 +144,9 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
         lr = optim_lib.learning_rate(nimg, batch_size=batch_size, ref_lr=config.optim.ref_lr,
                                      t_ref=config.optim.t_ref, rampup_kimg=config.optim.rampup_kimg)
         metrics = {"objective": loss, "lr": jnp.asarray(lr, jnp.float32),
-                   "grad_norm": optax.global_norm(grads),
-                   "update_norm": optax.global_norm(updates),
-                   "param_norm": optax.global_norm(new_params),
+                   "grad_norm": optax.tree.norm(grads),
+                   "update_norm": optax.tree.norm(updates),
+                   "param_norm": optax.tree.norm(new_params),
                    **{f"loss/{k}": v for k, v in aux.items()}}
         new_state = dict(state, step=state["step"] + 1, params=new_params, opt_state=opt_state,
                          ema=ema, rng=rng)
@@ -243,15 +243,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     source = data_lib.make_source(config.data)
     src_kw = data_lib.network_kwargs(source)
     config = ml_collections.ConfigDict(config.to_dict())
+    if config.data.use_labels and not source.label_dim:
+        raise ValueError(f"the config wants labels (data.use_labels=True) but {source.name} has "
+                         f"none; set --config.data.use_labels=False for an unconditional model")
     for k, v in src_kw.items():
         if k == "label_dim" and not config.data.use_labels:
             v = 0
         if config.network.get(k) != v:
             print(f"network.{k}: {config.network.get(k)} -> {v} (from the data)")
             config.network[k] = v
-    if config.network.label_dim and not source.label_dim:
-        raise ValueError("the config wants labels (network.label_dim > 0) but the data has none; "
-                         "set data.use_labels=False")
 
     # Config bookkeeping: same run, or a clear error before any step.
     cfg_path = os.path.join(workdir, "config.json")
