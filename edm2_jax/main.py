@@ -46,11 +46,25 @@ flags.DEFINE_string("ref", None, "eval: reference statistics (.pkl/.npz) for FID
 flags.DEFINE_string("out_json", None, "eval: append the results as one JSON line here.")
 
 
+def _enable_compilation_cache():
+    """Persistent XLA cache: a resumed or repeated run skips its compiles. Disable with
+    EDM2_JAX_COMPILATION_CACHE=off; default ~/.cache/edm2_jax/xla."""
+    import os
+
+    import jax
+    path = os.environ.get("EDM2_JAX_COMPILATION_CACHE",
+                          os.path.join(os.path.expanduser("~"), ".cache", "edm2_jax", "xla"))
+    if path != "off" and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+    _enable_compilation_cache()
     if FLAGS.mode == "generate":
         if not FLAGS.net:
             raise app.UsageError("--mode=generate needs --net=PATH")
