@@ -106,20 +106,39 @@ def evaluate(images: Iterator[np.ndarray], num_images: int, metrics: list[str], 
     return results
 
 
+def source_images(data_config: Any, split: str, num_images: int, seed: int = 0,
+                  batch_size: int = 64) -> Iterator[np.ndarray]:
+    """uint8 batches of `num_images` random images (seeded) of a dataset split."""
+    from edm2_jax import data as data_lib
+    if data_config is None:
+        raise ValueError("--data_split_images needs --config (its data section)")
+    src = data_lib.make_source(dict(data_config, split=split))
+    if len(src) < num_images:
+        raise ValueError(f"{src.name} has {len(src)} images, fewer than --num_images={num_images}")
+    idx = np.sort(np.random.RandomState(seed).choice(len(src), num_images, replace=False))
+    for i in range(0, num_images, batch_size):
+        yield np.stack([src[j][0] for j in idx[i:i + batch_size]])
+
+
 def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int, metrics: str,
               ref: str | None, data_config: Any, ema: str | None = None, batch_size: int = 64,
-              num_steps: int = 32, out_json: str | None = None, **gen_kw) -> dict:
+              num_steps: int = 32, out_json: str | None = None, ref_split: str = "test",
+              data_split_images: str | None = None, **gen_kw) -> dict:
     """CLI body of `--mode=eval` (see module doc). Prints and returns the results."""
     names = [m.strip() for m in metrics.split(",") if m.strip()]
-    if bool(images_dir) == bool(net_path):
-        raise ValueError("--mode=eval needs exactly one of --images=DIR or --net=PATH")
-    if images_dir:
+    if sum(map(bool, (images_dir, net_path, data_split_images))) != 1:
+        raise ValueError("--mode=eval needs exactly one of --images=DIR, --net=PATH or "
+                         "--data_split_images=SPLIT")
+    if data_split_images:
+        imgs = source_images(data_config, data_split_images, num_images, batch_size=batch_size)
+    elif images_dir:
         imgs = folder_images(images_dir, num_images, batch_size)
     else:
         imgs = net_images(net_path, num_images, batch_size, ema=ema, num_steps=num_steps, **gen_kw)
-    res = evaluate(imgs, num_images, names, ref=ref, data_config=data_config)
+    res = evaluate(imgs, num_images, names, ref=ref, data_config=data_config, ref_split=ref_split)
     print(json.dumps(res, indent=2))
     if out_json:
         with open(out_json, "a") as f:
-            f.write(json.dumps(dict(res, images=images_dir, net=net_path)) + "\n")
+            f.write(json.dumps(dict(res, images=images_dir or data_split_images, net=net_path,
+                                    ref_split=ref_split)) + "\n")
     return res

@@ -44,6 +44,9 @@ flags.DEFINE_integer("num_images", 50000, "eval: number of images (error if fewe
 flags.DEFINE_string("metrics", "fid", "eval: comma list of fid (Inception), cls (classifier FD/KID/PR).")
 flags.DEFINE_string("ref", None, "eval: reference statistics (.pkl/.npz) for FID.")
 flags.DEFINE_string("out_json", None, "eval: append the results as one JSON line here.")
+flags.DEFINE_string("ref_split", "test", "eval: split of the --config dataset used as reference.")
+flags.DEFINE_string("data_split_images", None, "eval: evaluate N images of this split of the --config "
+                    "dataset instead of --net/--images (the floor a perfect model reaches).")
 
 
 def _enable_compilation_cache():
@@ -80,7 +83,8 @@ def main(argv):
         from edm2_jax import evaluate
         evaluate.main_eval(
             images_dir=FLAGS.images, net_path=FLAGS.net, num_images=FLAGS.num_images,
-            metrics=FLAGS.metrics, ref=FLAGS.ref,
+            metrics=FLAGS.metrics, ref=FLAGS.ref, ref_split=FLAGS.ref_split,
+            data_split_images=FLAGS.data_split_images,
             data_config=FLAGS.config.data.to_dict() if FLAGS.config else None,
             ema=FLAGS.ema, batch_size=FLAGS.batch, num_steps=FLAGS.steps, out_json=FLAGS.out_json,
             class_idx=FLAGS.class_idx, guide=None, guidance=1.0)
