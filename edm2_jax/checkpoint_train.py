@@ -2,8 +2,9 @@
 
     WORKDIR/checkpoints/<step>/   full train state every `checkpoint_kimg` (async, last N kept)
     WORKDIR/snapshots/<step>/     every tracked EMA every `snapshot_kimg` (all kept), with
-                                  JSON metadata {nimg, batch_size, sigma_rels, ema_keys}:
-                                  the input of post-hoc EMA reconstruction
+                                  JSON metadata {nimg, batch_size, sigma_rels, ema_keys}
+                                  and optionally the MPFourier buffers: the input of
+                                  post-hoc EMA reconstruction (phema.py)
     WORKDIR/stats.jsonl, WORKDIR/tb/
 
 Orbax writes into a temporary directory and renames it when complete, so a run killed
@@ -38,15 +39,20 @@ class TrainCheckpoints:
             return
         self.state_mngr.save(step, args=ocp.args.StandardSave(state))
 
-    def save_snapshot(self, step: int, nimg: int, ema: dict, sigma_rels, batch_size: int) -> None:
+    def save_snapshot(self, step: int, nimg: int, ema: dict, sigma_rels, batch_size: int,
+                      buffers: dict | None = None) -> None:
+        """Save the EMAs (and, if given, the MPFourier `buffers`, which post-hoc EMA
+        reconstruction writes into its network checkpoints) as snapshot `step`."""
         if step in (self.snap_mngr.all_steps() or []):
             return
         meta = {"nimg": int(nimg), "batch_size": int(batch_size),
                 "sigma_rels": [float(s) for s in sigma_rels],
                 "ema_keys": sorted(ema.get("power", {})),
                 "traditional": "traditional" in ema}
-        self.snap_mngr.save(step, args=ocp.args.Composite(
-            ema=ocp.args.StandardSave(ema), meta=ocp.args.JsonSave(meta)))
+        items = dict(ema=ocp.args.StandardSave(ema), meta=ocp.args.JsonSave(meta))
+        if buffers:  # Orbax cannot save an empty tree
+            items["buffers"] = ocp.args.StandardSave(buffers)
+        self.snap_mngr.save(step, args=ocp.args.Composite(**items))
 
     def restore_latest(self, abstract_state, sharding) -> dict | None:
         """Latest complete state checkpoint restored onto `sharding`, or None if there is
