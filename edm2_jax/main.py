@@ -6,6 +6,10 @@ Modes:
            --workdir=DIR` writes a network checkpoint that the rest of the project loads.
   eval     metrics (`--metrics=fid,cls`) of `--images=DIR` or of `--net` generating
            `--num_images`; reference: `--ref=stats.pkl` or the dataset of `--config`.
+  phema    post-hoc EMA (Alg. 3): `--workdir=RUN --sigma_rel=0.05,0.1 [--at_kimg] [--per_tensor]`
+           reconstructs network checkpoints from the run's EMA snapshots.
+  phema_sweep  reconstruct each `--sigma_rel`, evaluate `--metrics` (one of cls, fid) on
+           `--num_images`, write a CSV and plot, name the best.
   generate images for `--seeds` from `--net` (network checkpoint, run dir or EMA snapshot)
            into `--outdir` and/or a `--grid` PNG; `--guide`/`--guidance` for (auto)guidance.
 Config fields are overridden with `--config.field=value`, e.g. `--config.total_kimg=100`.
@@ -19,7 +23,8 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py[:variant]).",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory of the run (checkpoints, logs, samples).")
-flags.DEFINE_enum("mode", "train", ["train", "convert", "generate", "eval"], "What to do.")
+flags.DEFINE_enum("mode", "train", ["train", "convert", "generate", "eval", "phema", "phema_sweep"],
+                  "What to do.")
 flags.DEFINE_string("src", None, "convert: released network pickle / state_dict (.pkl, .pt, .npz).")
 # generate
 flags.DEFINE_string("net", None, "generate: network checkpoint, training run dir or RUN/snapshots/<step>.")
@@ -38,6 +43,10 @@ flags.DEFINE_float("S_churn", 0.0, "generate: stochastic churn.")
 flags.DEFINE_float("S_min", 0.0, "generate: churn lower sigma.")
 flags.DEFINE_float("S_max", float("inf"), "generate: churn upper sigma.")
 flags.DEFINE_float("S_noise", 1.0, "generate: churn noise scale.")
+# phema
+flags.DEFINE_string("sigma_rel", "0.05,0.10", "phema: comma list of EMA lengths sigma_rel.")
+flags.DEFINE_float("at_kimg", None, "phema: reconstruct at this time (default: the last snapshot).")
+flags.DEFINE_string("per_tensor", None, "phema: 'REGEX=SIGMA_REL;...' different sigma_rel per parameter path.")
 # eval
 flags.DEFINE_string("images", None, "eval: folder of images to evaluate instead of --net.")
 flags.DEFINE_integer("num_images", 50000, "eval: number of images (error if fewer are available).")
@@ -91,6 +100,26 @@ def main(argv):
         return
     if not FLAGS.workdir:
         raise app.UsageError("--workdir is required")
+    if FLAGS.mode in ("phema", "phema_sweep"):
+        from edm2_jax import phema
+        sigma_rels = [float(x) for x in FLAGS.sigma_rel.split(",") if x.strip()]
+        if FLAGS.mode == "phema":
+            phema.main_phema(FLAGS.workdir, sigma_rels, FLAGS.at_kimg, FLAGS.outdir, FLAGS.per_tensor)
+            return
+        from edm2_jax import evaluate
+        metric = FLAGS.metrics.split(",")[0]
+        key = {"cls": "fd_cls", "fid": evaluate.fid_name(FLAGS.num_images)}[metric]
+        data_config = FLAGS.config.data.to_dict() if FLAGS.config else None
+
+        def metric_fn(net_path):
+            imgs = evaluate.net_images(net_path, FLAGS.num_images, FLAGS.batch, num_steps=FLAGS.steps)
+            return evaluate.evaluate(imgs, FLAGS.num_images, [metric], ref=FLAGS.ref,
+                                     data_config=data_config, ref_split=FLAGS.ref_split)[key]
+
+        csv_path, png = phema.sweep(FLAGS.workdir, sigma_rels, metric_fn, at_kimg=FLAGS.at_kimg,
+                                    out_dir=FLAGS.outdir, metric_name=key, per_tensor=FLAGS.per_tensor)
+        print(f"Sweep -> {csv_path} {png or ''}")
+        return
     if FLAGS.mode == "convert":
         if not FLAGS.src:
             raise app.UsageError("--mode=convert needs --src=FILE")
