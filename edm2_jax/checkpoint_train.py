@@ -26,13 +26,15 @@ class TrainCheckpoints:
     def __init__(self, workdir: str, keep: int = 3):
         self.workdir = workdir
         self.state_mngr = ocp.CheckpointManager(
-            os.path.join(workdir, "checkpoints"),
+            os.path.join(workdir, "checkpoints"), item_handlers=ocp.StandardCheckpointHandler(),
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                                 enable_async_checkpointing=True))
+                                                 enable_async_checkpointing=True,
+                                                 cleanup_tmp_directories=True))
         self.snap_mngr = ocp.CheckpointManager(
             os.path.join(workdir, "snapshots"),
             options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
-                                                 enable_async_checkpointing=True))
+                                                 enable_async_checkpointing=True,
+                                                 cleanup_tmp_directories=True))
 
     def save_state(self, step: int, state: dict) -> None:
         if step in (self.state_mngr.all_steps() or []):
@@ -55,36 +57,69 @@ class TrainCheckpoints:
         self.snap_mngr.save(step, args=ocp.args.Composite(**items))
 
     def restore_latest(self, abstract_state, sharding) -> dict | None:
-        """Latest complete state checkpoint restored onto `sharding`, or None if there is
-        none. A checkpoint that fails to restore is skipped with a warning (the previous
-        one is tried); a structure mismatch (different config) raises ValueError."""
+        """Latest complete state checkpoint restored onto `sharding` (one sharding, or a
+        pytree of them like `abstract_state`), or None if there is none. A checkpoint
+        that fails to restore is renamed `<step>.corrupt` with a warning (so that the
+        resumed run can save that step again) and the previous one is tried; one whose
+        metadata names other arrays or shapes (different config) raises ValueError."""
         steps = sorted(self.state_mngr.all_steps() or [], reverse=True)
+        if isinstance(sharding, jax.sharding.Sharding):
+            sharding = jax.tree.map(lambda _: sharding, abstract_state)
         target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract_state)
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state,
+            sharding)
         errors = []
+        want = _shapes(abstract_state)
         for step in steps:
             try:
-                return self.state_mngr.restore(step, args=ocp.args.StandardRestore(target))
+                saved = _shapes(self.state_mngr.item_metadata(step))
+                state = (self.state_mngr.restore(step, args=ocp.args.StandardRestore(target))
+                         if saved == want else None)
             except Exception as e:  # noqa: BLE001 - orbax raises many types
-                msg = str(e)
-                if "shape" in msg.lower() or "structure" in msg.lower() or "tree" in msg.lower():
-                    raise ValueError(
-                        f"checkpoint {step} in {self.workdir}/checkpoints does not match the "
-                        f"current model/optimiser config ({msg.splitlines()[0][:300]}). Use a new "
-                        f"--workdir or the config the run was started with.") from e
-                warnings.warn(f"checkpoint {step} failed to restore ({msg[:200]}); trying the "
-                              f"previous one")
+                warnings.warn(f"checkpoint {step} failed to restore ({str(e)[:300]}); moved "
+                              f"to {step}.corrupt, trying the previous one")
+                self._set_aside(step)
                 errors.append(step)
+                continue
+            if saved != want:
+                diff = sorted(set(saved.items()) ^ set(want.items()))[:4]
+                raise ValueError(
+                    f"checkpoint {step} in {self.workdir}/checkpoints does not match the "
+                    f"current model/optimiser config (differing (path, shape): {diff}). Use a "
+                    f"new --workdir or the config the run was started with.")
+            return state
         if errors:
             raise RuntimeError(f"no checkpoint in {self.workdir}/checkpoints could be restored "
                                f"(tried steps {errors})")
         return None
+
+    def _set_aside(self, step: int) -> None:
+        """Rename checkpoint `step` to `<step>.corrupt` (process 0; all wait for it)."""
+        path = os.path.join(self.workdir, "checkpoints", str(step))
+        if jax.process_index() == 0 and os.path.isdir(path):
+            dst, n = f"{path}.corrupt", 1
+            while os.path.exists(dst):
+                dst, n = f"{path}.corrupt{n}", n + 1
+            os.replace(path, dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
+        self.state_mngr.reload()
 
     def close(self) -> None:
         self.state_mngr.wait_until_finished()
         self.snap_mngr.wait_until_finished()
         self.state_mngr.close()
         self.snap_mngr.close()
+
+
+def _shapes(tree) -> dict:
+    """`{path: shape}` of the arrays of a pytree (or of Orbax tree metadata, whose
+    named tuples appear as dicts), path = tuple of key names."""
+    def name(k):
+        return str(next(getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)))
+    return {tuple(name(k) for k in path): tuple(x.shape)
+            for path, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def list_snapshots(workdir: str) -> list[tuple[int, dict]]:

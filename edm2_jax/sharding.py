@@ -1,39 +1,92 @@
-"""Device mesh and shardings for data-parallel training.
+"""Device mesh and shardings: data parallelism, optionally with FSDP.
 
-One mesh axis, `'data'`, over every device of every host; the batch is split along it
-and params, optimiser state and EMAs are replicated. The same code runs on 1 CPU, 8
-simulated CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=8`), a GPU box
-or a TPU slice.
+The mesh has two axes, `('data', 'fsdp')`, over every device of every host; its shape is
+`config.mesh = {data: -1, fsdp: 1}` (-1 = all the devices the other axis leaves).
+
+- The batch is split along both axes together (each device gets `B / num_devices`
+  images), so FSDP devices are data-parallel too, as in ZeRO-3.
+- Params, Adam moments and EMAs (`state_shardings`): each array is split along `'fsdp'`
+  on its largest axis divisible by the fsdp size; ties go to the later axis (output
+  channels of HWIO / `[in, out]` weights), so forced weight normalisation over the fan-in
+  stays local. Arrays with no such axis (gains, Adam's count) are replicated. XLA's SPMD
+  partitioner inserts the all-gathers of weights and the reduce-scatters of gradients.
+- The step counter, PRNG key and MPFourier buffers are replicated.
+
+With `fsdp = 1` everything but the batch is replicated: plain data parallelism. The same
+code runs on 1 CPU, 8 simulated CPU devices
+(`XLA_FLAGS=--xla_force_host_platform_device_count=8`), a GPU box, several SLURM hosts or
+a TPU slice (one process per host, `maybe_initialize_distributed`).
 """
 from __future__ import annotations
 
+import functools
 import os
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-DATA = "data"
+DATA, FSDP = "data", "fsdp"
+BATCH_AXES = (DATA, FSDP)  # the batch is split over the whole mesh
+
+# Top-level entries of the train state that FSDP shards; the others are replicated.
+FSDP_STATE_KEYS = ("params", "opt_state", "ema")
 
 
 def maybe_initialize_distributed() -> None:
-    """Call `jax.distributed.initialize()` when launched as one of several processes
-    (SLURM with several tasks, TPU pod slices, or JAX_COORDINATOR_ADDRESS set)."""
+    """Call `jax.distributed.initialize()` when launched as one of several processes:
+    SLURM with several tasks, TPU pod slices (both detected by JAX), or by hand with
+    `JAX_COORDINATOR_ADDRESS=host:port JAX_NUM_PROCESSES=n JAX_PROCESS_ID=i` set in
+    each process."""
     multi = (int(os.environ.get("SLURM_NTASKS", "1")) > 1
              or os.environ.get("JAX_COORDINATOR_ADDRESS")
              or os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0)
     if multi and not jax.distributed.is_initialized():
-        jax.distributed.initialize()
+        kw = {}
+        if os.environ.get("JAX_NUM_PROCESSES") and os.environ.get("JAX_PROCESS_ID"):
+            kw = dict(num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                      process_id=int(os.environ["JAX_PROCESS_ID"]))
+        jax.distributed.initialize(**kw)
 
 
-def make_mesh(num_devices: int | None = None) -> Mesh:
-    """A 1-D `Mesh` with axis `'data'` over the first `num_devices` (default all) devices."""
+def make_mesh(num_devices: int | None = None, *, data: int = -1, fsdp: int = 1) -> Mesh:
+    """A `Mesh` with axes `('data', 'fsdp')` of shape `(data, fsdp)`.
+
+    Args:
+      num_devices: use the first `num_devices` devices (default: all, of all hosts).
+      data: size of the data-parallel axis; -1 = `num_devices // fsdp`.
+      fsdp: size of the axis that params, optimiser state and EMAs are split along.
+
+    Raises ValueError when the sizes do not multiply to the device count.
+    """
     devices = jax.devices()
     if num_devices is not None:
         if num_devices > len(devices):
             raise ValueError(f"asked for {num_devices} devices, only {len(devices)} available")
         devices = devices[:num_devices]
-    return Mesh(np.asarray(devices), (DATA,))
+    n = len(devices)
+    data, fsdp = int(data), int(fsdp)
+    if fsdp < 1 or n % fsdp:
+        raise ValueError(f"mesh.fsdp={fsdp} must be >= 1 and divide the {n} devices; set "
+                         f"--config.mesh.fsdp to a divisor of {n}")
+    if data == -1:
+        data = n // fsdp
+    if data * fsdp != n:
+        raise ValueError(f"mesh data={data} x fsdp={fsdp} = {data * fsdp} devices, but there "
+                         f"are {n}; set --config.mesh.data=-1 to use them all")
+    # jax.make_mesh orders the devices for the interconnect (process-major on CPU and
+    # GPU, so host p's devices hold batch rows [p B/P, (p+1) B/P), the slice its data
+    # iterator loads); global_batch places each host's rows on its own devices.
+    return jax.make_mesh((data, fsdp), (DATA, FSDP), devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def mesh_from_config(config: Any) -> Mesh:
+    """`make_mesh` with the sizes of `config.mesh` (default `{data: -1, fsdp: 1}`)."""
+    m = config.get("mesh") or {}
+    return make_mesh(data=m.get("data", -1), fsdp=m.get("fsdp", 1))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -41,12 +94,66 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh, leading_unsharded: int = 0) -> NamedSharding:
-    """Shard axis `leading_unsharded` of an array along `'data'` (earlier axes unsplit)."""
-    return NamedSharding(mesh, P(*([None] * leading_unsharded), DATA))
+    """Split axis `leading_unsharded` of an array over the whole mesh (earlier axes
+    unsplit)."""
+    return NamedSharding(mesh, P(*([None] * leading_unsharded), BATCH_AXES))
+
+
+def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> P:
+    """`PartitionSpec` splitting the largest axis of `shape` divisible by `fsdp` along
+    `'fsdp'` (the last such axis among equals), or replicated (`P()`) if none is or
+    `fsdp == 1`."""
+    if fsdp == 1:
+        return P()
+    best = None
+    for axis, size in enumerate(shape):
+        if size % fsdp == 0 and (best is None or size >= shape[best]):
+            best = axis
+    if best is None:
+        return P()
+    return P(*([None] * best), FSDP)
+
+
+def state_shardings(mesh: Mesh, state: Any) -> Any:
+    """Pytree of `NamedSharding`s like `state` (arrays or `ShapeDtypeStruct`s): the
+    entries in FSDP_STATE_KEYS by `fsdp_spec`, everything else replicated."""
+    fsdp = mesh.shape[FSDP]
+
+    def leaf_sharding(path, x):
+        top = path[0].key if path and hasattr(path[0], "key") else None
+        spec = fsdp_spec(tuple(x.shape), fsdp) if top in FSDP_STATE_KEYS else P()
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(leaf_sharding, state)
 
 
 def global_batch(mesh: Mesh, local: dict) -> dict:
-    """Assemble a global batch (sharded along `'data'`) from this process's slice."""
+    """Assemble a global batch (split over the mesh) from this process's slice."""
     sharding = batch_sharding(mesh)
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
             for k, v in local.items()}
+
+
+def to_host(tree: Any) -> Any:
+    """Numpy copy of a pytree of (possibly sharded, possibly multi-host) arrays. A
+    collective when some array spans several processes: every process must call it."""
+    leaves = jax.tree.leaves(tree)
+    if all(getattr(x, "is_fully_addressable", True) for x in leaves):
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_any(mesh: Mesh):
+    return jax.jit(jnp.any, out_shardings=replicated(mesh))
+
+
+def any_process(mesh: Mesh, flag: bool) -> jax.Array:
+    """Dispatch the OR of this process's `flag` over all processes, without waiting: a
+    replicated bool scalar to read (`bool(...)`) later. A collective: every process must
+    call it, the same number of times."""
+    local = np.full((len(mesh.local_devices),), bool(flag))
+    arr = jax.make_array_from_process_local_data(NamedSharding(mesh, P(BATCH_AXES)), local,
+                                                 (mesh.size,))
+    return _jit_any(mesh)(arr)

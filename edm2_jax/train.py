@@ -17,11 +17,13 @@ with the post-update weights at the images seen *after* it.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import math
 import os
 import signal
+import threading
 import time
 from typing import Any, Callable
 
@@ -45,6 +47,10 @@ Array = jax.Array
 
 class NonFiniteLossError(RuntimeError):
     pass
+
+
+class CheckpointSaveError(OSError):
+    """Writing a checkpoint failed (disk full, permissions, ...); earlier ones are intact."""
 
 
 # --------------------------------------------------------------------------------------
@@ -156,12 +162,15 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
 
 
 def jit_train_step(train_step: Callable, mesh, state_sharding=None) -> Callable:
-    """`jax.jit` the step over `mesh`: batch split along `'data'`, state replicated,
-    state donated."""
+    """`jax.jit` the step over `mesh`: batch split over the whole mesh, state on
+    `state_sharding` (one sharding or a pytree of them like the state, e.g.
+    `sharding.state_shardings`; default replicated) and donated, metrics replicated."""
     rep = shard_lib.replicated(mesh)
     bs = shard_lib.batch_sharding(mesh)
-    return jax.jit(train_step, in_shardings=(state_sharding or rep, bs),
-                   out_shardings=(state_sharding or rep, rep), donate_argnums=(0,))
+    if state_sharding is None:
+        state_sharding = rep
+    return jax.jit(train_step, in_shardings=(state_sharding, bs),
+                   out_shardings=(state_sharding, rep), donate_argnums=(0,))
 
 
 # --------------------------------------------------------------------------------------
@@ -217,8 +226,63 @@ def _memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def _save_error(e: Exception, step: int, workdir: str, managers) -> CheckpointSaveError:
+    """The error to raise when saving the checkpoint or EMA snapshot of `step` failed
+    with `e` (Orbax wraps the OSError of a full disk; it is found in the chain)."""
+    cause, seen = e, set()
+    while cause is not None and not isinstance(cause, OSError) and id(cause) not in seen:
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    cause = cause if isinstance(cause, OSError) else e
+    try:
+        done = sorted(managers.state_mngr.all_steps(read=True) or [])
+    except Exception:  # noqa: BLE001 - only for the message
+        done = "?"
+    hint = "free disk space" if getattr(cause, "errno", None) == errno.ENOSPC else "fix that"
+    return CheckpointSaveError(
+        getattr(cause, "errno", None) or errno.EIO,
+        f"saving step {step} in {workdir} failed: {type(cause).__name__}: {cause}. The "
+        f"complete earlier checkpoints {done} are intact (unfinished saves are deleted on the "
+        f"next start); {hint} and re-run the same command to resume from the latest.")
+
+
 def _ema_variables(state: dict, key: str) -> dict:
     return {"params": state["ema"]["power"][key], "buffers": state["buffers"]}
+
+
+class StopRequest:
+    """SIGTERM/SIGINT as a request to stop after the current step (preemption).
+
+    Within `with StopRequest() as stop:` the first signal sets `stop.signal` (its
+    number) and `stop.received_at` (the value of `stop.step`, which the training loop
+    keeps current); a second one raises KeyboardInterrupt at once. The previous handlers
+    come back on exit. Outside the main thread, where Python cannot catch signals, it
+    changes nothing.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signal: int | None = None
+        self.received_at: int | None = None
+        self.step = 0
+        self._old: dict = {}
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum, _frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt(f"second signal {signum}: stopping without a checkpoint")
+        self.signal, self.received_at = signum, self.step
+        print(f"\nReceived signal {signum} at step {self.step}: finishing this step, saving a "
+              f"checkpoint, exiting (send it again to stop at once).", flush=True)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -227,10 +291,31 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     Writes `config.json`, `checkpoints/` (full state every `checkpoint_kimg`, last
     `keep_checkpoints` kept), `snapshots/` (every tracked EMA every `snapshot_kimg`),
     `stats.jsonl`, TensorBoard scalars in `tb/`, and sample grids `samples/*.png`.
-    Returns the last status dict. Raises ValueError for a config that does not match the
-    run in `workdir`, the data errors of `data.make_source`, and NonFiniteLossError when
-    the loss becomes NaN/inf (the last good checkpoint is kept).
+    Returns the last status dict (`finished` False when stopped by a signal).
+
+    Devices: a mesh of shape `config.mesh` (`sharding.py`; `fsdp > 1` shards params,
+    Adam state and EMAs). Several hosts: one process per host, `jax.distributed` set up
+    from the environment, each loading its slice of every batch; only process 0 writes
+    logs and images; checkpoints are written by all (`workdir` must be shared).
+
+    Faults: SIGTERM/SIGINT finish the current step, save a checkpoint and return (all
+    processes stop at the same step, at most one step later); a second signal
+    interrupts at once. A run killed at any moment resumes from its last complete
+    checkpoint (Orbax renames a checkpoint into place only when complete and deletes
+    unfinished ones); a checkpoint that does not restore is set aside and the previous
+    one is used.
+
+    Raises ValueError for a config that does not match the run in `workdir`, the data
+    errors of `data.make_source`, NonFiniteLossError when the loss becomes NaN/inf (the
+    last good checkpoint is kept), and CheckpointSaveError when a checkpoint cannot be
+    written (e.g. disk full; the earlier ones are intact).
     """
+    with StopRequest() as stop:
+        return _train_and_evaluate(config, workdir, stop)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                        stop: StopRequest) -> dict:
     from edm2_jax import checkpoint_train as ct  # heavy orbax imports only when training
     from edm2_jax.sampling import sample_images, save_image_grid
 
@@ -264,17 +349,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             json.dump(current, f, indent=2)
         os.replace(cfg_path + ".tmp", cfg_path)
 
-    mesh = shard_lib.make_mesh()
+    mesh = shard_lib.mesh_from_config(config)
     num_accum = num_micro_batches(config, mesh.size)
     batch_size = int(config.batch_size)
     net = make_network(config)
     tx = optim_lib.make_optimizer(config.optim, batch_size)
-    rep = shard_lib.replicated(mesh)
-    init_fn = jax.jit(lambda r: init_train_state(config, net, tx, r), out_shardings=rep)
-    abstract_state = jax.eval_shape(init_fn, jax.random.PRNGKey(config.seed))
+    abstract_state = jax.eval_shape(lambda r: init_train_state(config, net, tx, r),
+                                    jax.random.PRNGKey(config.seed))
+    state_sharding = shard_lib.state_shardings(mesh, abstract_state)
+    init_fn = jax.jit(lambda r: init_train_state(config, net, tx, r),
+                      out_shardings=state_sharding)
 
     managers = ct.TrainCheckpoints(workdir, keep=int(config.keep_checkpoints))
-    state = managers.restore_latest(abstract_state, rep)
+    state = managers.restore_latest(abstract_state, state_sharding)
     resumed = state is not None
     if state is None:
         state = init_fn(jax.random.PRNGKey(config.seed))
@@ -288,12 +375,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         return {"kimg": nimg / 1000, "finished": True}
 
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
-    print(f"{'Resuming' if resumed else 'Starting'} in {workdir} at {nimg / 1000:.1f} kimg")
+    print(f"{'Resuming' if resumed else 'Starting'} in {workdir} at step {step0}, "
+          f"{nimg / 1000:.1f} kimg", flush=True)
     print(f"Data: {data_lib.describe(source)}")
-    print(f"Network: {n_params:,} parameters; batch {batch_size} on {mesh.size} device(s), "
-          f"{num_accum} micro-batch(es) per step; EMAs sigma_rel={list(config.ema.sigma_rels)}")
+    print(f"Network: {n_params:,} parameters ({config.network.dtype} compute); batch "
+          f"{batch_size} on {mesh.size} device(s) of {jax.process_count()} process(es), mesh "
+          f"{dict(mesh.shape)}, {num_accum} micro-batch(es) per step; EMAs "
+          f"sigma_rel={list(config.ema.sigma_rels)}")
 
-    step_fn = jit_train_step(make_train_step(config, net, tx, num_accum), mesh)
+    step_fn = jit_train_step(make_train_step(config, net, tx, num_accum), mesh, state_sharding)
     it = data_lib.make_iterator(source, global_batch=batch_size, seed=int(config.seed),
                                 start_nimg=nimg, process_index=jax.process_index(),
                                 process_count=jax.process_count(),
@@ -306,26 +396,42 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     snap_every = kimg_to_steps(config.snapshot_kimg)
     total_steps = math.ceil(total_nimg / batch_size)
 
-    stop = {"signal": None}
+    # Preemption: the signal handler (StopRequest) only raises a flag; the loop finishes
+    # the step in flight, checkpoints and returns. Processes OR their flags
+    # (sharding.any_process) so that all stop at the same step.
+    stop.step = step0
+    stop_flags: list = []
 
-    def on_signal(signum, _frame):
-        stop["signal"] = signum
-        print(f"\nReceived signal {signum}: finishing this step, saving a checkpoint, exiting.")
+    def stop_agreed() -> bool:
+        """Whether every process stops after this step (one collective per step, read
+        one step later so that it never waits for the device)."""
+        local = stop.signal is not None
+        if jax.process_count() == 1:
+            return local
+        stop_flags.append(shard_lib.any_process(mesh, local))
+        return len(stop_flags) > 1 and bool(stop_flags.pop(0))
 
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    def save_state(step: int):
+        try:
+            # A checkpoint must not land before the EMA snapshots of its steps: a run
+            # killed in between would resume past them and never write them.
+            managers.snap_mngr.wait_until_finished()
+            managers.save_state(step, state)
+        except Exception as e:  # noqa: BLE001 - re-raised with the fix named
+            raise _save_error(e, step, workdir, managers) from e
 
     def save_samples(tag: str):
+        key = ema_lib.ema_key(max(config.ema.sigma_rels))
+        variables = shard_lib.to_host(_ema_variables(state, key))  # every process
         if not is_main:
             return
-        key = ema_lib.ema_key(max(config.ema.sigma_rels))
         rows, cols = int(config.sample.grid_rows), int(config.sample.grid_cols)
         seeds = np.arange(rows * cols) + int(config.sample.seed)
         labels = None
         if net.label_dim:
             labels = jax.nn.one_hot(np.arange(rows * cols) % net.label_dim, net.label_dim)
         t = time.time()
-        imgs = sample_images(net, jax.device_get(_ema_variables(state, key)), seeds, labels,
-                             num_steps=int(config.sample.num_steps))
+        imgs = sample_images(net, variables, seeds, labels, num_steps=int(config.sample.num_steps))
         path = os.path.join(workdir, "samples", f"{tag}.png")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         save_image_grid(np.asarray(imgs), path, rows, cols)
@@ -358,11 +464,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         return {k: float(np.mean([m[k] for m in host])) for k in host[0] if k != "_step"}
 
     try:
-        step = step0
-        while step < total_steps and stop["signal"] is None:
+        # A signal during start-up (one process): stop before the first step.
+        step, stopping = step0, jax.process_count() == 1 and stop.signal is not None
+        while step < total_steps and not stopping:
             batch = shard_lib.global_batch(mesh, next(it))
             state, metrics = step_fn(state, batch)
             step += 1
+            stop.step = step
+            stopping = stop_agreed()
             metrics["_step"] = step - 1
             pending.append(metrics)
             if len(pending) >= 2:  # at most 2 steps in flight: honest progress and timings
@@ -374,7 +483,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             bar.update(1)
             nimg = step * batch_size
             done = step >= total_steps
-            if step % status_every == 0 or done or stop["signal"] is not None:
+            if step % status_every == 0 or done or stopping:
                 means = flush_metrics()
                 dt = time.time() - t_status
                 kimg_done = (nimg - nimg_status) / 1000
@@ -393,21 +502,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 managers.save_snapshot(step, nimg, state["ema"], tuple(config.ema.sigma_rels),
                                        batch_size)
                 save_samples(f"{nimg // 1000:09d}")
-            if step % ckpt_every == 0 or done or stop["signal"] is not None:
+            if step % ckpt_every == 0 or done or stopping:
                 flush_metrics()
-                managers.save_state(step, state)
+                save_state(step)
     finally:
         bar.close()
-        managers.close()  # waits for async saves to finish
         it.close() if hasattr(it, "close") else None
         if logger:
             logger.close()
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
+        try:
+            managers.close()  # waits for async saves to finish
+        except Exception as e:  # noqa: BLE001 - re-raised with the fix named
+            raise _save_error(e, step, workdir, managers) from e
 
-    if stop["signal"] is not None and step < total_steps:
-        print(f"Stopped by signal at {nimg / 1000:.1f} kimg; checkpoint saved. Re-run the same "
-              f"command to resume.")
-        return dict(last, finished=False)
+    if stopping and step < total_steps:
+        saved = f"checkpoint {step} saved" if step > step0 else "no new step to save"
+        why = (f"signal {stop.signal} (received at step {stop.received_at})" if stop.signal
+               else "a signal to another process")
+        print(f"Stopped by {why} at step {step}, {nimg / 1000:.3f} kimg; {saved}. Re-run the "
+              f"same command to resume.", flush=True)
+        return dict(last, finished=False, step=step)
     print(f"Training finished at {nimg / 1000:.1f} kimg in {time.time() - t_start:.0f} s.")
     return dict(last, finished=True)

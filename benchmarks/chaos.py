@@ -1,0 +1,278 @@
+"""Chaos test of resumable training: kill a tiny run at random moments, resume it each
+time, and check that nothing is corrupt or lost and that the result is the same.
+
+    python benchmarks/chaos.py --workdir=/tmp/chaos --kills=12 --json=/tmp/chaos.json
+
+1. Reference: the tiny run of tests/test_train.py (8x8 PNG folder, 8-channel U-Net,
+   batch 8) for `--steps` steps, uninterrupted, through the CLI (`python -m
+   edm2_jax.main`). A checkpoint every 2 steps (3 kept), an EMA snapshot every 8.
+2. Chaos: the same command, killed `--kills` times with SIGKILL or SIGTERM (chosen at
+   random) at a random moment: during start-up/restore/compilation (1 in 4) or during
+   training, and restarted after each kill; then run to the end.
+   After every kill:
+   - corrupt: a complete checkpoint (one of the newest `keep`) or EMA snapshot that does
+     not restore;
+   - lost: the newest complete checkpoint is older than one seen before the kill, or a
+     snapshot seen before is gone;
+   - a SIGTERM during training must exit 0 with a checkpoint at the step it stopped;
+   - the restart must resume from the newest complete checkpoint.
+3. The final checkpoint and every snapshot equal the reference's bitwise (CPU, same
+   compiled programs from a persistent XLA cache).
+
+Prints a JSON summary (also written to `--json`); exit status 1 if any check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.test_train import FMNIST_CONFIG, TINY_OVERRIDES, make_image_folder  # noqa: E402
+
+BATCH = TINY_OVERRIDES["batch_size"]
+KEEP = 3
+
+
+def run_overrides(data: Path, steps: int) -> dict:
+    return {**TINY_OVERRIDES, "data.path": data, "total_kimg": steps * BATCH / 1000,
+            "status_kimg": 2 * BATCH / 1000, "checkpoint_kimg": 2 * BATCH / 1000,
+            "snapshot_kimg": 8 * BATCH / 1000, "keep_checkpoints": KEEP}
+
+
+class Run:
+    """One CLI training process; its output lines are collected by a thread."""
+
+    def __init__(self, workdir: Path, overrides: dict, cache: str):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+                   JAX_COMPILATION_CACHE_DIR=cache,
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+        flags = [f"--config.{k}={v}" for k, v in overrides.items()]
+        self.t0 = time.time()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "edm2_jax.main", f"--config={FMNIST_CONFIG}:tiny",
+             f"--workdir={workdir}", *flags],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+        self.lines: list[str] = []
+        self.events: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self.events.put((time.time(), line))
+        self.events.put((time.time(), None))
+
+    def wait_for(self, text: str, timeout: float) -> float | None:
+        """Time at which a line containing `text` appeared (None: exited/timeout)."""
+        end = time.time() + timeout
+        while time.time() < end:
+            try:
+                t, line = self.events.get(timeout=max(0.01, end - time.time()))
+            except queue.Empty:
+                return None
+            if line is None:
+                return None
+            if text in line:
+                return t
+        return None
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+
+def complete_steps(workdir: Path, sub: str) -> list[int]:
+    d = workdir / sub
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+def restore_state(workdir: Path, step: int):
+    import jax
+    import orbax.checkpoint as ocp
+    mngr = ocp.CheckpointManager(workdir / "checkpoints",
+                                 options=ocp.CheckpointManagerOptions(create=False, read_only=True))
+    try:
+        return jax.device_get(mngr.restore(step, args=ocp.args.StandardRestore()))
+    finally:
+        mngr.close()
+
+
+def restore_snapshot(workdir: Path, step: int):
+    from edm2_jax import checkpoint_train as ct
+    return ct.restore_snapshot(str(workdir), step)[0]
+
+
+def equal(a, b) -> bool:
+    import jax
+    import numpy as np
+    return (jax.tree.structure(a) == jax.tree.structure(b)
+            and all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+
+
+def check_restorable(workdir: Path) -> tuple[list[str], list[int], list[int]]:
+    """(problems, complete checkpoint steps, complete snapshot steps) of a stopped run."""
+    problems = []
+    ckpts, snaps = complete_steps(workdir, "checkpoints"), complete_steps(workdir, "snapshots")
+    # An older checkpoint than the newest KEEP may be one whose deletion was cut short.
+    for step in ckpts[-KEEP:]:
+        try:
+            restore_state(workdir, step)
+        except Exception as e:  # noqa: BLE001 - any failure is a corrupt checkpoint
+            problems.append(f"checkpoint {step} does not restore: {str(e)[:200]}")
+    for step in snaps:
+        try:
+            restore_snapshot(workdir, step)
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"snapshot {step} does not restore: {str(e)[:200]}")
+    return problems, ckpts, snaps
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", required=True, help="scratch directory (emptied first)")
+    ap.add_argument("--kills", type=int, default=12, help="number of random kills")
+    ap.add_argument("--steps", type=int, default=60, help="training steps of the run")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
+    ap.add_argument("--cache", default="", help="XLA compilation cache dir (default: in workdir)")
+    ap.add_argument("--json", default="", help="also write the summary here")
+    args = ap.parse_args()
+
+    root = Path(args.workdir).resolve()
+    if root.exists():
+        for p in root.iterdir():
+            if p.name != "xla_cache" and str(p) != args.json:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    root.mkdir(parents=True, exist_ok=True)
+    cache = args.cache or str(root / "xla_cache")
+    data = make_image_folder(root / "data")
+    overrides = run_overrides(data, args.steps)
+    rnd = random.Random(args.seed)
+
+    # 1. Reference (also fills the compilation cache).
+    t = time.time()
+    ref = Run(root / "reference", overrides, cache)
+    t_first = ref.wait_for("First step done", 900)
+    rc = ref.proc.wait(timeout=900)
+    t_end = time.time()
+    if rc != 0 or t_first is None:
+        sys.exit(f"reference run failed (rc {rc}):\n{ref.log()[-3000:]}")
+    startup_s = t_first - ref.t0
+    sec_per_step = (t_end - t_first) / max(args.steps - 1, 1)
+    print(f"reference: {t_end - t:.1f} s, start-up {startup_s:.1f} s, "
+          f"{sec_per_step * 1000:.0f} ms/step (with saves)", flush=True)
+
+    # 2. Chaos.
+    work = root / "chaos"
+    events, problems = [], []
+    best_ckpt, seen_snaps = 0, set()
+    kills = restarts = 0
+    while True:
+        expect = complete_steps(work, "checkpoints")
+        run = Run(work, overrides, cache)
+        restarts += 1
+        if kills >= args.kills:  # the final, uninterrupted run
+            rc = run.proc.wait(timeout=900)
+            run.wait_for("\0", 5)
+            if rc != 0:
+                problems.append(f"final run failed (rc {rc}): {run.log()[-2000:]}")
+            break
+        sig = rnd.choice([signal.SIGKILL, signal.SIGTERM])
+        in_startup = rnd.random() < 0.25
+        if in_startup:
+            time.sleep(rnd.uniform(0, startup_s))
+            when = "start-up"
+        else:
+            if run.wait_for("First step done", 900) is None:
+                problems.append(f"restart {restarts} exited before its first step: "
+                                f"{run.log()[-2000:]}")
+                break
+            m = re.search(r"at step (\d+),", run.log())
+            remaining = args.steps - (int(m.group(1)) if m else 0)
+            time.sleep(rnd.uniform(0, 0.8 * remaining * sec_per_step))
+            when = "training"
+        if run.proc.poll() is not None:  # finished before the kill: the run is done
+            events.append({"restart": restarts, "kill": None, "note": "finished first"})
+            break
+        run.proc.send_signal(sig)
+        kills += 1
+        try:
+            rc = run.proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            run.proc.kill()
+            rc = run.proc.wait()
+            problems.append(f"kill {kills}: SIGTERM did not stop the run within 300 s")
+        run.wait_for("\0", 5)  # drain the output
+        log = run.log()
+        resumed = re.search(r"(Resuming|Starting) in .* at step (\d+),", log)
+        if resumed and int(resumed.group(2)) != (expect[-1] if expect else 0):
+            problems.append(f"restart {restarts} resumed at step {resumed.group(2)}, newest "
+                            f"complete checkpoint was {expect[-1] if expect else None}")
+        stopped = re.search(r"Stopped by signal 15 .* at step (\d+), .*; checkpoint", log)
+        bad, ckpts, snaps = check_restorable(work)
+        problems += [f"kill {kills}: {b}" for b in bad]
+        if ckpts and ckpts[-1] < best_ckpt or not ckpts and best_ckpt:
+            problems.append(f"kill {kills}: newest checkpoint {ckpts[-1:]} < {best_ckpt} (lost)")
+        if seen_snaps - set(snaps):
+            problems.append(f"kill {kills}: snapshots {sorted(seen_snaps - set(snaps))} lost")
+        best_ckpt, seen_snaps = max([best_ckpt, *ckpts]), seen_snaps | set(snaps)
+        if sig == signal.SIGTERM and "First step done" in log:
+            if rc != 0:
+                problems.append(f"kill {kills}: SIGTERM during training exited {rc}")
+            elif stopped and int(stopped.group(1)) not in ckpts:
+                problems.append(f"kill {kills}: stopped at step {stopped.group(1)} but no "
+                                f"checkpoint there")
+        events.append({"kill": kills, "signal": signal.Signals(sig).name, "phase": when,
+                       "rc": rc, "resumed_at": int(resumed.group(2)) if resumed else None,
+                       "stopped_at": int(stopped.group(1)) if stopped else None,
+                       "checkpoints": ckpts, "snapshots": snaps,
+                       "tmp_dirs": sorted(p.name for p in (work / "checkpoints").glob("*tmp*"))
+                       if (work / "checkpoints").exists() else []})
+        print(json.dumps(events[-1]), flush=True)
+
+    # 3. The result.
+    ref_ckpt, ref_snaps = complete_steps(root / "reference", "checkpoints"), \
+        complete_steps(root / "reference", "snapshots")
+    ckpts, snaps = complete_steps(work, "checkpoints"), complete_steps(work, "snapshots")
+    same = bool(ckpts) and ckpts[-1] == ref_ckpt[-1] == args.steps and equal(
+        restore_state(work, ckpts[-1]), restore_state(root / "reference", ref_ckpt[-1]))
+    lost_snaps = sorted(set(ref_snaps) - set(snaps))
+    snaps_same = all(equal(restore_snapshot(work, s), restore_snapshot(root / "reference", s))
+                     for s in ref_snaps if s in snaps)
+    if lost_snaps:
+        problems.append(f"snapshots {lost_snaps} of the reference are missing")
+    if not same:
+        problems.append("final state differs from the uninterrupted run")
+    if not snaps_same:
+        problems.append("a snapshot differs from the uninterrupted run's")
+    if kills < args.kills:
+        problems.append(f"only {kills} of {args.kills} kills happened")
+    summary = {
+        "kills": kills, "sigkill": sum(e.get("signal") == "SIGKILL" for e in events),
+        "sigterm": sum(e.get("signal") == "SIGTERM" for e in events),
+        "during_startup": sum(e.get("phase") == "start-up" for e in events),
+        "restarts": restarts, "steps": args.steps,
+        "corrupt": sum("does not restore" in p for p in problems),
+        "lost": sum("lost" in p or "missing" in p for p in problems),
+        "bitwise_equal": bool(same and snaps_same), "problems": problems,
+        "seconds": round(time.time() - t, 1)}
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(summary, events=events), indent=1))
+    sys.exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    main()
