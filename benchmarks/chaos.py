@@ -144,11 +144,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", required=True, help="scratch directory (emptied first)")
     ap.add_argument("--kills", type=int, default=12, help="number of random kills")
-    ap.add_argument("--steps", type=int, default=60, help="training steps of the run")
+    ap.add_argument("--steps", type=int, default=80, help="training steps of the run")
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     ap.add_argument("--cache", default="", help="XLA compilation cache dir (default: in workdir)")
     ap.add_argument("--json", default="", help="also write the summary here")
     args = ap.parse_args()
+    from absl import logging
+    logging.set_verbosity(logging.ERROR)  # Orbax's notes on read-only managers
 
     root = Path(args.workdir).resolve()
     if root.exists():
@@ -175,6 +177,7 @@ def main():
           f"{sec_per_step * 1000:.0f} ms/step (with saves)", flush=True)
 
     # 2. Chaos.
+    chunk = max(1, args.steps // (args.kills + 2))
     work = root / "chaos"
     events, problems = [], []
     best_ckpt, seen_snaps = 0, set()
@@ -196,12 +199,15 @@ def main():
             when = "start-up"
         else:
             if run.wait_for("First step done", 900) is None:
+                if "already finished" in run.log():
+                    break
                 problems.append(f"restart {restarts} exited before its first step: "
                                 f"{run.log()[-2000:]}")
                 break
+            # About `chunk` steps per attempt, so that the kills spread over the run.
             m = re.search(r"at step (\d+),", run.log())
             remaining = args.steps - (int(m.group(1)) if m else 0)
-            time.sleep(rnd.uniform(0, 0.8 * remaining * sec_per_step))
+            time.sleep(rnd.uniform(0, min(2 * chunk, 0.8 * remaining) * sec_per_step))
             when = "training"
         if run.proc.poll() is not None:  # finished before the kill: the run is done
             events.append({"restart": restarts, "kill": None, "note": "finished first"})

@@ -135,13 +135,26 @@ def list_snapshots(workdir: str) -> list[tuple[int, dict]]:
 
 
 def restore_snapshot(workdir: str, step: int) -> tuple[dict, dict]:
-    """`(ema_tree, meta)` of snapshot `step` as numpy arrays."""
+    """`(ema_tree, meta)` of snapshot `step` as numpy arrays (on any devices)."""
     mngr = ocp.CheckpointManager(os.path.join(workdir, "snapshots"),
                                  options=ocp.CheckpointManagerOptions(create=False))
-    r = mngr.restore(step, args=ocp.args.Composite(ema=ocp.args.StandardRestore(),
-                                                   meta=ocp.args.JsonRestore()))
+    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     mngr.close()
-    return jax.tree.map(lambda x: jax.device_get(x), r["ema"]), dict(r["meta"])
+    return restore_numpy(os.path.join(workdir, "snapshots", str(step), "ema")), dict(meta)
+
+
+def restore_numpy(directory: str):
+    """The Orbax checkpoint item `directory` (e.g. `RUN/checkpoints/<step>/default`) as
+    host numpy arrays, whatever mesh and number of processes wrote it; a restore without
+    a target would need the devices that saved it ("Topology mismatch"). Named tuples
+    (Adam's state) come back as dicts and lists."""
+    import numpy as np
+    md = ocp.PyTreeCheckpointer().metadata(directory)
+    md = getattr(md, "item_metadata", md)
+    md = getattr(md, "tree", md)
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), md)
+    return ocp.PyTreeCheckpointer().restore(
+        directory, args=ocp.args.PyTreeRestore(restore_args=restore_args))
 
 
 class StatsLogger:

@@ -86,6 +86,8 @@ def test_corrupt_checkpoint_falls_back_and_unfinished_one_is_ignored(full_run, t
     assert _equal(_restore(run, 4)[1], full_run["final"])
 
 
+# Orbax's background thread, cut short by the error, leaves an event loop to be collected.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_disk_full_while_saving_is_an_error_and_keeps_earlier_checkpoints(
         full_run, tmp_path, monkeypatch):
     """Every file write of Orbax fails with ENOSPC from the step-4 save on: the run raises
@@ -165,7 +167,7 @@ def test_chaos_short(tmp_path, xla_cache):
     """benchmarks/chaos.py with 3 kills (the benchmark itself uses >= 10)."""
     r = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "chaos.py"), f"--workdir={tmp_path}",
-         "--kills=3", "--steps=12", f"--cache={xla_cache}", f"--json={tmp_path / 'r.json'}"],
+         "--kills=3", "--steps=40", f"--cache={xla_cache}", f"--json={tmp_path / 'r.json'}"],
         capture_output=True, text=True, cwd=REPO, timeout=1800)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     res = json.loads((tmp_path / "r.json").read_text())
