@@ -48,9 +48,20 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint_kimg = 128 * 2**10 / 1000
     c.snapshot_kimg = 8 * 2**20 / 1000
     c.keep_checkpoints = 3
+    # Device mesh (sharding.py): the batch is split over data x fsdp devices; fsdp > 1
+    # also splits params, Adam state and EMAs over fsdp devices. -1 = all remaining
+    # devices. May change between restarts (checkpoints are resharded on restore).
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
 
     c.sample = ml_collections.ConfigDict(dict(num_steps=32, grid_rows=8, grid_cols=8, seed=0))
+
+    # Evaluation during training (evaluate.TrainingEval): metrics '' = off, 'cls'
+    # (classifier FD/KID/precision/recall; labelled data), 'fid' or 'cls,fid', of
+    # num_images images of the sigma_rel EMA (0 = largest tracked) at every snapshot,
+    # logged to stats.jsonl / TensorBoard as eval/<metric>.
+    c.eval = ml_collections.ConfigDict(dict(
+        metrics="", num_images=1000, sigma_rel=0.0, num_steps=32, batch_size=100, seed=0,
+        ref_split="test", classifier_epochs=3, classifier_batch_size=128))
     return c
 
 

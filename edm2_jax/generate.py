@@ -106,13 +106,15 @@ def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outd
                     guide: tuple[Precond, dict] | None = None, guidance: float = 1.0,
                     num_steps: int = 32, S_churn: float = 0.0, S_min: float = 0.0,
                     S_max: float = float("inf"), S_noise: float = 1.0,
-                    progress: bool = True) -> Iterable[tuple[np.ndarray, np.ndarray]]:
+                    progress: bool = True, all_processes: bool = True
+                    ) -> Iterable[tuple[np.ndarray, np.ndarray]]:
     """Yield `(seeds [b], images uint8 [b, H, W, C])` batches; write `seed%06d.png` files
     to `outdir` (in `outdir/000000/`, `outdir/001000/`, ... with `subdirs`) if given.
 
-    Each process of a multi-host job takes every `process_count`-th batch; within a batch
-    the seeds are split over the local devices (sampling is per seed, so images do not
-    depend on batch size or device count).
+    Each process of a multi-host job takes every `process_count`-th batch (with
+    `all_processes=False` the calling process takes them all); within a batch the seeds
+    are split over the local devices (sampling is per seed, so images do not depend on
+    batch size or device count).
     """
     import PIL.Image
     from tqdm import tqdm
@@ -122,7 +124,7 @@ def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outd
     n_dev = jax.local_device_count()
     batch_size = max(n_dev, (batch_size + n_dev - 1) // n_dev * n_dev)
     batches = [list(seeds[i:i + batch_size]) for i in range(0, len(seeds), batch_size)]
-    mine = batches[jax.process_index()::jax.process_count()]
+    mine = batches[jax.process_index()::jax.process_count()] if all_processes else batches
     mesh = jax.sharding.Mesh(np.asarray(jax.local_devices()), ("data",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     guide_net, guide_vars = guide if guide else (None, None)

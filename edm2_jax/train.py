@@ -310,6 +310,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     last good checkpoint is kept), and CheckpointSaveError when a checkpoint cannot be
     written (e.g. disk full; the earlier ones are intact).
     """
+    # First, since jax.distributed installs its own SIGTERM handler (its preemption
+    # notifier), which ours must replace.
+    shard_lib.maybe_initialize_distributed()
     with StopRequest() as stop:
         return _train_and_evaluate(config, workdir, stop)
 
@@ -319,7 +322,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     from edm2_jax import checkpoint_train as ct  # heavy orbax imports only when training
     from edm2_jax.sampling import sample_images, save_image_grid
 
-    shard_lib.maybe_initialize_distributed()
     workdir = os.path.abspath(os.path.expanduser(workdir))
     is_main = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
@@ -438,6 +440,26 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         print(f"Sample grid (EMA sigma_rel={key}, {config.sample.num_steps} steps, one class "
               f"per column): {path} [{time.time() - t:.1f} s]")
 
+    # Evaluation during training: process 0 generates and measures (the others wait at
+    # their next collective); set up now so that a bad eval config fails before step 1.
+    eval_wanted = bool(str(config.eval.metrics).strip())
+    evaluator, evaluator_key = None, None
+    if eval_wanted:
+        from edm2_jax.evaluate import TrainingEval
+        evaluator_key = TrainingEval.ema_key_of(config)  # checked on every process
+        evaluator = TrainingEval(config) if is_main else None
+
+    def run_eval(step: int, nimg: int):
+        variables = shard_lib.to_host(_ema_variables(state, evaluator_key))  # every process
+        if evaluator is None:
+            return
+        res = evaluator(net, variables)
+        if logger:
+            logger.log(dict(kimg=nimg / 1000, step=step, **res))
+        bar.write(f"kimg {nimg / 1000:9.1f}  eval (EMA {evaluator.ema_key}): " + "  ".join(
+            f"{k[5:]} {v:.4g}" for k, v in res.items() if k != "eval/time_s")
+            + f"  [{res['eval/time_s']:.1f} s]")
+
     pending: list = []
     last = {}
     t_start = time.time()
@@ -500,8 +522,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             if step % snap_every == 0 or done:
                 flush_metrics()
                 managers.save_snapshot(step, nimg, state["ema"], tuple(config.ema.sigma_rels),
-                                       batch_size)
+                                       batch_size, buffers=state["buffers"])
                 save_samples(f"{nimg // 1000:09d}")
+                if eval_wanted:
+                    run_eval(step, nimg)
             if step % ckpt_every == 0 or done or stopping:
                 flush_metrics()
                 save_state(step)

@@ -483,3 +483,81 @@ def test_cli_fashion_mnist_tiny(tmp_path):
     r = _cli(f"{FMNIST_CONFIG}:tiny", tmp_path / "run", {})
     assert r.returncode == 0, r.stderr[-3000:]
     _check_cli_outputs(tmp_path / "run", [4, 8])
+
+
+# --------------------------------------------------------------------------------------
+# Evaluation during training (config.eval)
+
+EVAL_OVERRIDES = {"eval.metrics": "cls", "eval.num_images": 8, "eval.num_steps": 2,
+                  "eval.batch_size": 8, "eval.classifier_epochs": 1,
+                  "eval.classifier_batch_size": 8}
+
+
+def test_eval_during_training_logs_the_metric_of_the_snapshot_ema(tmp_path, monkeypatch,
+                                                                   xla_cache):
+    """With eval.metrics='cls' the run logs eval/fd_cls etc. at its snapshot; the logged
+    numbers are those of the snapshot's largest EMA measured afterwards from the snapshot
+    on disk (same seeds, same classifier from the cache), and the tracked EMA is the one
+    evaluated (the online weights give other numbers)."""
+    from edm2_jax import generate
+    from edm2_jax.evaluate import Metrics
+    from edm2_jax.metrics.classifier import TrainConfig
+    monkeypatch.setenv("EDM2_JAX_CACHE", str(tmp_path / "cache"))
+    data = make_image_folder(tmp_path / "data")
+    run = tmp_path / "run"
+    cfg = tiny_config(data, **EVAL_OVERRIDES)
+    train.train_and_evaluate(cfg, str(run))
+    rows = [json.loads(line) for line in (run / "stats.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/fd_cls" in r]
+    assert [r["step"] for r in evals] == [4]  # one snapshot, at the end
+    logged = evals[0]
+    for k in ("eval/fd_cls", "eval/kid_cls", "eval/precision_cls", "eval/recall_cls"):
+        assert np.isfinite(logged[k]), k
+    assert 0.0 <= logged["eval/precision_cls"] <= 1.0 and 0.0 <= logged["eval/recall_cls"] <= 1.0
+
+    suite = Metrics(["cls"], 8, data_config=cfg.data,
+                    classifier_config=TrainConfig(epochs=1, batch_size=8), log=False)
+
+    def measure(ema):
+        net, variables, _ = generate.load_net(str(run / "snapshots" / "4"), ema)
+        imgs = np.concatenate([b for _, b in generate.generate_images(
+            net, variables, list(range(8)), batch_size=8, num_steps=2, progress=False)])
+        return suite(imgs)
+
+    again = measure("0.100")
+    for k in ("fd_cls", "kid_cls", "precision_cls", "recall_cls"):
+        np.testing.assert_allclose(logged[f"eval/{k}"], again[k], rtol=1e-4, atol=1e-6)
+    other = measure("0.050")
+    assert abs(other["fd_cls"] - logged["eval/fd_cls"]) > 1e-6 * abs(logged["eval/fd_cls"])
+
+
+def test_eval_of_an_untracked_ema_fails_before_any_step(tmp_path):
+    data = make_image_folder(tmp_path / "data")
+    cfg = tiny_config(data, **EVAL_OVERRIDES, **{"eval.sigma_rel": 0.2})
+    with pytest.raises(ValueError, match=r"eval.sigma_rel=0.2 is not a tracked EMA"):
+        train.train_and_evaluate(cfg, str(tmp_path / "run"))
+    assert _steps(tmp_path / "run") == []
+    cfg = tiny_config(data, **{**EVAL_OVERRIDES, "eval.metrics": "cls,is"})
+    with pytest.raises(ValueError, match=r"unknown metrics \['is'\]"):
+        train.train_and_evaluate(cfg, str(tmp_path / "run2"))
+
+
+def test_mode_eval_of_the_reference_set_itself_is_the_perfect_score(tmp_path, monkeypatch):
+    """`--mode=eval` (main_eval) of all 16 training images against the train split:
+    identical sets, so FD 0 (to float64 round-off of a rank-deficient covariance),
+    precision and recall 1; an image folder of the same files gives the same numbers;
+    asking for more images than exist is an error naming --num_images."""
+    from edm2_jax.evaluate import main_eval
+    from edm2_jax.metrics.classifier import TrainConfig
+    monkeypatch.setenv("EDM2_JAX_CACHE", str(tmp_path / "cache"))
+    data = make_image_folder(tmp_path / "data")
+    kw = dict(num_images=16, metrics="cls", ref=None, data_config=tiny_config(data).data,
+              batch_size=8, ref_split="train",
+              classifier_config=TrainConfig(epochs=1, batch_size=8))
+    split = main_eval(images_dir=None, net_path=None, data_split_images="train", **kw)
+    folder = main_eval(images_dir=str(data), net_path=None, **kw)
+    for res in (split, folder):
+        assert res["fd_cls"] < 1e-6
+        assert res["precision_cls"] == 1.0 and res["recall_cls"] == 1.0
+    with pytest.raises(ValueError, match="fewer than --num_images=17"):
+        main_eval(images_dir=str(data), net_path=None, **dict(kw, num_images=17))
