@@ -144,7 +144,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", required=True, help="scratch directory (emptied first)")
     ap.add_argument("--kills", type=int, default=12, help="number of random kills")
-    ap.add_argument("--steps", type=int, default=80, help="training steps of the run")
+    ap.add_argument("--steps", type=int, default=160, help="training steps of the run")
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     ap.add_argument("--cache", default="", help="XLA compilation cache dir (default: in workdir)")
     ap.add_argument("--json", default="", help="also write the summary here")
@@ -177,7 +177,8 @@ def main():
           f"{sec_per_step * 1000:.0f} ms/step (with saves)", flush=True)
 
     # 2. Chaos.
-    chunk = max(1, args.steps // (args.kills + 2))
+    # An attempt also runs a step or two around the kill itself, hence the 3 per kill.
+    chunk = max(1, args.steps // (3 * args.kills))
     work = root / "chaos"
     events, problems = [], []
     best_ckpt, seen_snaps = 0, set()
