@@ -351,6 +351,15 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             json.dump(current, f, indent=2)
         os.replace(cfg_path + ".tmp", cfg_path)
 
+    # Evaluation during training: process 0 generates and measures (the others wait at
+    # their next collective); set up before the state so that a bad eval config fails at once.
+    eval_wanted = bool(str(config.eval.metrics).strip())
+    evaluator, evaluator_key = None, None
+    if eval_wanted:
+        from edm2_jax.evaluate import TrainingEval
+        evaluator_key = TrainingEval.ema_key_of(config)  # checked on every process
+        evaluator = TrainingEval(config) if is_main else None
+
     mesh = shard_lib.mesh_from_config(config)
     num_accum = num_micro_batches(config, mesh.size)
     batch_size = int(config.batch_size)
@@ -440,15 +449,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         print(f"Sample grid (EMA sigma_rel={key}, {config.sample.num_steps} steps, one class "
               f"per column): {path} [{time.time() - t:.1f} s]")
 
-    # Evaluation during training: process 0 generates and measures (the others wait at
-    # their next collective); set up now so that a bad eval config fails before step 1.
-    eval_wanted = bool(str(config.eval.metrics).strip())
-    evaluator, evaluator_key = None, None
-    if eval_wanted:
-        from edm2_jax.evaluate import TrainingEval
-        evaluator_key = TrainingEval.ema_key_of(config)  # checked on every process
-        evaluator = TrainingEval(config) if is_main else None
-
     def run_eval(step: int, nimg: int):
         variables = shard_lib.to_host(_ema_variables(state, evaluator_key))  # every process
         if evaluator is None:
@@ -457,7 +457,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if logger:
             logger.log(dict(kimg=nimg / 1000, step=step, **res))
         bar.write(f"kimg {nimg / 1000:9.1f}  eval (EMA {evaluator.ema_key}): " + "  ".join(
-            f"{k[5:]} {v:.4g}" for k, v in res.items() if k != "eval/time_s")
+            f"{k[5:]} {v:.4g}" for k, v in res.items()
+            if k != "eval/time_s" and not k.startswith("eval/num_"))
             + f"  [{res['eval/time_s']:.1f} s]")
 
     pending: list = []
