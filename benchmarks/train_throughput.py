@@ -4,6 +4,7 @@
     python benchmarks/train_throughput.py --config=configs/img64.py:xs --batch=256 --steps=20
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \
         python benchmarks/train_throughput.py --config=configs/fashion_mnist.py:tiny
+    python benchmarks/train_throughput.py --config=configs/img64.py:s --batch=512 --dtype=bfloat16
 
 Times the step that `train.train_and_evaluate` runs: `train.make_train_step` (forced
 weight normalisation, EDM2 loss and gradients with `lax.scan` accumulation when
@@ -11,8 +12,9 @@ weight normalisation, EDM2 loss and gradients with `lax.scan` accumulation when
 devices by `train.jit_train_step`. Weights are random N(0, 1) (drawn on the device; Flax's
 init is not timed); the batch is one fixed synthetic batch already on the devices
 (uniform pixels in [-1, 1], random one-hot labels). Prints one line: compile time (lower
-+ compile, s), sec/step (mean over `--steps` after one warm-up step) and img/s — the
-number to compare with the training speed the release reports.
++ compile, s), sec/step (mean over `--steps` after one warm-up step), img/s — the
+number to compare with the training speed the release reports — and peak memory (the
+device's peak bytes in use where the backend reports it, e.g. GPU; else host peak RSS).
 """
 from __future__ import annotations
 
@@ -65,6 +67,8 @@ def main() -> None:
     ap.add_argument("--batch_per_device", type=int, default=-1,
                     help="override config.batch_per_device (-1 = keep, 0 = no accumulation)")
     ap.add_argument("--devices", type=int, default=0, help="mesh size (0 = all devices)")
+    ap.add_argument("--dtype", default="", choices=["", "float32", "bfloat16"],
+                    help="override config.network.dtype (compute precision; state stays float32)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.steps < 1:
@@ -75,6 +79,8 @@ def main() -> None:
         config.batch_size = args.batch
     if args.batch_per_device >= 0:
         config.batch_per_device = args.batch_per_device
+    if args.dtype:
+        config.network.dtype = args.dtype
     mesh = shard_lib.make_mesh(args.devices or None)
     num_accum = train.num_micro_batches(config, mesh.size)
     batch_size = int(config.batch_size)
@@ -108,7 +114,8 @@ def main() -> None:
     print(f"train_step config={args.config} params={n_params:,} batch={batch_size} "
           f"devices={mesh.size}x{dev.platform}:{dev.device_kind} micro_batches={num_accum} "
           f"compile_s={compile_s:.2f} sec_per_step={sec_per_step:.4f} "
-          f"img_per_s={batch_size / sec_per_step:.1f} sec_per_kimg={1000 * sec_per_step / batch_size:.2f}")
+          f"img_per_s={batch_size / sec_per_step:.1f} sec_per_kimg={1000 * sec_per_step / batch_size:.2f} "
+          f"dtype={config.network.dtype} peak_mem_gib={train._memory_gib():.2f}")
 
 
 if __name__ == "__main__":
