@@ -4,7 +4,8 @@ For the snapshots of a run (`--workdir`, read only; outputs go to a temporary di
 or of a synthetic run written here (`--preset`, `--snapshots`, as in phema_memory.py):
 
   read      `cat`-like sequential read of every file under snapshots/*/ema (on-disk bytes)
-  restore   Orbax restore of every EMA to host numpy, nothing else (phema's reader)
+  orbax     Orbax restore of every EMA to host numpy, nothing else
+  reader    phema's reader (TensorStore, tensor by tensor) into float32 chunks, nothing else
   phema K   phema.reconstruct of K outputs (reading, accumulating, writing the outputs)
   phema K nw  the same with the outputs not written (reading and accumulating only)
 
@@ -60,6 +61,7 @@ def plain_read(paths: list[str], block: int = 16 << 20) -> int:
 
 
 def restore_all(workdir: str) -> int:
+    """Orbax restore of every EMA (float32 bytes decoded)."""
     import numpy as np
     import jax
     from edm2_jax import phema
@@ -71,6 +73,24 @@ def restore_all(workdir: str) -> int:
             (tree,) = phema._restore_partial(f.directory, [path])
             n += sum(np.asarray(x).size * 4 for x in jax.tree.leaves(tree))
             del tree
+    return n
+
+
+def read_all(workdir: str) -> int:
+    """phema.reconstruct's reader over every EMA, chunks discarded (float32 bytes)."""
+    from edm2_jax import phema
+    phema._quiet_orbax()
+    _, files = phema.find_snapshots(workdir)
+    layout, n = None, 0
+    with phema._mmap_large_allocations():
+        for f in files:
+            keys, context = phema._orbax_tree_keys(f.directory), phema._ts_context()
+            for path in f.tree_paths:
+                if layout is None:
+                    layout = phema._flat_layout(
+                        phema._subtree(phema._tree_metadata(f.directory), path), [])
+                reader = phema._make_reader(f, path, layout, context, keys)
+                n += sum(chunk.nbytes for _, _, chunk in layout.chunks(reader))
     return n
 
 
@@ -110,9 +130,11 @@ def main():
                       + (f"  {dec / dt / 1e9:6.3f} GB/s float32" if dec else ""), flush=True)
             return out
 
-        print(f"{len(paths)} files, {disk / 1e9:.2f} GB on disk in {workdir}/snapshots")
+        print(f"{len(paths)} files, {disk / 1e9:.2f} GB on disk in {workdir}/snapshots; "
+              f"{os.cpu_count()} CPUs, load average {_load()}", flush=True)
         timed("read", lambda: plain_read(paths), decoded=0)
-        decoded = timed("restore", lambda: restore_all(workdir))
+        decoded = timed("orbax", lambda: restore_all(workdir))
+        timed("reader", lambda: read_all(workdir))
         for k in [int(x) for x in args.outputs.split(",")]:
             sig = [round(0.03 + 0.15 * j / max(k - 1, 1), 4) for j in range(k)]
 
@@ -128,8 +150,14 @@ def main():
                 timed(f"phema {k} nw", run, decoded=decoded)
             finally:
                 checkpoint.save_network = real_save
+        print(f"load average at the end {_load()} (a load above the CPU count slows every "
+              f"row, the reading ones more than the plain read)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

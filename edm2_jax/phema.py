@@ -13,11 +13,17 @@ profiles; the same combination of the snapshots' weights is the reconstructed EM
 
 `profile_inner_products` and `solve_weights` are the float64 NumPy solver;
 `reconstruct` streams the snapshots from disk, reading each one once per batch of
-outputs (an EMA in ~8 parts, copied in 32 MiB chunks) and accumulating in float32 on a
-JAX device, so memory holds the outputs plus a fraction of one EMA. Measured peak RSS
-for 8 outputs from 32 EMAs (benchmarks/phema_memory.py, CPU): 12.6 parameter copies for
-img512-xxs (31M parameters; ~0.5 GB of it is fixed Orbax/XLA overhead) and 10.2 for
-img512-xs (125M).
+outputs, tensor by tensor straight from its TensorStore array (Orbax's restore as a
+fallback), copied in 8 MiB chunks into float32 accumulators on a JAX device; each output
+is written from its accumulator, which is then freed. Memory: the outputs plus a few
+tensors. Measured peak RSS above the baseline for 8 outputs from 64 EMAs (32 snapshot
+files) of img512-xxs shapes (31M parameters, 125 MB a copy; benchmarks/phema_memory.py,
+CPU): 1.10 GB = 8.8 parameter copies, 8 of them the outputs (it was 12.6 when
+reading through Orbax: glibc kept what Orbax's reader threads freed, see
+`_mmap_large_allocations`). Throughput on 2 CPU cores (benchmarks/phema_throughput.py):
+~0.5 GB/s of float32 read, ~0.3 GB/s with one output accumulated, vs ~1.2 GB/s for a
+cold plain read of the (zstd-compressed) files; writing the outputs costs about as much
+again when there are as many outputs as snapshot EMAs.
 
 Inputs (`find_snapshots`):
   * a training run: `WORKDIR/snapshots/<step>/` written by
@@ -53,6 +59,7 @@ Command line (wired in main.py): `python -m edm2_jax.main --mode=phema --workdir
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -327,9 +334,12 @@ def import_release_snapshots(src_dir: str, out_dir: str) -> list[str]:
 
 
 def _quiet_orbax():
+    """absl logging at ERROR at most: Orbax logs every restore and save at INFO/WARNING
+    ('Metadata file does not exist', 'Skipping merge of OCDBT checkpoints'). (absl's
+    verbosity grows with verbosity: ERROR -2 < WARNING -1 < INFO 0.)"""
     from absl import logging
-    if logging.get_verbosity() < logging.ERROR:
-        logging.set_verbosity(logging.ERROR)  # Orbax logs every restore at INFO/WARNING
+    if logging.get_verbosity() > logging.ERROR:
+        logging.set_verbosity(logging.ERROR)
 
 
 def _tree_metadata(directory: str) -> dict:
@@ -461,16 +471,17 @@ def _leaf_groups(paths: Sequence[str], per_tensor: Sequence[tuple[str, float]]) 
     return tuple(groups)
 
 
-# Elements per accumulation call. The outputs are flat float32 vectors, each per-tensor
-# group a contiguous range; a snapshot EMA is copied in chunk by chunk, so one jitted
-# function of a few fixed shapes serves every tensor (a jitted function per tensor shape,
-# or one over the whole tree, costs ~15 s of XLA:CPU compile for img512-xxs) and the EMA
-# is never held twice. 32 MiB chunks are above glibc's largest mmap threshold, so they
-# go back to the OS when freed instead of fragmenting the heap.
-_CHUNK = 1 << 23
+# Elements per accumulation call (8 MiB). The outputs are flat float32 vectors, each
+# per-tensor group a contiguous range; a snapshot EMA is copied in chunk by chunk, so one
+# jitted function of a few fixed shapes serves every tensor (a jitted function per tensor
+# shape, or one over the whole tree, costs ~15 s of XLA:CPU compile for img512-xxs) and
+# the EMA is never held twice.
+_CHUNK = 1 << 21
 # An EMA is read from its Orbax checkpoint in about this many parts (each at least one
-# chunk), so that at most ~1/8 of it is in memory at a time.
+# chunk), so that at most ~1/8 of it is in memory at a time (`_EmaReader`, the fallback).
 _PARTS = 8
+# `_TensorStoreReader` reads at most this many bytes of tensors ahead (at least one).
+_PREFETCH = 1 << 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -492,9 +503,12 @@ class _FlatLayout:
     def chunks(self, get_leaf: Callable[[int], np.ndarray]):
         """Yield `(offset, group, chunk)`: consecutive float32 pieces of the flat vector
         (`_CHUNK` long, shorter at the end of a group) filled from `get_leaf(n)`, which
-        is called once per tensor, in layout order."""
+        is called once per tensor, in layout order. The chunks are views of one buffer
+        per group: use each before asking for the next."""
         for g, members in enumerate(self.members):
             size = sum(math.prod(self.shapes[n]) for n in members)
+            if not size:
+                continue
             offset, pos = self.starts[g], 0
             buf = np.empty(min(_CHUNK, size), np.float32)
             for n in members:
@@ -505,9 +519,11 @@ class _FlatLayout:
                     pos, i = pos + take, i + take
                     if pos == len(buf):
                         yield offset, g, buf
-                        offset, size = offset + pos, size - pos
-                        buf, pos = np.empty(min(_CHUNK, size), np.float32), 0
+                        offset, pos = offset + pos, 0
                 del flat
+            if pos:
+                yield offset, g, buf[:pos]
+            del buf
 
     def unflatten(self, flat: np.ndarray) -> Any:
         """The params tree as views into the host vector `flat`."""
@@ -560,6 +576,130 @@ class _EmaReader:
         return self.loaded.pop(n)
 
 
+def _ts_context():
+    """A TensorStore context for `_TensorStoreReader`: no data cache (every tensor is read
+    once), a small cache for OCDBT B-tree nodes, few threads (each keeps a glibc arena)."""
+    import tensorstore as ts
+    return ts.Context({"cache_pool": {"total_bytes_limit": 0},
+                       "cache_pool#ocdbt": {"total_bytes_limit": 8 << 20},
+                       "data_copy_concurrency": {"limit": 2},
+                       "file_io_concurrency": {"limit": 4}})
+
+
+def _orbax_tree_keys(directory: str) -> tuple[list[tuple[str, ...]], bool] | None:
+    """`(key paths of the arrays, use_zarr3)` of the Orbax PyTree checkpoint `directory`,
+    from its `_METADATA` file; None when that is missing or not understood. (Orbax's
+    `metadata()` also opens every array, and keeps ~2.6 MB of memory per call for good:
+    0.6 parameter copies of img512-xxs over 32 snapshot files.)"""
+    try:
+        with open(os.path.join(directory, "_METADATA")) as f:
+            meta = json.load(f)
+        keys = [tuple(str(k["key"]) for k in v["key_metadata"])
+                for v in meta["tree_metadata"].values()]
+        return keys, bool(meta.get("use_zarr3", False))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _orbax_array_spec(directory: str, name: str, use_zarr3: bool) -> dict:
+    """TensorStore spec of the array Orbax stored as `name` ('.'-joined key path) in the
+    PyTree checkpoint `directory`: zarr (v2, or v3 if `use_zarr3`) in its OCDBT
+    key-value store (`manifest.ocdbt`) or, without one, in the sub-directory `name`."""
+    directory = os.path.abspath(directory)
+    if os.path.isfile(os.path.join(directory, "manifest.ocdbt")):
+        kvstore = {"driver": "ocdbt", "base": "file://" + directory + "/", "path": name + "/",
+                   "cache_pool": "cache_pool#ocdbt"}
+    else:
+        kvstore = {"driver": "file", "path": os.path.join(directory, name) + "/"}
+    return {"driver": "zarr3" if use_zarr3 else "zarr", "kvstore": kvstore}
+
+
+class _StructureError(ValueError):
+    """A snapshot EMA whose tensors differ from the first snapshot's."""
+
+
+class _TensorStoreReader:
+    """`get_leaf(n)` for `_FlatLayout.chunks` that reads each tensor of the EMA at
+    `tree_path` straight from its TensorStore array in the Orbax checkpoint `directory`
+    (Orbax's restore reads a whole sub-tree at once, with many threads, and the memory
+    they free stays in glibc's per-thread arenas). Tensors are requested in layout order,
+    the next ones prefetched while the current one is accumulated, at most `_PREFETCH`
+    bytes ahead, and dropped once handed out.
+
+    Raises, before reading any data, `_StructureError` when a tensor has another shape
+    than `layout` says, and ValueError when an array cannot be opened (`_make_reader`
+    then falls back to Orbax)."""
+
+    def __init__(self, directory: str, tree_path: tuple, layout: _FlatLayout, context,
+                 use_zarr3: bool):
+        import tensorstore as ts
+        self.order = [n for members in layout.members for n in members]
+        opens = [ts.open(_orbax_array_spec(directory, ".".join(tree_path + layout.keys[n]),
+                                           use_zarr3),
+                         open=True, read=True, context=context) for n in self.order]
+        self.stores = {}
+        for n, fut in zip(self.order, opens):
+            try:
+                store = fut.result()
+            except Exception as e:  # noqa: BLE001 (TensorStore raises ValueError et al.)
+                raise ValueError(f"{directory}: cannot open {'/'.join(layout.keys[n])} with "
+                                 f"TensorStore: {e}") from e
+            if tuple(store.shape) != tuple(layout.shapes[n]):
+                raise _StructureError(f"{'/'.join(layout.keys[n])} has shape "
+                                      f"{tuple(store.shape)}, not {layout.shapes[n]}")
+            self.stores[n] = store
+        self.next, self.pending, self.ahead = 0, {}, 0
+        self.nbytes = {n: math.prod(layout.shapes[n]) * 4 for n in self.order}
+
+    def _prefetch(self) -> None:
+        while self.next < len(self.order) and (
+                not self.pending or self.ahead + self.nbytes[self.order[self.next]] <= _PREFETCH):
+            n = self.order[self.next]
+            self.pending[n] = self.stores.pop(n).read()
+            self.ahead += self.nbytes[n]
+            self.next += 1
+
+    def __call__(self, n: int) -> np.ndarray:
+        self._prefetch()
+        arr = self.pending.pop(n).result()
+        self.ahead -= self.nbytes[n]
+        self._prefetch()
+        return arr
+
+
+_warned_fallback = False
+
+
+def _make_reader(f: SnapshotFile, tree_path: tuple, layout: _FlatLayout, context,
+                 tree_keys: tuple | None):
+    """A reader (`get_leaf`) of the EMA at `tree_path` in snapshot `f` after checking that
+    it has `layout`'s tensors (else `_StructureError`): a `_TensorStoreReader`, or the
+    Orbax `_EmaReader` (slower, more memory) when the arrays cannot be opened directly
+    (an Orbax layout not known here; warns once). `tree_keys`: `_orbax_tree_keys(f)`."""
+    global _warned_fallback
+    if tree_keys is not None:
+        n = len(tree_path)
+        keys = sorted(k[n:] for k in tree_keys[0] if k[:n] == tree_path)
+        if keys != sorted(layout.keys):
+            raise _StructureError(f"{len(keys)} tensors, not the {len(layout.keys)} "
+                                  f"expected, or other names")
+        try:
+            return _TensorStoreReader(f.directory, tree_path, layout, context, tree_keys[1])
+        except _StructureError:
+            raise
+        except ValueError as e:
+            if not _warned_fallback:
+                _warned_fallback = True
+                warnings.warn(f"post-hoc EMA: reading through Orbax's restore instead ({e})",
+                              stacklevel=3)
+    md = _tree_metadata(f.directory)
+    ema_md = _subtree(md, tree_path)
+    if _leaf_keys(ema_md) != list(layout.keys) or [
+            tuple(m.shape) for m in jax.tree.leaves(ema_md)] != list(layout.shapes):
+        raise _StructureError("other tensor names or shapes")
+    return _EmaReader(f.directory, md, tree_path, layout)
+
+
 @functools.lru_cache(maxsize=None)
 def _libc():
     import ctypes
@@ -574,10 +714,65 @@ def _libc():
 def _release_free_memory() -> None:
     """Hand freed heap memory back to the OS (glibc `malloc_trim`; no-op elsewhere).
     Orbax/TensorStore read with many threads, and glibc keeps what they free in
-    per-thread arenas: without this the RSS grows by ~0.7 of an EMA per snapshot read."""
+    per-thread arenas: without this the RSS grows by ~0.7 of an EMA per snapshot read
+    through Orbax's restore."""
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+# glibc `mallopt` parameter number of M_MMAP_THRESHOLD (malloc.h); the threshold while
+# reading snapshots, and glibc's ceiling for its dynamic one, restored afterwards.
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD = 1 << 20
+_MMAP_THRESHOLD_MAX = 32 << 20
+
+
+@contextlib.contextmanager
+def _mmap_large_allocations():
+    """While reading snapshots, let glibc serve allocations of >= 1 MiB with their own
+    mmap (M_MMAP_THRESHOLD; no-op elsewhere), so that the tensors TensorStore's threads
+    decode go back to the OS when freed instead of fragmenting per-thread arenas (reading
+    32 snapshot EMAs of img512-xxs, the RSS crept up by ~0.4 parameter copies without
+    this, ~0.05 with it). A fixed 1 MiB costs a page fault per 4 KiB of each fresh large
+    buffer, small next to decoding it, but would slow XLA's per-step temporaries later
+    on; glibc's dynamic threshold (128 KiB rising to 32 MiB with use) cannot be switched
+    back on, so afterwards the threshold is set to its usual steady state, 32 MiB."""
+    libc = _libc()
+    ok = libc is not None and hasattr(libc, "mallopt")
+    if ok:
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        if ok:
+            libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+
+
+class _Accumulators:
+    """The flat float32 outputs of one batch on a JAX `device`: `add(offset, chunk, w)`
+    does `acc[k][offset:offset + len(chunk)] += w[k] * chunk` for every output `k` with
+    the jitted, donating `_axpy`, one chunk in flight (so the EMA is never held twice on
+    the host). (NumPy in place on the host measured 1.4x slower than this on a CPU
+    device, for ~0.3 parameter copies less memory.)"""
+
+    def __init__(self, n: int, size: int, device):
+        self.device = device
+        self.acc = [jax.device_put(np.zeros(size, np.float32), device) for _ in range(n)]
+
+    def weights(self, w: np.ndarray) -> Array:
+        return jax.device_put(np.asarray(w, np.float32), self.device)
+
+    def add(self, offset: int, chunk: np.ndarray, w: Array) -> None:
+        self.acc = list(_axpy(tuple(self.acc), jax.device_put(chunk, self.device), w,
+                              np.int32(offset)))
+        jax.block_until_ready(self.acc)
+
+    def pop_host(self, k: int) -> np.ndarray:
+        """Output `k` on the host (a view of the accumulator on a CPU device, else one
+        host copy); the accumulator is dropped."""
+        flat, self.acc[k] = np.asarray(self.acc[k]), None
+        return flat
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -614,7 +809,7 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
         it are not used (nor read).
       out_dir: where outputs go; default `WORKDIR/phema`.
       batch_outputs: outputs accumulated per pass over the snapshots (memory: this many
-        parameter copies plus one snapshot EMA, float32, on `device`).
+        parameter copies, float32, on `device`, plus a few tensors of one snapshot).
       per_tensor: `[(regex, sigma_rel), ...]` or `'REGEX=S;REGEX=S'` (`parse_per_tensor`):
         parameters whose path matches take that sigma_rel (first match wins).
       in_sigma_rels: use only snapshot EMAs of these widths (default all).
@@ -702,56 +897,60 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
         else:
             todo.append(k)
 
-    for b0 in range(0, len(todo), batch_outputs):
-        batch = todo[b0:b0 + batch_outputs]
-        cols = np.array(batch + [len(sigma_rels) + j for j in range(len(per_tensor))])
-        acc, nbytes, t0 = None, 0, time.time()  # acc[j]: flat output batch[j]
-        active = [fi for fi in range(len(files))
-                  if any(np.any(X[i, cols] != 0) for i, (f2, _) in enumerate(inputs) if f2 == fi)]
-        bar = tqdm(active, desc=f"phema {b0 // batch_outputs + 1}/"
-                   f"{math.ceil(len(todo) / batch_outputs)}", unit="snapshot",
-                   disable=not progress, dynamic_ncols=True)
-        for fi in bar:
-            f = files[fi]
-            rows = [i for i, (f2, _) in enumerate(inputs) if f2 == fi]
-            rows = [i for i in rows if np.any(X[i, cols] != 0)]
-            md = _tree_metadata(f.directory)
-            for i in rows:
-                tree_path = f.tree_paths[inputs[i][1]]
-                ema_md = _subtree(md, tree_path)
-                if acc is None:
-                    layout = _flat_layout(ema_md, per_tensor)
-                    acc = tuple(jax.device_put(np.zeros(layout.size, np.float32), device)
-                                for _ in batch)
-                elif _leaf_keys(ema_md) != list(layout.keys) or [
-                        tuple(m.shape) for m in jax.tree.leaves(ema_md)] != list(layout.shapes):
-                    raise ValueError(f"{f.label}: the EMA at {'/'.join(tree_path)} has other "
-                                     f"tensors than the first snapshot; all snapshots must "
-                                     f"come from the same network")
-                # w[g]: weights of this input in the batch's outputs for tensor group g
-                # (0: each output's own sigma_rel, g > 0: per_tensor[g - 1]'s).
-                w = [X[i, batch]] + [np.full(len(batch), X[i, len(sigma_rels) + g])
-                                     for g in range(len(per_tensor))]
-                w = [jax.device_put(np.asarray(wg, np.float32), device) for wg in w]
-                reader = _EmaReader(f.directory, md, tree_path, layout)
-                for offset, g, chunk in layout.chunks(reader):
-                    acc = _axpy(acc, jax.device_put(chunk, device), w[g], np.int32(offset))
-                    # One chunk in flight: the EMA's parts are freed as fast as they are
-                    # copied, so the EMA is never held twice.
-                    jax.block_until_ready(acc)
-                    nbytes += chunk.nbytes
-                del chunk, reader
+    with _mmap_large_allocations():
+        for b0 in range(0, len(todo), batch_outputs):
+            batch = todo[b0:b0 + batch_outputs]
+            cols = np.array(batch + [len(sigma_rels) + j for j in range(len(per_tensor))])
+            acc, nbytes, t0 = None, 0, time.time()  # acc[j]: flat output batch[j]
+            active = [fi for fi in range(len(files))
+                      if any(np.any(X[i, cols] != 0)
+                             for i, (f2, _) in enumerate(inputs) if f2 == fi)]
+            bar = tqdm(active, desc=f"phema {b0 // batch_outputs + 1}/"
+                       f"{math.ceil(len(todo) / batch_outputs)}", unit="snapshot",
+                       disable=not progress, dynamic_ncols=True)
+            for fi in bar:
+                f = files[fi]
+                rows = [i for i, (f2, _) in enumerate(inputs) if f2 == fi]
+                rows = [i for i in rows if np.any(X[i, cols] != 0)]
+                tree_keys = _orbax_tree_keys(f.directory)
+                context = _ts_context()  # one per file: a shared one grows by ~0.4 MB a file
+                for i in rows:
+                    tree_path = f.tree_paths[inputs[i][1]]
+                    if acc is None:  # the layout from the first EMA read
+                        layout = _flat_layout(_subtree(_tree_metadata(f.directory), tree_path),
+                                              per_tensor)
+                        acc = _Accumulators(len(batch), layout.size, device)
+                    try:
+                        reader = _make_reader(f, tree_path, layout, context, tree_keys)
+                    except _StructureError as e:
+                        raise ValueError(
+                            f"{f.label}: the EMA at {'/'.join(tree_path)} has other tensors "
+                            f"than the first snapshot ({e}); all snapshots must come from the "
+                            f"same network") from None
+                    # w[g]: weights of this input in the batch's outputs for tensor group g
+                    # (0: each output's own sigma_rel, g > 0: per_tensor[g - 1]'s).
+                    w = [X[i, batch]] + [np.full(len(batch), X[i, len(sigma_rels) + g])
+                                         for g in range(len(per_tensor))]
+                    w = [acc.weights(wg) for wg in w]
+                    for offset, g, chunk in layout.chunks(reader):
+                        acc.add(offset, chunk, w[g])
+                        nbytes += chunk.nbytes
+                        del chunk
+                    del reader
+                    _release_free_memory()
+                del context
+                bar.set_postfix_str(f"{nbytes / max(time.time() - t0, 1e-9) / 1e9:.2f} GB/s")
+            bar.close()
+            # Write the outputs one at a time, each straight from its accumulator (views of
+            # it on the host), and drop each accumulator as soon as it is written: the first
+            # output costs no more than the accumulators themselves.
+            for j, k in enumerate(batch):
+                flat = acc.pop_host(j)
+                save_network(paths[k], {"params": layout.unflatten(flat), "buffers": buffers},
+                             net_config, meta_of(k), low_memory=True)
+                del flat
                 _release_free_memory()
-            bar.set_postfix_str(f"{nbytes / max(time.time() - t0, 1e-9) / 1e9:.2f} GB/s")
-        bar.close()
-        acc = list(acc)
-        for j, k in enumerate(batch):
-            params = layout.unflatten(np.asarray(jax.device_get(acc[j])))
-            acc[j] = None  # free each output once on the host
-            save_network(paths[k], {"params": params, "buffers": buffers}, net_config, meta_of(k))
-            del params
-            _release_free_memory()
-        del acc
+            del acc
     return paths
 
 
@@ -788,7 +987,7 @@ def sweep(workdir: str, sigma_rels: Sequence[float], metric_fn: Callable[[str], 
     `metric_fn(network_checkpoint_path) -> float` on each, and write
     `OUT_DIR/sweep-<kimg>-<metric_name>.csv` (columns sigma_rel, kimg, metric_name,
     profile_error, path) and a `.png` plot of the metric against sigma_rel (the paper's
-    Fig. 5a style, lower assumed better; the best point is marked).
+    Fig. 5a style, lower assumed better; the best point is marked) and print the best.
 
     Returns `(csv_path, png_path)`; `png_path` is None, with a warning naming
     `pip install matplotlib`, when matplotlib is missing.
@@ -809,6 +1008,11 @@ def sweep(workdir: str, sigma_rels: Sequence[float], metric_fn: Callable[[str], 
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+    best_row = min(rows, key=lambda r: r[metric_name])
+    edge = best_row["sigma_rel"] in (min(sigma_rels), max(sigma_rels)) and len(rows) > 2
+    print(f"best sigma_rel {best_row['sigma_rel']:.3f} ({metric_name} "
+          f"{best_row[metric_name]:.6g})"
+          + (" at the edge of the swept range: extend it to find the minimum" if edge else ""))
     try:
         import matplotlib
         matplotlib.use("Agg")

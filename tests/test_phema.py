@@ -277,7 +277,7 @@ def test_reconstruct_from_a_training_run(tiny_run, tmp_path):
         phema.reconstruct(workdir, [0.05], at_kimg=0.2, out_dir=str(tmp_path / "o2"))
 
 
-def test_sweep_finds_the_held_out_ema(tiny_run, tmp_path):
+def test_sweep_finds_the_held_out_ema(tiny_run, tmp_path, capsys):
     """With the distance to the tracked 0.075 EMA as the metric, a sweep over sigma_rel
     is best at 0.075."""
     tracked = _flat(tiny_run["snaps"][-1][1][0.075])
@@ -292,6 +292,7 @@ def test_sweep_finds_the_held_out_ema(tiny_run, tmp_path):
     rows = list(csv.DictReader(open(csv_path)))
     assert [float(r["sigma_rel"]) for r in rows] == sigma_rels
     assert min(rows, key=lambda r: float(r["dist"]))["sigma_rel"] == "0.075"
+    assert "best sigma_rel 0.075 (dist " in capsys.readouterr().out
     try:
         import matplotlib  # noqa: F401
         assert os.path.getsize(png_path) > 1000
@@ -357,6 +358,73 @@ def test_streaming_batches_and_per_tensor(tmp_path):
     with pytest.raises(ValueError, match="match no parameter.*unet/"):
         phema.reconstruct(str(tmp_path), [0.06], per_tensor="nothing_here=0.1",
                           out_dir=str(tmp_path / "x"))
+
+
+def test_reader_paths_agree(tmp_path, monkeypatch):
+    """Chunks that split tensors and cross per-tensor groups, no prefetch, Orbax's restore
+    instead of the direct TensorStore reader (checkpoints without `_METADATA`, or arrays
+    it cannot open: warned), and inputs in Orbax's per-array (non-OCDBT) layout all give
+    the weighted sum of the snapshots."""
+    (tmp_path / "run").mkdir()
+    snaps, _ = _synthetic_run(tmp_path / "run")
+    sig = [0.06, 0.12]
+    X = phema.solve_weights(np.repeat([n for n, _ in snaps], 2), np.tile(SEEN, 5), 5000,
+                            sig + [0.10])
+
+    def check(paths):
+        for k, p in enumerate(paths):
+            v = checkpoint.load_network(p)[1]["params"]
+            own, emb = _weighted(snaps, X[:, k], SEEN), _weighted(snaps, X[:, 2], SEEN)
+            own["unet"]["emb_label"] = emb["unet"]["emb_label"]
+            np.testing.assert_allclose(_flat(v), _flat(own), atol=1e-5)
+
+    def run(name, src=tmp_path / "run"):
+        return phema.reconstruct(str(src), sig, per_tensor="emb_=0.10", progress=False,
+                                 out_dir=str(tmp_path / name))
+
+    def no_orbax(*a):
+        pytest.fail("read through Orbax")
+    with monkeypatch.context() as m:
+        m.setattr(phema, "_EmaReader", no_orbax)
+        m.setattr(phema, "_CHUNK", 7)  # tensors of 72, 20 and 1 elements
+        m.setattr(phema, "_PREFETCH", 0)
+        check(run("small_chunks"))
+    with monkeypatch.context() as m:
+        m.setattr(phema, "_orbax_tree_keys", lambda d: None)
+        check(run("orbax"))
+
+    def fail(*a, **kw):
+        raise ValueError("unknown layout")
+    with monkeypatch.context() as m:
+        m.setattr(phema, "_TensorStoreReader", fail)
+        m.setattr(phema, "_warned_fallback", False)
+        with pytest.warns(UserWarning, match="Orbax's restore instead.*unknown layout"):
+            check(run("fallback"))
+    # The same snapshots as imported release snapshots in the per-array layout.
+    nets = tmp_path / "nets"
+    for nimg, trees in snaps:
+        for s_rel, t in trees.items():
+            checkpoint.save_network(str(nets / f"edm2-t-{nimg // 1000:07d}-{s_rel:.3f}"),
+                                    {"params": t, "buffers": {}}, {"img_resolution": 8},
+                                    low_memory=True)
+    assert not os.path.exists(nets / "edm2-t-0000001-0.050" / "variables" / "manifest.ocdbt")
+    with monkeypatch.context() as m:
+        m.setattr(phema, "_EmaReader", no_orbax)
+        check(run("per_array", nets))
+
+
+def test_snapshots_of_another_network_are_refused(tmp_path):
+    snaps, _ = _synthetic_run(tmp_path, n_steps=2)
+    from edm2_jax import checkpoint_train as ct
+    m = ct.TrainCheckpoints(str(tmp_path))
+    other = {"unet": {"enc_8x8_conv": {"weight": np.zeros((3, 3, 2, 5), np.float32)},
+                      "emb_label": {"weight": np.zeros((5, 4), np.float32)}},
+             "out_gain": np.zeros(1, np.float32)}
+    m.save_snapshot(30, 3000, {"power": {ema.ema_key(s): other for s in SEEN}}, SEEN, 100)
+    m.close()
+    with pytest.raises(ValueError, match=r"snapshots/30: the EMA at power/0\.050 has other "
+                                         r"tensors.*shape \(3, 3, 2, 5\).*same network"):
+        phema.reconstruct(str(tmp_path), [0.06], out_dir=str(tmp_path / "o"))
 
 
 def test_missing_inputs_are_reported(tmp_path):
