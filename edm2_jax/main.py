@@ -9,7 +9,8 @@ Modes:
   phema    post-hoc EMA (Alg. 3): `--workdir=RUN --sigma_rel=0.05,0.1 [--at_kimg] [--per_tensor]`
            reconstructs network checkpoints from the run's EMA snapshots.
   phema_sweep  reconstruct each `--sigma_rel`, evaluate `--metrics` (one of cls, fid) on
-           `--num_images`, write a CSV and plot, name the best.
+           `--num_images`, write a CSV and plot, name the best; reference data: `--config`,
+           else the run's config.json.
   generate images for `--seeds` from `--net` (network checkpoint, run dir or EMA snapshot)
            into `--outdir` and/or a `--grid` PNG; `--guide`/`--guidance` for (auto)guidance.
 Config fields are overridden with `--config.field=value`, e.g. `--config.total_kimg=100`.
@@ -109,7 +110,12 @@ def main(argv):
         from edm2_jax import evaluate
         metric = FLAGS.metrics.split(",")[0]
         key = {"cls": "fd_cls", "fid": evaluate.fid_name(FLAGS.num_images)}[metric]
-        data_config = FLAGS.config.data.to_dict() if FLAGS.config else None
+        data_config = (FLAGS.config.data.to_dict() if FLAGS.config
+                       else phema.run_data_config(FLAGS.workdir))
+        if data_config is None and not (metric == "fid" and FLAGS.ref):
+            raise app.UsageError(f"--metrics={metric} needs reference data: pass --config "
+                                 f"(its data section){' or --ref' if metric == 'fid' else ''}; "
+                                 f"{FLAGS.workdir} has no config.json with a data section")
 
         def metric_fn(net_path):
             imgs = evaluate.net_images(net_path, FLAGS.num_images, FLAGS.batch, num_steps=FLAGS.steps)

@@ -980,6 +980,17 @@ def main_phema(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None 
 # Sweep
 
 
+def run_data_config(workdir: str) -> dict | None:
+    """The `data` section of a training run's `WORKDIR/config.json` (the reference data
+    of a sweep's metric when no `--config` is given), or None when there is none."""
+    path = os.path.join(os.path.abspath(os.path.expanduser(workdir)), "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        data = json.load(f).get("data")
+    return dict(data) if isinstance(data, dict) and data.get("source") else None
+
+
 def sweep(workdir: str, sigma_rels: Sequence[float], metric_fn: Callable[[str], float], *,
           at_kimg: float | None = None, out_dir: str | None = None,
           metric_name: str = "metric", per_tensor=None) -> tuple[str, str]:

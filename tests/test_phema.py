@@ -306,6 +306,9 @@ def test_main_phema_prints_outputs(tiny_run, tmp_path, capsys):
     assert "6 snapshot file(s) (12 EMAs" in out and paths[0] in out
     meta = json.load(open(os.path.join(paths[0], "network.json")))["meta"]
     assert meta["kimg"] == 1.6 and len(meta["inputs"]) == 8  # steps 50..200 only
+    # A sweep without --config takes its reference data from the run's config.json.
+    assert phema.run_data_config(tiny_run["workdir"]) == tiny_run["config"].data.to_dict()
+    assert phema.run_data_config(str(tmp_path)) is None
 
 
 # --------------------------------------------------------------------------------------
