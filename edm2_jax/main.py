@@ -17,6 +17,7 @@ Config fields are overridden with `--config.field=value`, e.g. `--config.total_k
 """
 from __future__ import annotations
 
+import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -117,10 +118,13 @@ def main(argv):
                                  f"(its data section){' or --ref' if metric == 'fid' else ''}; "
                                  f"{FLAGS.workdir} has no config.json with a data section")
 
+        # References (Inception stats / classifier features) once for the whole sweep.
+        suite = evaluate.Metrics([metric], FLAGS.num_images, ref=FLAGS.ref,
+                                 data_config=data_config, ref_split=FLAGS.ref_split)
+
         def metric_fn(net_path):
             imgs = evaluate.net_images(net_path, FLAGS.num_images, FLAGS.batch, num_steps=FLAGS.steps)
-            return evaluate.evaluate(imgs, FLAGS.num_images, [metric], ref=FLAGS.ref,
-                                     data_config=data_config, ref_split=FLAGS.ref_split)[key]
+            return suite(np.concatenate(list(imgs)))[key]
 
         csv_path, png = phema.sweep(FLAGS.workdir, sigma_rels, metric_fn, at_kimg=FLAGS.at_kimg,
                                     out_dir=FLAGS.outdir, metric_name=key, per_tensor=FLAGS.per_tensor)
