@@ -431,9 +431,18 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         except Exception as e:  # noqa: BLE001 - re-raised with the fix named
             raise _save_error(e, step, workdir, managers) from e
 
+    host_emas: dict = {}  # EMA variables gathered to host at the current snapshot
+
+    def ema_on_host(key: str) -> dict:
+        """EMA `key` with the buffers as host arrays (a gather on every process), once per
+        snapshot however many consumers (sample grid, evaluation) want it."""
+        if key not in host_emas:
+            host_emas[key] = shard_lib.to_host(_ema_variables(state, key))
+        return host_emas[key]
+
     def save_samples(tag: str):
         key = ema_lib.ema_key(max(config.ema.sigma_rels))
-        variables = shard_lib.to_host(_ema_variables(state, key))  # every process
+        variables = ema_on_host(key)  # every process
         if not is_main:
             return
         rows, cols = int(config.sample.grid_rows), int(config.sample.grid_cols)
@@ -450,7 +459,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
               f"per column): {path} [{time.time() - t:.1f} s]")
 
     def run_eval(step: int, nimg: int):
-        variables = shard_lib.to_host(_ema_variables(state, evaluator_key))  # every process
+        variables = ema_on_host(evaluator_key)  # every process
         if evaluator is None:
             return
         res = evaluator(net, variables)
@@ -527,6 +536,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                 save_samples(f"{nimg // 1000:09d}")
                 if eval_wanted:
                     run_eval(step, nimg)
+                host_emas.clear()
             if step % ckpt_every == 0 or done or stopping:
                 flush_metrics()
                 save_state(step)
