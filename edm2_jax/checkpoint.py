@@ -1,22 +1,92 @@
-"""Orbax checkpoints of this project.
+"""Orbax items as host arrays, and the network checkpoint format.
 
-Network checkpoints (`save_network` / `load_network`) hold one set of network
-variables `{'params', 'buffers'}` plus the network config as JSON: what `convert`
-writes, what post-hoc EMA reconstruction outputs, and what `generate` / `eval` load.
-Layout of such a directory:
+Owns:
+  * reading any Orbax PyTree item of this project as host NumPy arrays, whatever mesh and
+    number of processes wrote it (`restore_numpy`, `restore_partial`, `tree_metadata`),
+    and the key paths Orbax names its arrays by (`key_paths`, `subtree`);
+  * network checkpoints (`save_network` / `load_network` / `read_network_json`): one set
+    of network variables `{'params', 'buffers'}` plus the network config as JSON: what
+    `convert` writes, what post-hoc EMA reconstruction outputs, and what `generate` /
+    `eval` load. Layout of such a directory:
 
-    DIR/network.json     {"network": {...Precond kwargs...}, "meta": {...}}
-    DIR/variables/       Orbax StandardCheckpointer tree
+        DIR/network.json     {"network": {...Precond kwargs...}, "meta": {...}}
+        DIR/variables/       Orbax PyTree checkpoint {'params', 'buffers'}
+
+A training run's directory (config.json, checkpoints/, snapshots/, ...) is `rundir.py`'s.
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+NETWORK_JSON = "network.json"
+VARIABLES = "variables"
+
+
+# --------------------------------------------------------------------------------------
+# Orbax items as host arrays
+
+
+def key_paths(tree: Any) -> list[tuple[str, ...]]:
+    """Key path of each leaf of `tree` (dicts, lists, named tuples; e.g. Orbax array
+    metadata), as tuples of strings, in `jax.tree.leaves` order."""
+    def name(k):
+        return str(next(getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)))
+    return [tuple(name(k) for k in path)
+            for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def subtree(tree: dict, path: Sequence[str]) -> Any:
+    """`tree[path[0]][path[1]]...`."""
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def tree_metadata(directory: str) -> dict:
+    """The tree of array metadata (shape, dtype) of the Orbax PyTree item `directory`."""
+    md = ocp.PyTreeCheckpointer().metadata(directory)
+    md = getattr(md, "item_metadata", md)
+    return dict(getattr(md, "tree", md))
+
+
+def restore_numpy(directory: str):
+    """The Orbax checkpoint item `directory` (e.g. `RUN/checkpoints/<step>/default`) as
+    host numpy arrays, whatever mesh and number of processes wrote it; a restore without
+    a target would need the devices that saved it ("Topology mismatch"). Named tuples
+    (Adam's state) come back as dicts and lists."""
+    md = ocp.PyTreeCheckpointer().metadata(directory)
+    md = getattr(md, "item_metadata", md)
+    md = getattr(md, "tree", md)
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), md)
+    return ocp.PyTreeCheckpointer().restore(
+        directory, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+
+
+def restore_partial(directory: str, paths: Sequence[tuple[str, ...]],
+                    md: dict | None = None) -> list:
+    """The sub-trees at `paths` of the Orbax PyTree item `directory` as host numpy
+    arrays (nothing else in the item is read). `md`: its `tree_metadata`, if known."""
+    md = md if md is not None else tree_metadata(directory)
+    item: dict = {}
+    for path in paths:
+        node = item
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = subtree(md, path)
+    restore_args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), item)
+    r = ocp.PyTreeCheckpointer().restore(directory, args=ocp.args.PyTreeRestore(
+        item=item, restore_args=restore_args, partial_restore=True))
+    return [subtree(r, path) for path in paths]
+
+
+# --------------------------------------------------------------------------------------
+# Network checkpoints
 
 
 def _to_jsonable(obj: Any) -> Any:
@@ -48,7 +118,7 @@ def save_network(path: str, variables: dict, net_config: dict, meta: dict | None
     Returns the absolute path.
     """
     path = os.path.abspath(os.path.expanduser(path))
-    if os.path.exists(os.path.join(path, "variables")):
+    if os.path.exists(os.path.join(path, VARIABLES)):
         raise FileExistsError(f"{path} already holds a network checkpoint; choose another "
                               f"--workdir or delete it first")
     os.makedirs(path, exist_ok=True)
@@ -58,16 +128,29 @@ def save_network(path: str, variables: dict, net_config: dict, meta: dict | None
         (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)))
     ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
         use_ocdbt=not low_memory, type_handler_registry=registry))
-    ckptr.save(os.path.join(path, "variables"), args=ocp.args.PyTreeSave(variables))
-    with open(os.path.join(path, "network.json"), "w") as f:
+    ckptr.save(os.path.join(path, VARIABLES), args=ocp.args.PyTreeSave(variables))
+    with open(os.path.join(path, NETWORK_JSON), "w") as f:
         json.dump({"network": _to_jsonable(dict(net_config)), "meta": _to_jsonable(meta or {})},
                   f, indent=2)
     return path
 
 
 def is_network_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "network.json")) and os.path.isdir(
-        os.path.join(path, "variables"))
+    return os.path.isfile(os.path.join(path, NETWORK_JSON)) and os.path.isdir(
+        os.path.join(path, VARIABLES))
+
+
+def variables_dir(path: str) -> str:
+    """The Orbax item of a network checkpoint's variables."""
+    return os.path.join(path, VARIABLES)
+
+
+def read_network_json(path: str) -> tuple[dict, dict]:
+    """`(net_config, meta)` of the network checkpoint `path`, without reading its
+    variables (the one reader of `network.json`)."""
+    with open(os.path.join(path, NETWORK_JSON)) as f:
+        info = json.load(f)
+    return info["network"], info.get("meta", {}) or {}
 
 
 def load_network(path: str) -> tuple[dict, dict, dict]:
@@ -80,8 +163,7 @@ def load_network(path: str) -> tuple[dict, dict, dict]:
     if not is_network_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a network checkpoint (expected network.json and "
                                 f"variables/ written by `--mode=convert` or post-hoc EMA)")
-    with open(os.path.join(path, "network.json")) as f:
-        info = json.load(f)
-    variables = ocp.StandardCheckpointer().restore(os.path.join(path, "variables"))
+    net_config, meta = read_network_json(path)
+    variables = ocp.StandardCheckpointer().restore(variables_dir(path))
     variables = jax.tree_util.tree_map(np.asarray, variables)
-    return info["network"], variables, info.get("meta", {})
+    return net_config, variables, meta

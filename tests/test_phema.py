@@ -181,7 +181,7 @@ def tiny_run(tmp_path_factory):
     tracking sigma_rel 0.05, 0.075, 0.10. Keeps every 10th step's EMAs in memory, and
     writes a run directory whose snapshots (every 50 steps) hold only 0.05 and 0.10
     (no buffers: those come from the state checkpoint)."""
-    from edm2_jax import checkpoint_train as ct
+    from edm2_jax import rundir as ct
     from edm2_jax import optim, train
     c = _tiny_config()
     net = train.make_network(c)
@@ -316,7 +316,7 @@ def test_main_phema_prints_outputs(tiny_run, tmp_path, capsys):
 
 
 def _synthetic_run(root: Path, n_steps=5, with_buffers=True):
-    from edm2_jax import checkpoint_train as ct
+    from edm2_jax import rundir as ct
     rng = np.random.default_rng(1)
     shapes = {"unet": {"enc_8x8_conv": {"weight": (3, 3, 2, 4)}, "emb_label": {"weight": (5, 4)}},
               "out_gain": (1,)}
@@ -388,19 +388,19 @@ def test_reader_paths_agree(tmp_path, monkeypatch):
     def no_orbax(*a):
         pytest.fail("read through Orbax")
     with monkeypatch.context() as m:
-        m.setattr(phema, "_EmaReader", no_orbax)
-        m.setattr(phema, "_CHUNK", 7)  # tensors of 72, 20 and 1 elements
-        m.setattr(phema, "_PREFETCH", 0)
+        m.setattr(phema.streaming, "_EmaReader", no_orbax)
+        m.setattr(phema.streaming, "_CHUNK", 7)  # tensors of 72, 20 and 1 elements
+        m.setattr(phema.streaming, "_PREFETCH", 0)
         check(run("small_chunks"))
     with monkeypatch.context() as m:
-        m.setattr(phema, "_orbax_tree_keys", lambda d: None)
+        m.setattr(phema.streaming, "orbax_tree_keys", lambda d: None)
         check(run("orbax"))
 
     def fail(*a, **kw):
         raise ValueError("unknown layout")
     with monkeypatch.context() as m:
-        m.setattr(phema, "_TensorStoreReader", fail)
-        m.setattr(phema, "_warned_fallback", False)
+        m.setattr(phema.streaming, "_TensorStoreReader", fail)
+        m.setattr(phema.streaming, "_warned_fallback", False)
         with pytest.warns(UserWarning, match="Orbax's restore instead.*unknown layout"):
             check(run("fallback"))
     # The same snapshots as imported release snapshots in the per-array layout.
@@ -412,13 +412,13 @@ def test_reader_paths_agree(tmp_path, monkeypatch):
                                     low_memory=True)
     assert not os.path.exists(nets / "edm2-t-0000001-0.050" / "variables" / "manifest.ocdbt")
     with monkeypatch.context() as m:
-        m.setattr(phema, "_EmaReader", no_orbax)
+        m.setattr(phema.streaming, "_EmaReader", no_orbax)
         check(run("per_array", nets))
 
 
 def test_snapshots_of_another_network_are_refused(tmp_path):
     snaps, _ = _synthetic_run(tmp_path, n_steps=2)
-    from edm2_jax import checkpoint_train as ct
+    from edm2_jax import rundir as ct
     m = ct.TrainCheckpoints(str(tmp_path))
     other = {"unet": {"enc_8x8_conv": {"weight": np.zeros((3, 3, 2, 5), np.float32)},
                       "emb_label": {"weight": np.zeros((5, 4), np.float32)}},
