@@ -9,10 +9,13 @@
 training run directory (its latest checkpoint; `--ema=0.100` picks the power EMA,
 `--ema=online` the raw weights, default the largest sigma_rel), or one EMA snapshot
 directory of a run (`RUN/snapshots/<step>`).
+
+Owns `load_net` (a network and its variables from any of those; reading them is
+`checkpoint.py`'s and `rundir.py`'s), `generate_images` (seeds to images, split over
+processes and devices) and the CLI body `main_generate`.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -20,9 +23,13 @@ from typing import Iterable, Sequence
 
 import jax
 import numpy as np
+import PIL.Image
+from tqdm import tqdm
 
 from edm2_jax import checkpoint as ckpt_lib
+from edm2_jax import rundir
 from edm2_jax.networks import Precond, precond_from_config
+from edm2_jax.sampling import sample_images, save_image_grid
 
 MAX_SEEDS_PER_DIR = 1000
 
@@ -42,16 +49,6 @@ def parse_seeds(spec: str) -> list[int]:
     return seeds
 
 
-def _restore_raw(path: str) -> dict:
-    import orbax.checkpoint as ocp
-    return ocp.StandardCheckpointer().restore(path)
-
-
-def _run_config(run_dir: str) -> dict:
-    with open(os.path.join(run_dir, "config.json")) as f:
-        return json.load(f)
-
-
 def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
     """Load `(net, variables, description)` from any checkpoint kind (see module doc).
 
@@ -62,22 +59,19 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
         cfg, variables, meta = ckpt_lib.load_network(path)
         return precond_from_config(cfg), variables, f"network checkpoint {path}"
 
-    snap = re.fullmatch(r"(.*)/snapshots/(\d+)/?", path)
+    snap = re.fullmatch(rf"(.*)/{rundir.SNAPSHOTS}/(\d+)/?", path)
     if snap:
-        from edm2_jax import checkpoint_train as ct
         run_dir, step = snap.group(1), int(snap.group(2))
-        tree, meta = ct.restore_snapshot(run_dir, step)
-        buffers = _latest_state(run_dir)["buffers"]
+        tree, meta = rundir.restore_snapshot(run_dir, step)
         key = ema or max(tree["power"], key=float)
         if key not in tree["power"]:
             raise KeyError(f"snapshot {path} has EMAs {sorted(tree['power'])}, not {key!r}")
-        cfg = _run_config(run_dir)["network"]
-        return (precond_from_config(cfg), {"params": tree["power"][key], "buffers": buffers},
+        variables = {"params": tree["power"][key], "buffers": rundir.run_buffers(run_dir)}
+        return (precond_from_config(rundir.network_config(run_dir)), variables,
                 f"EMA {key} of snapshot {step} ({meta['nimg'] / 1000:.1f} kimg) in {run_dir}")
 
-    if os.path.isfile(os.path.join(path, "config.json")) and os.path.isdir(os.path.join(path, "checkpoints")):
-        state = _latest_state(path)
-        cfg = _run_config(path)["network"]
+    if rundir.is_run(path):
+        state = rundir.restore_latest_state(path)
         if ema == "online":
             params, what = state["params"], "online weights"
         else:
@@ -86,19 +80,12 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
                 raise KeyError(f"run {path} tracks EMAs {sorted(state['ema']['power'])}, not "
                                f"{key!r} (or use --ema=online)")
             params, what = state["ema"]["power"][key], f"EMA sigma_rel={key}"
-        return (precond_from_config(cfg), {"params": params, "buffers": state["buffers"]},
+        return (precond_from_config(rundir.network_config(path)),
+                {"params": params, "buffers": state["buffers"]},
                 f"{what} of run {path} at step {int(state['step'])}")
     raise FileNotFoundError(
         f"{path} is neither a network checkpoint (network.json + variables/), a training run "
         f"(config.json + checkpoints/), nor an EMA snapshot (RUN/snapshots/<step>)")
-
-
-def _latest_state(run_dir: str) -> dict:
-    ckdir = os.path.join(run_dir, "checkpoints")
-    steps = sorted((int(d) for d in os.listdir(ckdir) if d.isdigit()), reverse=True)
-    if not steps:
-        raise FileNotFoundError(f"no complete checkpoint in {ckdir}")
-    return _restore_raw(os.path.join(ckdir, str(steps[0]), "default"))
 
 
 def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outdir: str | None = None,
@@ -116,11 +103,6 @@ def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outd
     are split over the local devices (sampling is per seed, so images do not depend on
     batch size or device count).
     """
-    import PIL.Image
-    from tqdm import tqdm
-
-    from edm2_jax.sampling import sample_images
-
     n_dev = jax.local_device_count()
     batch_size = max(n_dev, (batch_size + n_dev - 1) // n_dev * n_dev)
     batches = [list(seeds[i:i + batch_size]) for i in range(0, len(seeds), batch_size)]
@@ -177,7 +159,6 @@ def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | N
     print(f"{len(seed_list)} images in {dt:.1f} s ({len(seed_list) / dt:.2f} img/s)"
           + (f" -> {outdir}" if outdir else ""))
     if grid and jax.process_index() == 0:
-        from edm2_jax.sampling import save_image_grid
         imgs = np.concatenate(all_imgs)
         cols = int(np.ceil(np.sqrt(len(imgs))))
         rows = int(np.ceil(len(imgs) / cols))

@@ -10,9 +10,13 @@ with `ln sigma ~ N(P_mean, P_std^2)` and `logvar` the network's uncertainty head
 training objective is the per-image sum of `loss` over pixels and channels, averaged over
 the batch (`objective = mean(per_image_loss)`, i.e. `sum(loss) / batch` as in the release).
 
+Owns the loss and the training objective: `edm2_loss_per_element` (the one signature:
+variables, network, images, labels and the random draws), `edm2_loss` (per image, with
+the logged means) and `edm2_objective` (the scalar the training step differentiates).
+
 Everything here is a pure function. Forced weight normalisation is *not* applied here:
 the training step calls `edm2_jax.mp.force_normalize(params)` first and differentiates
-the loss at the normalised weights (SPEC section 4, "order inside one step").
+the loss at the normalised weights (docs/recipe.md §4, "order inside one step").
 """
 from __future__ import annotations
 
@@ -121,28 +125,12 @@ def edm2_loss_per_element(
     return loss, logvar.astype(jnp.float32), sigma
 
 
-def edm2_loss(
-    params: Any,
-    buffers: Any,
-    net: Any,
-    images: Array,
-    labels: Array | None,
-    rng: Array | None = None,
-    *,
-    P_mean: float,
-    P_std: float,
-    sigma_data: float = 0.5,
-    train: bool = True,
-    rnd_normal: Array | None = None,
-    noise_unit: Array | None = None,
-    dropout_rng: Array | None = None,
-) -> tuple[Array, dict[str, Array]]:
+def edm2_loss(params: Any, buffers: Any, net: Any, images: Array, labels: Array | None,
+              rng: Array | None = None, **kwargs: Any) -> tuple[Array, dict[str, Array]]:
     """EDM2 loss per image: the per-element loss summed over H, W, C.
 
-    Arguments as in `edm2_loss_per_element`. The training objective is
-    `mean(per_image_loss)` over the (global) batch; with micro-batch gradient
-    accumulation, sum `per_image_loss` over each micro-batch and divide by the global
-    batch size.
+    Arguments as in `edm2_loss_per_element` (keyword-only ones passed through). The
+    training objective (`edm2_objective`) is `sum(per_image_loss) / global batch size`.
 
     Returns:
       `(per_image_loss, aux)`: `per_image_loss` `[B]` float32; `aux` a flat dict of float32
@@ -150,10 +138,8 @@ def edm2_loss(
       `Loss/loss`), `weighted_mse` (`weight * (D - y)^2` per element), `logvar`,
       `sigma` (mean noise level), `log_sigma`.
     """
-    loss, logvar, sigma = edm2_loss_per_element(
-        params, buffers, net, images, labels, rng, P_mean=P_mean, P_std=P_std,
-        sigma_data=sigma_data, train=train, rnd_normal=rnd_normal, noise_unit=noise_unit,
-        dropout_rng=dropout_rng)
+    loss, logvar, sigma = edm2_loss_per_element(params, buffers, net, images, labels, rng,
+                                                **kwargs)
     per_image = jnp.sum(loss, axis=(1, 2, 3))
     lv = logvar[:, None, None, None]
     aux = {
@@ -166,10 +152,18 @@ def edm2_loss(
     return per_image, aux
 
 
-def edm2_objective(params: Any, *args: Any, **kwargs: Any) -> tuple[Array, dict[str, Array]]:
-    """`(mean(per_image_loss), aux)` — `edm2_loss` reduced to the scalar training objective,
-    ready for `jax.value_and_grad(edm2_objective, has_aux=True)`. Same arguments as
-    `edm2_loss`; `aux` additionally holds `objective`."""
-    per_image, aux = edm2_loss(params, *args, **kwargs)
-    objective = jnp.mean(per_image)
-    return objective, dict(aux, objective=objective)
+def edm2_objective(params: Any, buffers: Any, net: Any, images: Array, labels: Array | None,
+                   rng: Array | None = None, *, batch_size: int | None = None,
+                   **kwargs: Any) -> tuple[Array, dict[str, Array]]:
+    """The scalar training objective `sum(per_image_loss) / batch_size` and `edm2_loss`'s
+    `aux`, ready for `jax.value_and_grad(edm2_objective, has_aux=True)`; the training
+    step differentiates this.
+
+    `batch_size`: the global batch size, default this batch's (then the objective is
+    `mean(per_image_loss)`). With micro-batch gradient accumulation pass the global one:
+    the micro-batches' objectives then sum to the batch's. Other arguments as in
+    `edm2_loss_per_element`.
+    """
+    per_image, aux = edm2_loss(params, buffers, net, images, labels, rng, **kwargs)
+    n = per_image.shape[0] if batch_size is None else batch_size
+    return jnp.sum(per_image) / n, aux

@@ -14,12 +14,20 @@ Modes:
   generate images for `--seeds` from `--net` (network checkpoint, run dir or EMA snapshot)
            into `--outdir` and/or a `--grid` PNG; `--guide`/`--guidance` for (auto)guidance.
 Config fields are overridden with `--config.field=value`, e.g. `--config.total_kimg=100`.
+
+Owns the flags and their dispatch to each mode's function (`train.train_and_evaluate`,
+`convert.main_convert`, `evaluate.main_eval`, `phema.main_phema`, `phema.main_sweep`,
+`generate.main_generate`), and the persistent compilation cache.
 """
 from __future__ import annotations
 
-import numpy as np
+import os
+
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from edm2_jax import convert, evaluate, generate, phema, train
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py[:variant]).",
@@ -63,9 +71,6 @@ flags.DEFINE_string("data_split_images", None, "eval: evaluate N images of this 
 def _enable_compilation_cache():
     """Persistent XLA cache: a resumed or repeated run skips its compiles. Disable with
     EDM2_JAX_COMPILATION_CACHE=off; default ~/.cache/edm2_jax/xla."""
-    import os
-
-    import jax
     path = os.environ.get("EDM2_JAX_COMPILATION_CACHE",
                           os.path.join(os.path.expanduser("~"), ".cache", "edm2_jax", "xla"))
     if path != "off" and not jax.config.jax_compilation_cache_dir:
@@ -82,64 +87,47 @@ def main(argv):
     if FLAGS.mode == "generate":
         if not FLAGS.net:
             raise app.UsageError("--mode=generate needs --net=PATH")
-        from edm2_jax import generate
         generate.main_generate(
             FLAGS.net, FLAGS.seeds, FLAGS.outdir, ema=FLAGS.ema, batch_size=FLAGS.batch,
             class_idx=FLAGS.class_idx, subdirs=FLAGS.subdirs, guide_path=FLAGS.guide,
             guide_ema=FLAGS.guide_ema, guidance=FLAGS.guidance, num_steps=FLAGS.steps,
             grid=FLAGS.grid, S_churn=FLAGS.S_churn, S_min=FLAGS.S_min, S_max=FLAGS.S_max,
             S_noise=FLAGS.S_noise)
-        return
-    if FLAGS.mode == "eval":
-        from edm2_jax import evaluate
+    elif FLAGS.mode == "eval":
         evaluate.main_eval(
             images_dir=FLAGS.images, net_path=FLAGS.net, num_images=FLAGS.num_images,
             metrics=FLAGS.metrics, ref=FLAGS.ref, ref_split=FLAGS.ref_split,
-            data_split_images=FLAGS.data_split_images,
-            data_config=FLAGS.config.data.to_dict() if FLAGS.config else None,
+            data_split_images=FLAGS.data_split_images, data_config=_data_config(),
             ema=FLAGS.ema, batch_size=FLAGS.batch, num_steps=FLAGS.steps, out_json=FLAGS.out_json,
             class_idx=FLAGS.class_idx, guide=None, guidance=1.0)
-        return
-    if not FLAGS.workdir:
+    elif not FLAGS.workdir:
         raise app.UsageError("--workdir is required")
-    if FLAGS.mode in ("phema", "phema_sweep"):
-        from edm2_jax import phema
-        sigma_rels = [float(x) for x in FLAGS.sigma_rel.split(",") if x.strip()]
-        if FLAGS.mode == "phema":
-            phema.main_phema(FLAGS.workdir, sigma_rels, FLAGS.at_kimg, FLAGS.outdir, FLAGS.per_tensor)
-            return
-        from edm2_jax import evaluate
-        metric = FLAGS.metrics.split(",")[0]
-        key = {"cls": "fd_cls", "fid": evaluate.fid_name(FLAGS.num_images)}[metric]
-        data_config = (FLAGS.config.data.to_dict() if FLAGS.config
-                       else phema.run_data_config(FLAGS.workdir))
-        if data_config is None and not (metric == "fid" and FLAGS.ref):
-            raise app.UsageError(f"--metrics={metric} needs reference data: pass --config "
-                                 f"(its data section){' or --ref' if metric == 'fid' else ''}; "
-                                 f"{FLAGS.workdir} has no config.json with a data section")
-
-        # References (Inception stats / classifier features) once for the whole sweep.
-        suite = evaluate.Metrics([metric], FLAGS.num_images, ref=FLAGS.ref,
-                                 data_config=data_config, ref_split=FLAGS.ref_split)
-
-        def metric_fn(net_path):
-            imgs = evaluate.net_images(net_path, FLAGS.num_images, FLAGS.batch, num_steps=FLAGS.steps)
-            return suite(np.concatenate(list(imgs)))[key]
-
-        csv_path, png = phema.sweep(FLAGS.workdir, sigma_rels, metric_fn, at_kimg=FLAGS.at_kimg,
-                                    out_dir=FLAGS.outdir, metric_name=key, per_tensor=FLAGS.per_tensor)
-        print(f"Sweep -> {csv_path} {png or ''}")
-        return
-    if FLAGS.mode == "convert":
+    elif FLAGS.mode == "phema":
+        phema.main_phema(FLAGS.workdir, _sigma_rels(), FLAGS.at_kimg, FLAGS.outdir,
+                         FLAGS.per_tensor)
+    elif FLAGS.mode == "phema_sweep":
+        phema.main_sweep(
+            FLAGS.workdir, _sigma_rels(), metrics=FLAGS.metrics, num_images=FLAGS.num_images,
+            batch_size=FLAGS.batch, num_steps=FLAGS.steps, ref=FLAGS.ref,
+            ref_split=FLAGS.ref_split, data_config=_data_config(), at_kimg=FLAGS.at_kimg,
+            out_dir=FLAGS.outdir, per_tensor=FLAGS.per_tensor)
+    elif FLAGS.mode == "convert":
         if not FLAGS.src:
             raise app.UsageError("--mode=convert needs --src=FILE")
-        from edm2_jax import convert
         convert.main_convert(FLAGS.src, FLAGS.workdir)
-        return
-    if FLAGS.config is None:
+    elif FLAGS.config is None:
         raise app.UsageError("--config is required, e.g. --config=configs/fashion_mnist.py")
-    from edm2_jax import train
-    train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    else:
+        train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+
+
+def _sigma_rels() -> list[float]:
+    return [float(x) for x in FLAGS.sigma_rel.split(",") if x.strip()]
+
+
+def _data_config() -> dict | None:
+    """The data section of `--config`, if given."""
+    return FLAGS.config.data.to_dict() if FLAGS.config else None
 
 
 if __name__ == "__main__":

@@ -205,10 +205,9 @@ class TrainCheckpoints:
     def save_snapshot(self, step: int, nimg: int, ema: dict, sigma_rels, batch_size: int,
                       buffers: dict | None = None) -> None:
         """Save the EMAs (and, if given, the MPFourier `buffers`, which post-hoc EMA
-        reconstruction writes into its network checkpoints) as snapshot `step`."""
+        reconstruction writes into its network checkpoints) as snapshot `step`
+        (asynchronously; nothing if it exists). Raises CheckpointSaveError."""
         self.last_step = step
-        if step in (self.snap_mngr.all_steps() or []):
-            return
         meta = {"nimg": int(nimg), "batch_size": int(batch_size),
                 "sigma_rels": [float(s) for s in sigma_rels],
                 "ema_keys": sorted(ema.get("power", {})),
@@ -216,7 +215,12 @@ class TrainCheckpoints:
         items = dict(ema=ocp.args.StandardSave(ema), meta=ocp.args.JsonSave(meta))
         if buffers:  # Orbax cannot save an empty tree
             items["buffers"] = ocp.args.StandardSave(buffers)
-        self.snap_mngr.save(step, args=ocp.args.Composite(**items))
+        try:
+            if step in (self.snap_mngr.all_steps() or []):
+                return
+            self.snap_mngr.save(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # noqa: BLE001 - re-raised with the fix named
+            raise self._save_error(e, step) from e
 
     def restore_latest(self, abstract_state, sharding) -> dict | None:
         """Latest complete state checkpoint restored onto `sharding` (one sharding, or a

@@ -3,6 +3,12 @@
     from edm2_jax import configs, train
     train.train_and_evaluate(configs.base_config(), "runs/fmnist")
 
+Owns the train state (`init_train_state`), the step (`make_train_step`,
+`jit_train_step`) and `train_and_evaluate`: named setup steps (`setup_data`,
+`setup_eval`, `setup_model`, `restore_or_init`), then one loop. What the loop writes is
+`rundir.py`'s; the resume check is `resume.py`'s, preemption `preemption.py`'s, the loss
+`loss.py`'s.
+
 The train state is one plain pytree (a dict):
 
     {'step': int32 [] optimiser steps taken (nimg = step * batch_size),
@@ -10,20 +16,17 @@ The train state is one plain pytree (a dict):
      'opt_state': optax state, 'ema': {'power': {'0.050': ..., '0.100': ...}[, 'traditional']},
      'rng': PRNG key}
 
-One step (SPEC section 4): force-normalise the online weights -> EDM2 loss and gradients
-(accumulated over micro-batches with `lax.scan` when `batch_per_device` is set) -> Adam
-with the inverse-sqrt learning rate at the images seen *before* the step -> power EMAs
-with the post-update weights at the images seen *after* it.
+One step (docs/recipe.md §4): force-normalise the online weights -> EDM2 loss and
+gradients (accumulated over micro-batches with `lax.scan` when `batch_per_device` is set)
+-> Adam with the inverse-sqrt learning rate at the images seen *before* the step -> power
+EMAs with the post-update weights at the images seen *after* it.
 """
 from __future__ import annotations
 
-import errno
-import functools
-import json
+import dataclasses
 import math
 import os
-import signal
-import threading
+import resource
 import time
 from typing import Any, Callable
 
@@ -32,25 +35,24 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from tqdm import tqdm
 
-from edm2_jax import checkpoint as ckpt_lib
 from edm2_jax import data as data_lib
 from edm2_jax import ema as ema_lib
+from edm2_jax import evaluate
 from edm2_jax import loss as loss_lib
 from edm2_jax import optim as optim_lib
+from edm2_jax import preemption, resume, rundir, sampling
 from edm2_jax import sharding as shard_lib
 from edm2_jax.mp import force_normalize
 from edm2_jax.networks import Precond, init_variables, precond_from_config
+from edm2_jax.rundir import CheckpointSaveError  # noqa: F401 (raised by train_and_evaluate)
 
 Array = jax.Array
 
 
 class NonFiniteLossError(RuntimeError):
-    pass
-
-
-class CheckpointSaveError(OSError):
-    """Writing a checkpoint failed (disk full, permissions, ...); earlier ones are intact."""
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
 
 
 # --------------------------------------------------------------------------------------
@@ -107,11 +109,11 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
                   trad_rampup_ratio=config.ema.trad_rampup_ratio)
 
     def objective(params, buffers, images, labels, rnd_normal, noise_unit, dropout_rng):
-        per_image, aux = loss_lib.edm2_loss(
+        return loss_lib.edm2_objective(
             params, buffers, net, images, labels if net.label_dim else None,
             P_mean=lc.P_mean, P_std=lc.P_std, sigma_data=lc.sigma_data, train=True,
-            rnd_normal=rnd_normal, noise_unit=noise_unit, dropout_rng=dropout_rng)
-        return jnp.sum(per_image) / batch_size, aux
+            rnd_normal=rnd_normal, noise_unit=noise_unit, dropout_rng=dropout_rng,
+            batch_size=batch_size)
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
 
@@ -174,159 +176,14 @@ def jit_train_step(train_step: Callable, mesh, state_sharding=None) -> Callable:
 
 
 # --------------------------------------------------------------------------------------
-# Config bookkeeping
-
-# Fields that must not change when resuming in the same workdir.
-_RESUME_FIELDS = ("network", "loss", "optim", "ema", "batch_size", "seed", "data.source",
-                  "data.name", "data.split", "data.resolution", "data.use_labels")
+# Setup steps
 
 
-def _lookup(d: dict, dotted: str):
-    for part in dotted.split("."):
-        if not isinstance(d, dict) or part not in d:
-            return None
-        d = d[part]
-    return d
-
-
-def _normalise_json(x):
-    return json.loads(json.dumps(x))
-
-
-def check_config_matches(saved: dict, current: dict, workdir: str) -> None:
-    """Raise ValueError listing every training-relevant field that differs from the config
-    saved in `workdir` (a resumed run must be the same run)."""
-    diffs = []
-    for field in _RESUME_FIELDS:
-        a, b = _normalise_json(_lookup(saved, field)), _normalise_json(_lookup(current, field))
-        if isinstance(a, dict) and isinstance(b, dict):
-            for k in sorted(set(a) | set(b)):
-                if a.get(k) != b.get(k):
-                    diffs.append(f"{field}.{k}: checkpoint {a.get(k)!r} vs now {b.get(k)!r}")
-        elif a != b:
-            diffs.append(f"{field}: checkpoint {a!r} vs now {b!r}")
-    if diffs:
-        raise ValueError(
-            f"the config does not match the run in {workdir}:\n  " + "\n  ".join(diffs)
-            + "\nUse a new --workdir for a different run, or restore those settings to resume.")
-
-
-# --------------------------------------------------------------------------------------
-# The loop
-
-
-def _memory_gib() -> float:
-    try:
-        stats = jax.local_devices()[0].memory_stats() or {}
-        if "peak_bytes_in_use" in stats:
-            return stats["peak_bytes_in_use"] / 2**30
-    except Exception:  # noqa: BLE001 - not every backend reports memory
-        pass
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def _save_error(e: Exception, step: int, workdir: str, managers) -> CheckpointSaveError:
-    """The error to raise when saving the checkpoint or EMA snapshot of `step` failed
-    with `e` (Orbax wraps the OSError of a full disk; it is found in the chain)."""
-    cause, seen = e, set()
-    while cause is not None and not isinstance(cause, OSError) and id(cause) not in seen:
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    cause = cause if isinstance(cause, OSError) else e
-    try:
-        done = sorted(managers.state_mngr.all_steps(read=True) or [])
-    except Exception:  # noqa: BLE001 - only for the message
-        done = "?"
-    hint = "free disk space" if getattr(cause, "errno", None) == errno.ENOSPC else "fix that"
-    return CheckpointSaveError(
-        getattr(cause, "errno", None) or errno.EIO,
-        f"saving step {step} in {workdir} failed: {type(cause).__name__}: {cause}. The "
-        f"complete earlier checkpoints {done} are intact (unfinished saves are deleted on the "
-        f"next start); {hint} and re-run the same command to resume from the latest.")
-
-
-def _ema_variables(state: dict, key: str) -> dict:
-    return {"params": state["ema"]["power"][key], "buffers": state["buffers"]}
-
-
-class StopRequest:
-    """SIGTERM/SIGINT as a request to stop after the current step (preemption).
-
-    Within `with StopRequest() as stop:` the first signal sets `stop.signal` (its
-    number) and `stop.received_at` (the value of `stop.step`, which the training loop
-    keeps current); a second one raises KeyboardInterrupt at once. The previous handlers
-    come back on exit. Outside the main thread, where Python cannot catch signals, it
-    changes nothing.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.signal: int | None = None
-        self.received_at: int | None = None
-        self.step = 0
-        self._old: dict = {}
-
-    def __enter__(self) -> "StopRequest":
-        if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._old.items():
-            signal.signal(s, handler)
-
-    def _handle(self, signum, _frame) -> None:
-        if self.signal is not None:
-            raise KeyboardInterrupt(f"second signal {signum}: stopping without a checkpoint")
-        self.signal, self.received_at = signum, self.step
-        print(f"\nReceived signal {signum} at step {self.step}: finishing this step, saving a "
-              f"checkpoint, exiting (send it again to stop at once).", flush=True)
-
-
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Train to `config.total_kimg`, resuming from the latest checkpoint in `workdir`.
-
-    Writes `config.json`, `checkpoints/` (full state every `checkpoint_kimg`, last
-    `keep_checkpoints` kept), `snapshots/` (every tracked EMA every `snapshot_kimg`),
-    `stats.jsonl`, TensorBoard scalars in `tb/`, and sample grids `samples/*.png`.
-    Returns the last status dict (`finished` False when stopped by a signal).
-
-    Devices: a mesh of shape `config.mesh` (`sharding.py`; `fsdp > 1` shards params,
-    Adam state and EMAs). Several hosts: one process per host, `jax.distributed` set up
-    from the environment, each loading its slice of every batch; only process 0 writes
-    logs and images; checkpoints are written by all (`workdir` must be shared).
-
-    Faults: SIGTERM/SIGINT finish the current step, save a checkpoint and return (all
-    processes stop at the same step, at most one step later); a second signal
-    interrupts at once. A run killed at any moment resumes from its last complete
-    checkpoint (Orbax renames a checkpoint into place only when complete and deletes
-    unfinished ones); a checkpoint that does not restore is set aside and the previous
-    one is used.
-
-    Raises ValueError for a config that does not match the run in `workdir`, the data
-    errors of `data.make_source`, NonFiniteLossError when the loss becomes NaN/inf (the
-    last good checkpoint is kept), and CheckpointSaveError when a checkpoint cannot be
-    written (e.g. disk full; the earlier ones are intact).
-    """
-    # First, since jax.distributed installs its own SIGTERM handler (its preemption
-    # notifier), which ours must replace.
-    shard_lib.maybe_initialize_distributed()
-    with StopRequest() as stop:
-        return _train_and_evaluate(config, workdir, stop)
-
-
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                        stop: StopRequest) -> dict:
-    from edm2_jax import checkpoint_train as ct  # heavy orbax imports only when training
-    from edm2_jax.sampling import sample_images, save_image_grid
-
-    workdir = os.path.abspath(os.path.expanduser(workdir))
-    is_main = jax.process_index() == 0
-    os.makedirs(workdir, exist_ok=True)
-
-    # Data first: a missing or broken dataset fails before anything is compiled.
+def setup_data(config: ml_collections.ConfigDict
+               ) -> tuple[data_lib.Source, ml_collections.ConfigDict]:
+    """The data source, and a copy of `config` whose network matches the data
+    (resolution, channels, label_dim; each change printed). Raises ValueError when the
+    config wants labels the data lack, and the errors of `data.make_source`."""
     source = data_lib.make_source(config.data)
     src_kw = data_lib.network_kwargs(source)
     config = ml_collections.ConfigDict(config.to_dict())
@@ -339,223 +196,321 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if config.network.get(k) != v:
             print(f"network.{k}: {config.network.get(k)} -> {v} (from the data)")
             config.network[k] = v
+    return source, config
 
-    # Config bookkeeping: same run, or a clear error before any step.
-    cfg_path = os.path.join(workdir, "config.json")
-    current = json.loads(config.to_json_best_effort())
-    if os.path.exists(cfg_path):
-        with open(cfg_path) as f:
-            check_config_matches(json.load(f), current, workdir)
-    if is_main:
-        with open(cfg_path + ".tmp", "w") as f:
-            json.dump(current, f, indent=2)
-        os.replace(cfg_path + ".tmp", cfg_path)
 
-    # Evaluation during training: process 0 generates and measures (the others wait at
-    # their next collective); set up before the state so that a bad eval config fails at once.
-    eval_wanted = bool(str(config.eval.metrics).strip())
-    evaluator, evaluator_key = None, None
-    if eval_wanted:
-        from edm2_jax.evaluate import TrainingEval
-        evaluator_key = TrainingEval.ema_key_of(config)  # checked on every process
-        evaluator = TrainingEval(config) if is_main else None
+def setup_eval(config: ml_collections.ConfigDict, is_main: bool
+               ) -> tuple[str | None, evaluate.TrainingEval | None]:
+    """`(ema_key, evaluator)` of the evaluation at every snapshot (`config.eval`), or
+    `(None, None)` when none is wanted. The key is checked on every process; only
+    process 0 evaluates (`evaluator` None elsewhere). Raises ValueError for a bad eval
+    config."""
+    if not str(config.eval.metrics).strip():
+        return None, None
+    key = evaluate.TrainingEval.ema_key_of(config)
+    return key, evaluate.TrainingEval(config) if is_main else None
 
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What `setup_model` builds: the mesh, the network and optimiser, the micro-batches
+    per step, and the train state's shapes and shardings."""
+    mesh: jax.sharding.Mesh
+    net: Precond
+    tx: optax.GradientTransformation
+    num_accum: int
+    abstract_state: Any
+    state_sharding: Any
+
+
+def setup_model(config: ml_collections.ConfigDict) -> Model:
+    """The device mesh of `config.mesh` and everything shaped by the config (nothing
+    allocated). Raises ValueError for inconsistent batch sizes."""
     mesh = shard_lib.mesh_from_config(config)
     num_accum = num_micro_batches(config, mesh.size)
-    batch_size = int(config.batch_size)
     net = make_network(config)
-    tx = optim_lib.make_optimizer(config.optim, batch_size)
+    tx = optim_lib.make_optimizer(config.optim, int(config.batch_size))
     abstract_state = jax.eval_shape(lambda r: init_train_state(config, net, tx, r),
                                     jax.random.PRNGKey(config.seed))
-    state_sharding = shard_lib.state_shardings(mesh, abstract_state)
-    init_fn = jax.jit(lambda r: init_train_state(config, net, tx, r),
-                      out_shardings=state_sharding)
+    return Model(mesh, net, tx, num_accum, abstract_state,
+                 shard_lib.state_shardings(mesh, abstract_state))
 
-    managers = ct.TrainCheckpoints(workdir, keep=int(config.keep_checkpoints))
-    state = managers.restore_latest(abstract_state, state_sharding)
-    resumed = state is not None
-    if state is None:
-        state = init_fn(jax.random.PRNGKey(config.seed))
+
+def restore_or_init(config: ml_collections.ConfigDict, model: Model,
+                    managers: rundir.TrainCheckpoints) -> tuple[dict, bool]:
+    """`(state, resumed)`: the latest complete checkpoint on the model's shardings, else
+    a fresh state from `config.seed`."""
+    state = managers.restore_latest(model.abstract_state, model.state_sharding)
+    if state is not None:
+        return state, True
+    init_fn = jax.jit(lambda r: init_train_state(config, model.net, model.tx, r),
+                      out_shardings=model.state_sharding)
+    return init_fn(jax.random.PRNGKey(config.seed)), False
+
+
+# --------------------------------------------------------------------------------------
+# Loop bookkeeping
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """When the loop reports, snapshots and checkpoints, in steps."""
+    total_steps: int
+    status_every: int
+    snapshot_every: int
+    checkpoint_every: int
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> "Schedule":
+        batch_size = int(config.batch_size)
+        steps = lambda kimg: max(1, int(round(kimg * 1000 / batch_size)))  # noqa: E731
+        return cls(total_steps=math.ceil(int(round(config.total_kimg * 1000)) / batch_size),
+                   status_every=steps(config.status_kimg),
+                   snapshot_every=steps(config.snapshot_kimg),
+                   checkpoint_every=steps(config.checkpoint_kimg))
+
+
+class StepMetrics:
+    """The steps' metrics, kept on the device until a status line needs them (at most
+    two steps in flight, so that progress and timings are honest), and the timings of
+    the status lines. `flush` raises NonFiniteLossError on a NaN/inf loss."""
+
+    def __init__(self, batch_size: int, workdir: str, nimg: int):
+        self.batch_size, self.workdir = batch_size, workdir
+        self.pending: list = []
+        self.t_start = self.t_status = time.time()
+        self.nimg_status = nimg
+        self.first_step_time: float | None = None
+
+    def add(self, metrics: dict, step: int) -> None:
+        """The metrics of step `step` (0-based), still on the device."""
+        metrics["_step"] = step
+        self.pending.append(metrics)
+        if len(self.pending) >= 2:
+            jax.block_until_ready(self.pending[-2]["objective"])
+        if self.first_step_time is None:
+            jax.block_until_ready(metrics["objective"])
+            self.first_step_time = time.time() - self.t_start
+            print(f"First step done {self.first_step_time:.1f} s after start (includes "
+                  f"compile)")
+
+    def flush(self) -> dict | None:
+        """The means of the pending metrics on the host (None if there are none)."""
+        if not self.pending:
+            return None
+        host, self.pending = jax.device_get(self.pending), []
+        for m in host:
+            if not np.isfinite(m["objective"]):
+                raise NonFiniteLossError(
+                    f"non-finite loss ({m['objective']}) at step {m['_step']} "
+                    f"(kimg {m['_step'] * self.batch_size / 1000:.1f}); stopping. The last "
+                    f"good checkpoint in {self.workdir}/checkpoints is kept; lower "
+                    f"optim.ref_lr or set optim.grad_clip, then resume.")
+        return {k: float(np.mean([m[k] for m in host])) for k in host[0] if k != "_step"}
+
+    def status(self, step: int) -> dict:
+        """The status line's stats at `step`: metric means, speed, memory, time."""
+        nimg = step * self.batch_size
+        means = self.flush()
+        dt = time.time() - self.t_status
+        kimg_done = (nimg - self.nimg_status) / 1000
+        stats = dict(kimg=nimg / 1000, step=step, **means,
+                     sec_per_kimg=dt / max(kimg_done, 1e-9),
+                     img_per_sec=kimg_done * 1000 / max(dt, 1e-9),
+                     mem_gib=_memory_gib(), time=time.time() - self.t_start)
+        self.t_status, self.nimg_status = time.time(), nimg
+        return stats
+
+
+def _memory_gib() -> float:
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if "peak_bytes_in_use" in stats:
+            return stats["peak_bytes_in_use"] / 2**30
+    except Exception:  # noqa: BLE001 - not every backend reports memory
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _status_line(s: dict) -> str:
+    return (f"kimg {s['kimg']:9.1f}  loss {s['loss/loss']:.4f}  lr {s['lr']:.2e}  sec/kimg "
+            f"{s['sec_per_kimg']:.2f}  img/s {s['img_per_sec']:.1f}  mem {s['mem_gib']:.2f} GiB")
+
+
+# --------------------------------------------------------------------------------------
+# At each snapshot: sample grid and evaluation
+
+
+def _emas_on_host(state: dict, keys: list[str]) -> dict:
+    """`{key: EMA variables}` as host arrays, each gathered once (a collective on every
+    process, in the same order everywhere) however many consumers want it."""
+    return {k: shard_lib.to_host({"params": state["ema"]["power"][k],
+                                  "buffers": state["buffers"]})
+            for k in dict.fromkeys(keys)}
+
+
+def save_sample_grid(config: ml_collections.ConfigDict, net: Precond, variables: dict,
+                     path: str) -> None:
+    """A `config.sample` grid of images of `variables` (one class per column) at `path`."""
+    rows, cols = int(config.sample.grid_rows), int(config.sample.grid_cols)
+    seeds = np.arange(rows * cols) + int(config.sample.seed)
+    labels = None
+    if net.label_dim:
+        labels = jax.nn.one_hot(np.arange(rows * cols) % net.label_dim, net.label_dim)
+    imgs = sampling.sample_images(net, variables, seeds, labels,
+                                  num_steps=int(config.sample.num_steps))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    sampling.save_image_grid(np.asarray(imgs), path, rows, cols)
+
+
+def _eval_line(nimg: int, ema_key: str, res: dict) -> str:
+    return (f"kimg {nimg / 1000:9.1f}  eval (EMA {ema_key}): " + "  ".join(
+        f"{k[5:]} {v:.4g}" for k, v in res.items()
+        if k != "eval/time_s" and not k.startswith("eval/num_"))
+        + f"  [{res['eval/time_s']:.1f} s]")
+
+
+# --------------------------------------------------------------------------------------
+# The loop
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Train to `config.total_kimg`, resuming from the latest checkpoint in `workdir`.
+
+    Writes `config.json`, `checkpoints/` (full state every `checkpoint_kimg`, last
+    `keep_checkpoints` kept), `snapshots/` (every tracked EMA every `snapshot_kimg`),
+    `stats.jsonl`, TensorBoard scalars in `tb/`, and sample grids `samples/*.png`
+    (`rundir.py`). Returns the last status dict (`finished` False when stopped by a
+    signal).
+
+    Devices: a mesh of shape `config.mesh` (`sharding.py`; `fsdp > 1` shards params,
+    Adam state and EMAs). Several hosts: one process per host, `jax.distributed` set up
+    from the environment, each loading its slice of every batch; only process 0 writes
+    logs and images; checkpoints are written by all (`workdir` must be shared).
+
+    Faults: SIGTERM/SIGINT finish the current step, save a checkpoint and return (all
+    processes stop at the same step, at most one step later; `preemption.py`); a second
+    signal interrupts at once. A run killed at any moment resumes from its last complete
+    checkpoint (Orbax renames a checkpoint into place only when complete and deletes
+    unfinished ones); a checkpoint that does not restore is set aside and the previous
+    one is used.
+
+    Raises ValueError for a config that does not match the run in `workdir`
+    (`resume.py`), the data errors of `data.make_source`, NonFiniteLossError when the
+    loss becomes NaN/inf (the last good checkpoint is kept), and CheckpointSaveError when
+    a checkpoint cannot be written (e.g. disk full; the earlier ones are intact).
+    """
+    # First, since jax.distributed installs its own SIGTERM handler (its preemption
+    # notifier), which ours must replace.
+    shard_lib.maybe_initialize_distributed()
+    with preemption.StopRequest() as stop:
+        return _train(config, workdir, stop)
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str,
+           stop: preemption.StopRequest) -> dict:
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    is_main = jax.process_index() == 0
+    os.makedirs(workdir, exist_ok=True)
+
+    # Set-up, each step failing before anything costly when its part of the config is
+    # wrong: data first (a missing or broken dataset fails before anything is compiled),
+    # then the config record (same run, or a clear error before any step), then the
+    # evaluation, then the model and its state.
+    source, config = setup_data(config)
+    resume.check_and_record_config(workdir, config, write=is_main)
+    eval_key, evaluator = setup_eval(config, is_main)
+    model = setup_model(config)
+    mesh, net, batch_size = model.mesh, model.net, int(config.batch_size)
+    managers = rundir.TrainCheckpoints(workdir, keep=int(config.keep_checkpoints))
+    state, resumed = restore_or_init(config, model, managers)
+    sched = Schedule.from_config(config)
+
     step0 = int(state["step"])
     nimg = step0 * batch_size
-    total_nimg = int(round(config.total_kimg * 1000))
-    if nimg >= total_nimg:
+    if step0 >= sched.total_steps:
         print(f"Run in {workdir} is already finished at {nimg / 1000:.1f} kimg "
               f"(total_kimg={config.total_kimg}). Nothing to do.")
         managers.close()
         return {"kimg": nimg / 1000, "finished": True}
-
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
     print(f"{'Resuming' if resumed else 'Starting'} in {workdir} at step {step0}, "
           f"{nimg / 1000:.1f} kimg", flush=True)
     print(f"Data: {data_lib.describe(source)}")
     print(f"Network: {n_params:,} parameters ({config.network.dtype} compute); batch "
           f"{batch_size} on {mesh.size} device(s) of {jax.process_count()} process(es), mesh "
-          f"{dict(mesh.shape)}, {num_accum} micro-batch(es) per step; EMAs "
+          f"{dict(mesh.shape)}, {model.num_accum} micro-batch(es) per step; EMAs "
           f"sigma_rel={list(config.ema.sigma_rels)}")
 
-    step_fn = jit_train_step(make_train_step(config, net, tx, num_accum), mesh, state_sharding)
+    step_fn = jit_train_step(make_train_step(config, net, model.tx, model.num_accum), mesh,
+                             model.state_sharding)
     it = data_lib.make_iterator(source, global_batch=batch_size, seed=int(config.seed),
                                 start_nimg=nimg, process_index=jax.process_index(),
                                 process_count=jax.process_count(),
                                 num_workers=int(config.data.num_workers))
-
-    logger = ct.StatsLogger(workdir) if is_main else None
-    kimg_to_steps = lambda kimg: max(1, int(round(kimg * 1000 / batch_size)))
-    status_every = kimg_to_steps(config.status_kimg)
-    ckpt_every = kimg_to_steps(config.checkpoint_kimg)
-    snap_every = kimg_to_steps(config.snapshot_kimg)
-    total_steps = math.ceil(total_nimg / batch_size)
-
-    # Preemption: the signal handler (StopRequest) only raises a flag; the loop finishes
-    # the step in flight, checkpoints and returns. Processes OR their flags
-    # (sharding.any_process) so that all stop at the same step.
-    stop.step = step0
-    stop_flags: list = []
-
-    def stop_agreed() -> bool:
-        """Whether every process stops after this step (one collective per step, read
-        one step later so that it never waits for the device)."""
-        local = stop.signal is not None
-        if jax.process_count() == 1:
-            return local
-        stop_flags.append(shard_lib.any_process(mesh, local))
-        return len(stop_flags) > 1 and bool(stop_flags.pop(0))
-
-    def save_state(step: int):
-        try:
-            # A checkpoint must not land before the EMA snapshots of its steps: a run
-            # killed in between would resume past them and never write them.
-            managers.snap_mngr.wait_until_finished()
-            managers.save_state(step, state)
-        except Exception as e:  # noqa: BLE001 - re-raised with the fix named
-            raise _save_error(e, step, workdir, managers) from e
-
-    host_emas: dict = {}  # EMA variables gathered to host at the current snapshot
-
-    def ema_on_host(key: str) -> dict:
-        """EMA `key` with the buffers as host arrays (a gather on every process), once per
-        snapshot however many consumers (sample grid, evaluation) want it."""
-        if key not in host_emas:
-            host_emas[key] = shard_lib.to_host(_ema_variables(state, key))
-        return host_emas[key]
-
-    def save_samples(tag: str):
-        key = ema_lib.ema_key(max(config.ema.sigma_rels))
-        variables = ema_on_host(key)  # every process
-        if not is_main:
-            return
-        rows, cols = int(config.sample.grid_rows), int(config.sample.grid_cols)
-        seeds = np.arange(rows * cols) + int(config.sample.seed)
-        labels = None
-        if net.label_dim:
-            labels = jax.nn.one_hot(np.arange(rows * cols) % net.label_dim, net.label_dim)
-        t = time.time()
-        imgs = sample_images(net, variables, seeds, labels, num_steps=int(config.sample.num_steps))
-        path = os.path.join(workdir, "samples", f"{tag}.png")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        save_image_grid(np.asarray(imgs), path, rows, cols)
-        print(f"Sample grid (EMA sigma_rel={key}, {config.sample.num_steps} steps, one class "
-              f"per column): {path} [{time.time() - t:.1f} s]")
-
-    def run_eval(step: int, nimg: int):
-        variables = ema_on_host(evaluator_key)  # every process
-        if evaluator is None:
-            return
-        res = evaluator(net, variables)
-        if logger:
-            logger.log(dict(kimg=nimg / 1000, step=step, **res))
-        bar.write(f"kimg {nimg / 1000:9.1f}  eval (EMA {evaluator.ema_key}): " + "  ".join(
-            f"{k[5:]} {v:.4g}" for k, v in res.items()
-            if k != "eval/time_s" and not k.startswith("eval/num_"))
-            + f"  [{res['eval/time_s']:.1f} s]")
-
-    pending: list = []
-    last = {}
-    t_start = time.time()
-    t_status, nimg_status = time.time(), nimg
-    first_step_time = None
-    from tqdm import tqdm
-    bar = tqdm(total=total_steps, initial=step0, unit="step", disable=not is_main,
+    logger = rundir.StatsLogger(workdir) if is_main else None
+    sample_key = ema_lib.ema_key(max(config.ema.sigma_rels))
+    snapshot_keys = [sample_key] + ([eval_key] if eval_key else [])
+    consensus = preemption.StopConsensus(stop, mesh)
+    metrics_log = StepMetrics(batch_size, workdir, nimg)
+    last: dict = {}
+    bar = tqdm(total=sched.total_steps, initial=step0, unit="step", disable=not is_main,
                dynamic_ncols=True, mininterval=2.0)
 
-    def flush_metrics():
-        """Bring pending metrics to host, stop on a non-finite loss."""
-        nonlocal pending
-        if not pending:
-            return None
-        host = jax.device_get(pending)
-        pending = []
-        for m in host:
-            if not np.isfinite(m["objective"]):
-                raise NonFiniteLossError(
-                    f"non-finite loss ({m['objective']}) at step {m['_step']} "
-                    f"(kimg {m['_step'] * batch_size / 1000:.1f}); stopping. The last good "
-                    f"checkpoint in {workdir}/checkpoints is kept; lower optim.ref_lr or set "
-                    f"optim.grad_clip, then resume.")
-        return {k: float(np.mean([m[k] for m in host])) for k in host[0] if k != "_step"}
-
+    stop.step = step = step0
+    stopping = consensus.before_start()
     try:
-        # A signal during start-up (one process): stop before the first step.
-        step, stopping = step0, jax.process_count() == 1 and stop.signal is not None
-        while step < total_steps and not stopping:
-            batch = shard_lib.global_batch(mesh, next(it))
-            state, metrics = step_fn(state, batch)
+        while step < sched.total_steps and not stopping:
+            state, metrics = step_fn(state, shard_lib.global_batch(mesh, next(it)))
             step += 1
             stop.step = step
-            stopping = stop_agreed()
-            metrics["_step"] = step - 1
-            pending.append(metrics)
-            if len(pending) >= 2:  # at most 2 steps in flight: honest progress and timings
-                jax.block_until_ready(pending[-2]["objective"])
-            if first_step_time is None:
-                jax.block_until_ready(metrics["objective"])
-                first_step_time = time.time() - t_start
-                print(f"First step done {first_step_time:.1f} s after start (includes compile)")
+            stopping = consensus.after_step()
+            metrics_log.add(metrics, step - 1)
             bar.update(1)
             nimg = step * batch_size
-            done = step >= total_steps
-            if step % status_every == 0 or done or stopping:
-                means = flush_metrics()
-                dt = time.time() - t_status
-                kimg_done = (nimg - nimg_status) / 1000
-                last = dict(kimg=nimg / 1000, step=step, **means,
-                            sec_per_kimg=dt / max(kimg_done, 1e-9),
-                            img_per_sec=kimg_done * 1000 / max(dt, 1e-9),
-                            mem_gib=_memory_gib(), time=time.time() - t_start)
-                t_status, nimg_status = time.time(), nimg
+            done = step >= sched.total_steps
+
+            if step % sched.status_every == 0 or done or stopping:
+                last = metrics_log.status(step)
                 if logger:
                     logger.log(last)
-                bar.write(f"kimg {last['kimg']:9.1f}  loss {last['loss/loss']:.4f}  "
-                          f"lr {last['lr']:.2e}  sec/kimg {last['sec_per_kimg']:.2f}  "
-                          f"img/s {last['img_per_sec']:.1f}  mem {last['mem_gib']:.2f} GiB")
-            if step % snap_every == 0 or done:
-                flush_metrics()
+                bar.write(_status_line(last))
+
+            if step % sched.snapshot_every == 0 or done:
+                metrics_log.flush()
                 managers.save_snapshot(step, nimg, state["ema"], tuple(config.ema.sigma_rels),
                                        batch_size, buffers=state["buffers"])
-                save_samples(f"{nimg // 1000:09d}")
-                if eval_wanted:
-                    run_eval(step, nimg)
-                host_emas.clear()
-            if step % ckpt_every == 0 or done or stopping:
-                flush_metrics()
-                save_state(step)
+                host = _emas_on_host(state, snapshot_keys)  # every process
+                if is_main:
+                    t = time.time()
+                    path = rundir.samples_path(workdir, f"{nimg // 1000:09d}")
+                    save_sample_grid(config, net, host[sample_key], path)
+                    print(f"Sample grid (EMA sigma_rel={sample_key}, {config.sample.num_steps} "
+                          f"steps, one class per column): {path} [{time.time() - t:.1f} s]")
+                if evaluator is not None:
+                    res = evaluator(net, host[eval_key])
+                    if logger:
+                        logger.log(dict(kimg=nimg / 1000, step=step, **res))
+                    bar.write(_eval_line(nimg, evaluator.ema_key, res))
+                del host
+
+            if step % sched.checkpoint_every == 0 or done or stopping:
+                metrics_log.flush()
+                managers.save_state(step, state)
     finally:
         bar.close()
         it.close() if hasattr(it, "close") else None
         if logger:
             logger.close()
-        try:
-            managers.close()  # waits for async saves to finish
-        except Exception as e:  # noqa: BLE001 - re-raised with the fix named
-            raise _save_error(e, step, workdir, managers) from e
+        managers.close()  # waits for the asynchronous saves
 
-    if stopping and step < total_steps:
+    if stopping and step < sched.total_steps:
         saved = f"checkpoint {step} saved" if step > step0 else "no new step to save"
         why = (f"signal {stop.signal} (received at step {stop.received_at})" if stop.signal
                else "a signal to another process")
         print(f"Stopped by {why} at step {step}, {nimg / 1000:.3f} kimg; {saved}. Re-run the "
               f"same command to resume.", flush=True)
         return dict(last, finished=False, step=step)
-    print(f"Training finished at {nimg / 1000:.1f} kimg in {time.time() - t_start:.0f} s.")
+    print(f"Training finished at {nimg / 1000:.1f} kimg in "
+          f"{time.time() - metrics_log.t_start:.0f} s.")
     return dict(last, finished=True)
