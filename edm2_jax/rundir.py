@@ -31,6 +31,7 @@ import warnings
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from edm2_jax import checkpoint as ckpt_lib
 from edm2_jax.checkpoint import restore_numpy  # noqa: F401 (part of this module's API)
@@ -268,7 +269,6 @@ class TrainCheckpoints:
                 dst, n = f"{path}.corrupt{n}", n + 1
             os.replace(path, dst)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
         self.state_mngr.reload()
 

@@ -309,7 +309,7 @@ def test_fsdp_run_checkpoints_and_resumes_on_one_device(tmp_path, xla_cache):
     relative error up to tol * S / |gain|; every later gradient is proportional to the
     gains, so at step 4 everything agrees to tol * S / min|gain| of the step-2 gains.
     Measured on an AMD EPYC: MEASURED_SLOW."""
-    from edm2_jax import checkpoint_train as ct
+    from edm2_jax import rundir as ct
     data = make_image_folder(tmp_path / "data")
     single, sharded = tmp_path / "single", tmp_path / "fsdp"
     train.train_and_evaluate(tiny_config(data), str(single))

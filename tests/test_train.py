@@ -387,7 +387,7 @@ def test_run_writes_its_outputs(runs):
     stats = [json.loads(line) for line in (full / "stats.jsonl").read_text().splitlines()]
     assert [s["step"] for s in stats] == [2, 4]
     assert all(np.isfinite(s["loss/loss"]) for s in stats)
-    from edm2_jax import checkpoint_train as ct
+    from edm2_jax import rundir as ct
     (step, meta), = ct.list_snapshots(str(full))
     assert step == 4 and meta["nimg"] == 32 and meta["batch_size"] == 8
     assert meta["ema_keys"] == ["0.050", "0.100"]
