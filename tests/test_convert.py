@@ -28,6 +28,7 @@ import pytest
 from edm2_jax import convert as C
 from edm2_jax.networks import Block, precond_from_config
 from tests.testdata import golden as _golden
+from tests.tolerances import forward_terms, reorder_tol
 
 TINY = dict(img_resolution=16, img_channels=3, model_channels=32, channel_mult=[1, 2],
             num_blocks=1, attn_resolutions=[8], logvar_channels=128, channels_per_head=64)
@@ -56,6 +57,9 @@ def assert_matches_release(D, logvar, ref):
     rel_D = np.abs(D - ref["out/D"]).max() / np.abs(ref["out/D"]).max()
     ref_lv = ref["out/logvar"].reshape(-1)
     rel_lv = np.abs(logvar - ref_lv).max() / np.abs(ref_lv).max()
+    # Golden parity with the release (PyTorch, float32, another summation order). Kept
+    # at 1e-5: 15x above what an AMD EPYC measures (2.2e-7 .. 6.5e-7), and tighter than
+    # the generic bound eps32 sqrt(forward_terms) = 4e-5 (tests/tolerances.py) allows.
     assert rel_D <= 1e-5, rel_D
     assert rel_lv <= 1e-5, rel_lv
 
@@ -201,13 +205,17 @@ def test_qkv_interleaving_survives_conversion_with_four_heads():
     ref = release_attention_block(x, sd, heads=c // cph)
     y = ours(sd, cph)
     scale = np.abs(ref).max()
-    assert np.abs(y - ref).max() / scale < 1e-5
+    # Both float32, reduced in different orders: eps32 sqrt(n) of the scale with
+    # n = tolerances.forward_terms = 5760 (9e-6; measured on an AMD EPYC 3.3e-7).
+    tol = reorder_tol(forward_terms([C.to_jax_layout(w) for w in sd.values() if w.ndim > 1]))
+    assert np.abs(y - ref).max() / scale < tol
     # The comparison can tell layouts apart: [q, k, v][head][channel] rows, or a
-    # different head count (channels_per_head is not visible from the weights), differ.
+    # different head count (channels_per_head is not visible from the weights), differ
+    # by > 1000 x tol (measured 0.28 and 0.11).
     perm = np.arange(3 * c).reshape(c // cph, cph, 3).transpose(2, 0, 1).reshape(-1)
     wrong = dict(sd, **{"attn_qkv.weight": sd["attn_qkv.weight"][perm]})
-    assert np.abs(ours(wrong, cph) - ref).max() / scale > 1e-2
-    assert np.abs(ours(sd, 2 * cph) - ref).max() / scale > 1e-2
+    assert np.abs(ours(wrong, cph) - ref).max() / scale > 1000 * tol
+    assert np.abs(ours(sd, 2 * cph) - ref).max() / scale > 1000 * tol
 
 
 # --- errors ------------------------------------------------------------------------------

@@ -86,3 +86,25 @@ def tree_err(a, b, scalar_scale: float | None = None) -> tuple[float, str]:
         if err >= worst:
             worst, where = err, jax.tree_util.keystr(path)
     return worst, where
+
+
+def weighted_sum_tol(weights, scale: float) -> float:
+    """Absolute bound on a float32 accumulation `sum_i w_i x_i` (weights rounded to
+    float32, terms added one by one) against its exact value, for |x_i| <= `scale`:
+    each of the n roundings (of w_i, of each product and partial sum) is at most
+    u = eps/2 of sum_i |w_i| |x_i| <= sum_i |w_i| scale, i.e. by the argument of the
+    module docstring `eps32 sqrt(n) sum_i |w_i| scale`. The weights' absolute sum, not
+    their sum, is what counts: post-hoc EMA coefficients sum to 1 but alternate in sign."""
+    w = np.abs(np.asarray(weights, np.float64))
+    return reorder_tol(w.size) * float(w.sum()) * scale
+
+
+def forward_terms(params) -> int:
+    """Terms that a network output's float32 rounding accumulates over, for the
+    tolerance of a forward pass computed in another order (another jit, batch, CPU):
+    each weight tensor adds two sequential reductions over at most the largest fan-in
+    (forced weight normalisation, then the matmul / convolution), so
+    `2 x (number of weight tensors) x (largest fan-in)`. Pixel norms and attention
+    reduce over fewer terms than that."""
+    fan_ins = [math.prod(np.shape(w)[:-1]) for w in jax.tree.leaves(params) if np.ndim(w) >= 2]
+    return 2 * len(fan_ins) * max(fan_ins)
