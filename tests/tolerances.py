@@ -90,13 +90,14 @@ def tree_err(a, b, scalar_scale: float | None = None) -> tuple[float, str]:
 
 def weighted_sum_tol(weights, scale: float) -> float:
     """Absolute bound on a float32 accumulation `sum_i w_i x_i` (weights rounded to
-    float32, terms added one by one) against its exact value, for |x_i| <= `scale`:
-    each of the n roundings (of w_i, of each product and partial sum) is at most
-    u = eps/2 of sum_i |w_i| |x_i| <= sum_i |w_i| scale, i.e. by the argument of the
-    module docstring `eps32 sqrt(n) sum_i |w_i| scale`. The weights' absolute sum, not
-    their sum, is what counts: post-hoc EMA coefficients sum to 1 but alternate in sign."""
+    float32, terms added one by one) against its exact value, for |x_i| <= `scale`.
+    Each of the n terms brings three roundings (w_i to float32, the product, the
+    addition), each at most u = eps/2 of sum_i |w_i| |x_i| <= sum_i |w_i| scale; by the
+    argument of the module docstring: `eps32 sqrt(3 n) sum_i |w_i| scale`. The weights'
+    absolute sum, not their sum, is what counts: post-hoc EMA coefficients sum to 1 but
+    alternate in sign."""
     w = np.abs(np.asarray(weights, np.float64))
-    return reorder_tol(w.size) * float(w.sum()) * scale
+    return reorder_tol(3 * w.size) * float(w.sum()) * scale
 
 
 def forward_terms(params) -> int:
