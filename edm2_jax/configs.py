@@ -21,7 +21,7 @@ def base_config() -> ml_collections.ConfigDict:
         channel_mult=(1, 2, 2), num_blocks=1, attn_resolutions=(8,), dropout=0.0,
         channels_per_head=64, sigma_data=0.5, logvar_channels=128, dtype="float32"))
 
-    # Loss (SPEC section 4): ln(sigma) ~ N(P_mean, P_std^2).
+    # Loss (docs/recipe.md §4): ln(sigma) ~ N(P_mean, P_std^2).
     c.loss = ml_collections.ConfigDict(dict(P_mean=-0.8, P_std=1.6, sigma_data=0.5))
 
     # Optimiser: Adam + inverse-sqrt decay after t_ref batches, linear ramp-up.
@@ -29,7 +29,7 @@ def base_config() -> ml_collections.ConfigDict:
         ref_lr=0.0120, t_ref=35000, rampup_kimg=10_000.0,  # 10 Mimg = 1e7 images, as the release
         beta1=0.9, beta2=0.99, eps=1e-8, grad_clip=0.0))  # grad_clip 0 = off
 
-    # EMA (SPEC section 5): power-function EMAs by sigma_rel; traditional EMA off if 0.
+    # EMA (docs/recipe.md §5): power-function EMAs by sigma_rel; traditional EMA off if 0.
     c.ema = ml_collections.ConfigDict(dict(
         sigma_rels=(0.05, 0.10), trad_halflife_kimg=0.0, trad_rampup_ratio=0.09))
 

@@ -21,7 +21,7 @@ float32 numpy in the release's layout (conv OIHW, dense `[out, in]`). In this pr
 `params['unet']['enc_8x8_block0']['attn_qkv']['weight']`, convs HWIO and dense
 `[in, out]`; `MPFourier` `freqs` / `phases` go to the `'buffers'` collection. The
 `attn_qkv` output channels keep the release's [head][channel-in-head][q, k, v] order
-(SPEC.md section 2), so the conversion is a renaming plus a transpose.
+(docs/recipe.md §2), so the conversion is a renaming plus a transpose.
 
 Like any pickle, a network pickle can run code when it is read by an unrestricted
 unpickler; ours resolves only torch / numpy / container classes and maps every other

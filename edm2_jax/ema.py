@@ -156,7 +156,7 @@ def _lerp(ema: Any, params: Any, weight: Array) -> Any:
 def update_ema(ema_state: dict, params: Any, nimg_after: Any, batch_size: Any, *,
                sigma_rels: Sequence[float], trad_halflife_kimg: float = 0.0,
                trad_rampup_ratio: float | None = 0.09) -> dict:
-    """One EMA update with the post-Adam weights (pure, jittable; SPEC section 5).
+    """One EMA update with the post-Adam weights (pure, jittable; docs/recipe.md §5).
 
     `ema <- beta ema + (1 - beta) params` for each power EMA with
     `beta = power_ema_beta(nimg_after, batch_size, sigma_rel_to_gamma(sigma_rel))`, and for

@@ -1,6 +1,6 @@
 """EDM2 optimiser: force-finite, optional global-norm clipping, Adam, inverse-sqrt schedule.
 
-Paper Sec. 2.4 / SPEC section 4: Adam with betas (0.9, 0.99), eps 1e-8, no weight decay;
+Paper Sec. 2.4 / docs/recipe.md §4: Adam with betas (0.9, 0.99), eps 1e-8, no weight decay;
 learning rate `lr = ref_lr / sqrt(max(t / t_ref, 1))` with `t = nimg / batch_size` (in
 batches), times a linear ramp-up `min(nimg / rampup_nimg, 1)`.
 

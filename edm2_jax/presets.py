@@ -1,4 +1,4 @@
-"""Presets of the released EDM2 models (paper Table 2 / SPEC.md sections 3-4), one table.
+"""Presets of the released EDM2 models (paper Table 2 / docs/recipe.md §3-4), one table.
 
 `NETWORK_PRESETS[name]` gives the `Precond` kwargs; `TRAINING_PRESETS[name]` the
 optimiser / loss / duration settings (batch 2048 for all; `t_ref` in batches,
@@ -38,7 +38,7 @@ TRAINING_PRESETS = {
                P_mean=p["P"][0], P_std=p["P"][1], total_kimg=p["dur"] * Mi / 1000)
     for name, p in _TABLE.items()}
 
-# Parameter counts of the released networks (SPEC.md section 3); tests check them.
+# Parameter counts of the released networks (docs/recipe.md §3); tests check them.
 PARAM_COUNTS = {
     "img64-xs": 124_710_949, "img64-s": 280_209_381, "img64-m": 497_803_173,
     "img64-l": 777_492_325, "img64-xl": 1_119_276_837,

@@ -1,4 +1,4 @@
-"""EDM sampler with guidance (SPEC section 6).
+"""EDM sampler with guidance (docs/recipe.md §6).
 
 Deterministic 2nd-order Heun sampler of Karras et al. 2022, "Elucidating the Design
 Space of Diffusion-Based Generative Models" (Algorithm 2, with the optional stochastic

@@ -162,7 +162,7 @@ def np_mp_weight(w):
 def release_attention_block(x, sd, heads, balance=0.3):
     """NumPy transcription (NCHW) of an encoder block whose residual branch is silent
     (conv_res1 = 0), i.e. pixel norm, `mp_sum(x, 0, 0.3)`, then self-attention with
-    the qkv channels split as `reshape(N, heads, C / heads, 3, H W)` (SPEC.md section 2)."""
+    the qkv channels split as `reshape(N, heads, C / heads, 3, H W)` (docs/recipe.md §2)."""
     n, c, h, w = x.shape
     x = np_normalize(x, 1)
     x = (1 - balance) * x / math.sqrt((1 - balance) ** 2 + balance**2)

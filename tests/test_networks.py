@@ -4,7 +4,7 @@ Each MP op keeps unit RMS for unit-variance input (Appendix B), forced weight
 normalisation fixes each output unit's norm at sqrt(fan_in) (Eq. 66), a fresh network
 (out_gain = 0) is the identity skip `c_skip x` (EDM Table 1), activations stay near unit
 RMS through a fresh U-Net, and the twelve released presets have the parameter counts of
-SPEC.md section 3.
+docs/recipe.md §3.
 """
 import math
 

@@ -1,4 +1,4 @@
-"""EDM sampler and guidance (SPEC section 6; Karras et al. 2022, Algorithm 2;
+"""EDM sampler and guidance (docs/recipe.md §6; Karras et al. 2022, Algorithm 2;
 arXiv:2406.02507, Eq. 1)."""
 from __future__ import annotations
 

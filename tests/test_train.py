@@ -1,4 +1,4 @@
-"""Training loop (SPEC section 4-5): one step, its sharding and accumulation, EMA tracking,
+"""Training loop (docs/recipe.md §4-5): one step, its sharding and accumulation, EMA tracking,
 and `train_and_evaluate` end to end (resume, bad input, NaN, the CLI).
 
 Everything runs on a 1-level 8x8 network with 8 channels (7.8k parameters) so that XLA

@@ -1,4 +1,4 @@
-"""Frechet Inception Distance as the EDM2 release reports it (paper Sec. 5; SPEC.md Sec. 7).
+"""Frechet Inception Distance as the EDM2 release reports it (paper Sec. 5; docs/recipe.md §7).
 
 FID (Heusel et al. 2017, Eq. 6) between generated images and a dataset is the Frechet
 distance between Gaussians fitted to their Inception-v3 pool_3 features
