@@ -65,7 +65,9 @@ class Block(nn.Module):
         y = MPConv(cout if self.flavor == "enc" else cin, cout, (3, 3), self.dtype,
                    name="conv_res0")(mp_silu(x))
         emb_gain = self.param("emb_gain", nn.initializers.zeros, (), jnp.float32)
-        c = MPConv(self.emb_channels, cout, (), self.dtype, name="emb_linear")(emb, gain=emb_gain) + 1
+        # The embedding path stays float32 whatever `dtype` is, as the release's fp16 mode
+        # keeps it (a [N, cemb] x [cemb, cout] matmul: negligible cost).
+        c = MPConv(self.emb_channels, cout, (), jnp.float32, name="emb_linear")(emb, gain=emb_gain) + 1
         y = mp_silu(y * c[:, None, None, :])
         if train and self.dropout > 0:
             y = nn.Dropout(self.dropout, deterministic=False)(y)
@@ -136,8 +138,9 @@ class UNet(nn.Module):
 
         self.out_gain = self.param("out_gain", nn.initializers.zeros, (), jnp.float32)
         self.emb_fourier = MPFourier(cnoise)
-        self.emb_noise = MPConv(cnoise, cemb, (), self.dtype)
-        self.emb_label = MPConv(self.label_dim, cemb, (), self.dtype) if self.label_dim else None
+        # Noise/label embedding in float32 whatever `dtype` is (as the release's fp16 mode).
+        self.emb_noise = MPConv(cnoise, cemb, (), jnp.float32)
+        self.emb_label = MPConv(self.label_dim, cemb, (), jnp.float32) if self.label_dim else None
 
         # Encoder. Names follow the release: '{res}x{res}_{conv|down|blockN}'.
         enc, skips = {}, []
