@@ -9,6 +9,7 @@ function over the params pytree that the training step applies to the online wei
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Sequence
 
 import jax
@@ -130,16 +131,40 @@ def _conv_cpu_bwd(res, dy):
 _conv_cpu.defvjp(_conv_cpu_fwd, _conv_cpu_bwd)
 
 
+# How 3x3 convolutions get their weight gradient on the CPU backend: 'xla' (XLA's own
+# filter-gradient convolution) or 'matmul' (the custom VJP above). Which is faster
+# depends on the CPU and the jaxlib: measure with `python benchmarks/conv_grad.py`.
+# Measured on an AMD EPYC (2 cores, jaxlib 0.10.2): 'xla' trains the Fashion-MNIST net
+# 1.25x faster (the shifted slices cost more than XLA's layout transposes); an older
+# jaxlib on another machine measured 'matmul' 3.6x faster per convolution.
+CPU_CONV_GRAD_ENV = "EDM2_JAX_CPU_CONV_GRAD"
+_CPU_CONV_GRADS = ("xla", "matmul")
+
+
+def cpu_conv_grad() -> str:
+    """The CPU weight-gradient path in force: `$EDM2_JAX_CPU_CONV_GRAD` or 'xla'.
+
+    Read when a network is traced. Raises ValueError for a value other than 'xla' or
+    'matmul' (both are the same math; they differ in float32 summation order only).
+    """
+    mode = os.environ.get(CPU_CONV_GRAD_ENV, "xla") or "xla"
+    if mode not in _CPU_CONV_GRADS:
+        raise ValueError(f"{CPU_CONV_GRAD_ENV}={mode!r}: expected one of {_CPU_CONV_GRADS} "
+                         "(python benchmarks/conv_grad.py says which is faster here)")
+    return mode
+
+
 def conv2d_same(x: Array, w: Array) -> Array:
     """NHWC x HWIO convolution, stride 1, 'same' zero padding, float32 output.
 
-    1x1 kernels are matmuls; on the CPU backend larger kernels use a custom VJP whose
-    weight gradient is computed as shifted matmuls (faster there, identical math).
+    1x1 kernels are matmuls. On the CPU backend with `cpu_conv_grad() == 'matmul'`
+    larger kernels use a custom VJP whose weight gradient is computed as shifted
+    matmuls (identical math); otherwise XLA's convolution and its own gradient.
     """
     kh, kw, ci, co = w.shape
     if kh == kw == 1:
         return jnp.matmul(x, w.reshape(ci, co), preferred_element_type=jnp.float32)
-    if jax.default_backend() == "cpu":
+    if jax.default_backend() == "cpu" and cpu_conv_grad() == "matmul":
         return _conv_cpu(x, w)
     return _xla_conv(x, w)
 

@@ -1,0 +1,53 @@
+"""The two CPU weight-gradient paths of `mp.conv2d_same` (XLA's filter-gradient
+convolution and the shifted-matmul custom VJP) compute the same gradients.
+
+Both are the exact gradient of a 3x3 'same' convolution; they differ only in the order
+of the float32 sums. The weight gradient sums N*H*W*1 products per element and the
+input gradient 3*3*C_out, so the two agree within `reorder_tol(N*H*W*C)` of each
+gradient's scale (tests/tolerances.py). Measured: ~3e-7 of the scale, bound 1.9e-5.
+A wrong kernel flip or transposed weight gradient is O(1) off (negative control below).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from edm2_jax import mp
+from tests.tolerances import reorder_tol, scaled_err
+
+N, H, CI, CO = 4, 8, 6, 5
+
+
+def _grads(fn, x, w):
+    return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(fn(x, w))), argnums=(0, 1)))(x, w)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    kx, kw = jax.random.split(jax.random.PRNGKey(0))
+    return jax.random.normal(kx, (N, H, H, CI)), jax.random.normal(kw, (3, 3, CI, CO))
+
+
+def test_matmul_vjp_equals_xla_gradient(inputs):
+    x, w = inputs
+    dx_ref, dw_ref = _grads(mp._xla_conv, x, w)
+    dx, dw = _grads(mp._conv_cpu, x, w)
+    tol = reorder_tol(N * H * H * CI * CO)
+    assert scaled_err(dx, dx_ref) <= tol
+    assert scaled_err(dw, dw_ref) <= tol
+    # Negative control: a kernel flipped in space is a different (wrong) gradient.
+    assert scaled_err(jnp.flip(dw, (0, 1)), dw_ref) > 1000 * tol
+
+
+def test_env_selects_the_path(monkeypatch, inputs):
+    x, w = inputs
+    if jax.default_backend() != "cpu":
+        pytest.skip("the switch only applies to the CPU backend")
+    for mode in ("xla", "matmul"):
+        monkeypatch.setenv(mp.CPU_CONV_GRAD_ENV, mode)
+        assert mp.cpu_conv_grad() == mode
+        jaxpr = str(jax.make_jaxpr(jax.grad(lambda w: jnp.sum(mp.conv2d_same(x, w))))(w))
+        assert ("dot_general" in jaxpr) == (mode == "matmul")  # shifted matmuls
+    monkeypatch.setenv(mp.CPU_CONV_GRAD_ENV, "fast")
+    with pytest.raises(ValueError, match="EDM2_JAX_CPU_CONV_GRAD"):
+        mp.conv2d_same(x, w)
