@@ -20,9 +20,13 @@ same network config, batch and device, on random data already in memory:
 - **sample**: the EDM Heun sampler, `--steps` steps (2 steps - 1 network evaluations),
   the release's `generate_images.edm_sampler` vs our `sampling.sample_images`.
 
-Measurements alternate A B A B (`--pairs` pairs, each timing `--iters` steps / batches
-after warm-up) so that drift in machine load hits both sides alike; each pair prints both
-img/s and the ratio ours / release, and the last line the medians. On CPU the release
+Each side runs in its own process (no shared thread pools; in one process torch's
+OpenMP threads and XLA's pool slowed each other by ~25% on 2 cores), and measurements
+alternate A B A B (`--pairs` pairs, each timing `--iters` steps / batches after
+warm-up) so that drift in machine load hits both sides alike; each pair prints both
+img/s and the ratio ours / release, and the last line the medians. Model FLOPs (for
+TFLOP/s and, on a GPU, MFU) are counted from the forward jaxpr (convolutions and
+matmuls, x3 for a training step), since XLA's cost analysis leaves out cuDNN convs. On CPU the release
 runs with `torch.set_num_threads(--threads)` (default: all cores, as XLA uses). On a GPU
 the release runs at its own settings (fp16 where `use_fp16`, cudnn.benchmark) and ours
 at `--dtype`.
@@ -121,9 +125,6 @@ class Ours:
             t = time.perf_counter()
             self.step_fn = fn.lower(self.state, self.batch).compile()
             self.compile_s = time.perf_counter() - t
-            cost = self.step_fn.cost_analysis()
-            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-            self.flops_per_step = float((cost or {}).get("flops", float("nan")))
         if "sample" in args.work:
             from edm2_jax.sampling import sample_images
             v = random_variables(net)
@@ -253,7 +254,18 @@ class Release:
 # ----------------------------------------------------------------------------- main
 
 
-def run_pairs(name, fa, fb, pairs, label_a="release", label_b="edm2-jax"):
+def _sub_jaxprs(params: dict):
+    for v in params.values():
+        for u in (v if isinstance(v, (list, tuple)) else [v]):
+            if hasattr(u, "eqns"):
+                yield u
+            elif hasattr(getattr(u, "jaxpr", None), "eqns"):
+                yield u.jaxpr
+
+
+def run_pairs(name, fa, fb, pairs, label_a="release", label_b="edm2-jax") -> float:
+    """Alternate `fa` (None: ours only) and `fb` `pairs` times; print each pair and the
+    medians; return the median img/s of `fb`."""
     ratios, a_all, b_all = [], [], []
     for p in range(pairs):
         a = fa() if fa else float("nan")
@@ -273,6 +285,105 @@ def run_pairs(name, fa, fb, pairs, label_a="release", label_b="edm2-jax"):
     else:
         print(f"{name} median: {label_b} {statistics.median(b_all):.2f} img/s", flush=True)
     return statistics.median(b_all)
+
+
+def forward_flops(net, batch: int) -> float:
+    """Model FLOPs of one forward pass of `net` on `batch` images: 2 x multiply-adds of
+    every convolution and matmul in its jaxpr (elementwise work not counted), the count
+    the paper's Table 2 and the release's `count_flops.py` report."""
+    import jax
+    import jax.numpy as jnp
+    from forward import random_variables
+    v = jax.eval_shape(lambda: random_variables(net))
+    x = jax.ShapeDtypeStruct((batch, net.img_resolution, net.img_resolution, net.img_channels),
+                             jnp.float32)
+    sigma = jax.ShapeDtypeStruct((batch,), jnp.float32)
+    labels = (jax.ShapeDtypeStruct((batch, net.label_dim), jnp.float32) if net.label_dim
+              else None)
+    jaxpr = jax.make_jaxpr(lambda v, x, s, l: net.apply(v, x, s, l))(v, x, sigma, labels)
+
+    def count(jp) -> float:
+        total = 0.0
+        for eqn in jp.eqns:
+            name = eqn.primitive.name
+            if name == "conv_general_dilated":
+                rhs = eqn.invars[1].aval.shape
+                dn = eqn.params["dimension_numbers"]
+                k = np.prod([rhs[d] for d in dn.rhs_spec[1:]])  # in-features x window
+                total += 2.0 * np.prod(eqn.outvars[0].aval.shape) * k / eqn.params[
+                    "feature_group_count"]
+            elif name == "dot_general":
+                (lc, _), _ = eqn.params["dimension_numbers"]
+                k = np.prod([eqn.invars[0].aval.shape[d] for d in lc]) if lc else 1
+                total += 2.0 * np.prod(eqn.outvars[0].aval.shape) * k
+            for sub in _sub_jaxprs(eqn.params):
+                total += count(sub)
+        return total
+
+    return count(jaxpr.jaxpr)
+
+
+def worker(args) -> None:
+    """One side in its own process: build it, then answer 'train N' / 'sample N B' /
+    'info' / 'quit' lines on stdin with one JSON line each on stdout."""
+    import json
+    config = build_config(args)
+    side = Release(config, args) if args.worker == "release" else Ours(config, args)
+    info = {"peak_rss_gib": 0.0}
+    if args.worker == "ours":
+        import jax
+        dev = jax.devices()[0]
+        info.update(device=f"{dev.platform}:{dev.device_kind} x{jax.device_count()}",
+                    compile_s=getattr(side, "compile_s", float("nan")),
+                    platform=dev.platform,
+                    train_flops_per_img=3 * forward_flops(side.net, 1))
+    print("READY " + json.dumps(info), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "quit":
+            break
+        if cmd[0] == "train":
+            out = {"img_s": side.train(int(cmd[1]))}
+        elif cmd[0] == "sample":
+            out = {"img_s": side.sample(int(cmd[1]), int(cmd[2]))}
+        else:
+            out = {"peak_rss_gib": peak_rss_gib(), "peak_device_gib": side.peak_device_gib()}
+        print("RESULT " + json.dumps(out), flush=True)
+
+
+class Worker:
+    """The orchestrator's handle on a worker process (`--worker=ours|release`)."""
+
+    def __init__(self, kind: str, argv: list[str], env: dict):
+        import subprocess
+        self.kind = kind
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv,
+                                      f"--worker={kind}"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        self.info = self._read("READY")
+
+    def _read(self, tag: str) -> dict:
+        import json
+        for line in self.proc.stdout:
+            if line.startswith(tag + " "):
+                return json.loads(line[len(tag) + 1:])
+        raise SystemExit(f"the {self.kind} worker exited (code {self.proc.wait()}); "
+                         "its error is above")
+
+    def ask(self, cmd: str) -> dict:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self._read("RESULT")
+
+    def img_s(self, cmd: str) -> float:
+        out = self.ask(cmd)["img_s"]
+        time.sleep(0.5)  # let this side's thread pools go idle before the other side runs
+        return out
+
+    def close(self) -> None:
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.flush()
+        self.proc.wait()
 
 
 def main():
@@ -295,43 +406,56 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = all cores)")
     ap.add_argument("--peak_tflops", type=float, default=0.0,
                     help="device peak for MFU (default: dense bf16 of a known GPU)")
+    ap.add_argument("--worker", default="", choices=["", "ours", "release"],
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.work = [w.strip() for w in args.work.split(",") if w.strip()]
+    if args.worker:
+        return worker(args)
 
-    config = build_config(args)
-    import jax
-    dev = jax.devices()[0]
-    print(f"net={args.preset or args.net or args.config} batch={config.batch_size} "
-          f"device={dev.platform}:{dev.device_kind} x{jax.device_count()} dtype={args.dtype} "
-          f"cpus={os.cpu_count()}", flush=True)
-    ours = Ours(config, args)
-    rel = Release(config, args) if args.release else None
+    # Each side runs in its own process (no shared thread pools or allocators); the
+    # other side is idle, blocked on its stdin, while one is timed.
+    argv = [a for a in sys.argv[1:] if not a.startswith("--worker")]
+    env = dict(os.environ)
+    if args.release:
+        # Two processes on one GPU: JAX must not take 75% of its memory up front.
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
+    ours = Worker("ours", argv, env)
+    rel = Worker("release", argv, env) if args.release else None
+    info = ours.info
+    print(f"net={args.preset or args.net or args.config} "
+          f"batch={args.batch or build_config(args).batch_size} device={info['device']} "
+          f"dtype={args.dtype} cpus={os.cpu_count()}", flush=True)
     if "train" in args.work:
-        print(f"edm2-jax train-step compile {ours.compile_s:.1f} s", flush=True)
-        if rel:
-            rel.train(args.warmup)
-        ours.train(args.warmup)
-        med = run_pairs("train", rel and (lambda: rel.train(args.iters)),
-                        lambda: ours.train(args.iters), args.pairs)
-        tflops = ours.flops_per_step * med / ours.bs / 1e12
-        print(f"edm2-jax train: {ours.flops_per_step / 1e12:.3f} TFLOP per step (XLA cost "
-              f"analysis, forward + backward + update) -> {tflops:.1f} TFLOP/s", flush=True)
-        if dev.platform == "gpu":
-            peak = peak_tflops(args, dev.device_kind)
-            print(f"edm2-jax train MFU {100 * tflops / peak:.1f}% of {peak:.0f} TFLOP/s; "
-                  f"peak device memory {ours.peak_device_gib():.2f} GiB", flush=True)
-            if rel:
-                print(f"release train peak device memory {rel.peak_device_gib():.2f} GiB",
-                      flush=True)
+        print(f"edm2-jax train-step compile {info['compile_s']:.1f} s; model FLOPs "
+              f"{info['train_flops_per_img'] / 1e9:.2f} GFLOP per training image "
+              f"(3 x forward)", flush=True)
+        for w in (rel, ours):
+            if w:
+                w.img_s(f"train {args.warmup}")
+        med = run_pairs("train", rel and (lambda: rel.img_s(f"train {args.iters}")),
+                        lambda: ours.img_s(f"train {args.iters}"), args.pairs)
+        tflops = info["train_flops_per_img"] * med / 1e12
+        line = f"edm2-jax train: {tflops:.2f} model TFLOP/s"
+        if info["platform"] == "gpu":
+            peak = peak_tflops(args, info["device"])
+            line += f", MFU {100 * tflops / peak:.1f}% of {peak:.0f} TFLOP/s"
+        print(line, flush=True)
     if "sample" in args.work:
         b = args.sample_batch
-        if rel:
-            rel.sample(1, b)
-        ours.sample(1, b)
+        for w in (rel, ours):
+            if w:
+                w.img_s(f"sample 1 {b}")
         run_pairs(f"sample({args.steps} steps, batch {b})",
-                  rel and (lambda: rel.sample(args.sample_iters, b)),
-                  lambda: ours.sample(args.sample_iters, b), args.pairs)
-    print(f"peak host RSS {peak_rss_gib():.2f} GiB (both sides in one process)", flush=True)
+                  rel and (lambda: rel.img_s(f"sample {args.sample_iters} {b}")),
+                  lambda: ours.img_s(f"sample {args.sample_iters} {b}"), args.pairs)
+    for w in (rel, ours):
+        if w:
+            st = w.ask("info")
+            print(f"{'release' if w is rel else 'edm2-jax'}: peak host RSS "
+                  f"{st['peak_rss_gib']:.2f} GiB, peak device memory "
+                  f"{st['peak_device_gib']:.2f} GiB", flush=True)
+            w.close()
 
 
 if __name__ == "__main__":
