@@ -111,7 +111,7 @@ def restore_state(workdir: Path, step: int):
 
 
 def restore_snapshot(workdir: Path, step: int):
-    from edm2_jax import checkpoint_train as ct
+    from edm2_jax import rundir as ct
     return ct.restore_snapshot(str(workdir), step)[0]
 
 

@@ -48,7 +48,7 @@ def write_synthetic_run(workdir: str, preset: str, n_snapshots: int, seed: int =
     buffers in the snapshots. Returns {'num_params', 'bytes_per_copy', 'snapshot_bytes'}."""
     import jax
     import numpy as np
-    from edm2_jax import checkpoint_train as ct
+    from edm2_jax import rundir as ct
     from edm2_jax import ema
     net_config, shapes = param_shapes(preset)
     rng = np.random.default_rng(seed)

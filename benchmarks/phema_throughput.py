@@ -64,13 +64,14 @@ def restore_all(workdir: str) -> int:
     """Orbax restore of every EMA (float32 bytes decoded)."""
     import numpy as np
     import jax
-    from edm2_jax import phema
-    phema._quiet_orbax()
+    from edm2_jax import checkpoint, phema
+    from edm2_jax.phema import streaming
+    streaming.quiet_orbax()
     _, files = phema.find_snapshots(workdir)
     n = 0
     for f in files:
         for path in f.tree_paths:
-            (tree,) = phema._restore_partial(f.directory, [path])
+            (tree,) = checkpoint.restore_partial(f.directory, [path])
             n += sum(np.asarray(x).size * 4 for x in jax.tree.leaves(tree))
             del tree
     return n
@@ -78,18 +79,19 @@ def restore_all(workdir: str) -> int:
 
 def read_all(workdir: str) -> int:
     """phema.reconstruct's reader over every EMA, chunks discarded (float32 bytes)."""
-    from edm2_jax import phema
-    phema._quiet_orbax()
+    from edm2_jax import checkpoint, phema
+    from edm2_jax.phema import streaming
+    streaming.quiet_orbax()
     _, files = phema.find_snapshots(workdir)
     layout, n = None, 0
-    with phema._mmap_large_allocations():
+    with streaming.mmap_large_allocations():
         for f in files:
-            keys, context = phema._orbax_tree_keys(f.directory), phema._ts_context()
+            keys, context = streaming.orbax_tree_keys(f.directory), streaming.ts_context()
             for path in f.tree_paths:
                 if layout is None:
-                    layout = phema._flat_layout(
-                        phema._subtree(phema._tree_metadata(f.directory), path), [])
-                reader = phema._make_reader(f, path, layout, context, keys)
+                    layout = streaming.flat_layout(
+                        checkpoint.subtree(checkpoint.tree_metadata(f.directory), path), [])
+                reader = streaming.make_reader(f, path, layout, context, keys)
                 n += sum(chunk.nbytes for _, _, chunk in layout.chunks(reader))
     return n
 
@@ -110,7 +112,8 @@ def main():
             workdir = os.path.join(tmp, "run")
             write_synthetic_run(workdir, args.preset, args.snapshots)
         from edm2_jax import checkpoint, phema
-        phema._quiet_orbax()
+        from edm2_jax.phema import streaming
+        streaming.quiet_orbax()
         paths = snapshot_files(workdir)
         disk = sum(os.path.getsize(p) for p in paths)
         rows = []

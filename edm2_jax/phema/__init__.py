@@ -34,17 +34,6 @@ from edm2_jax.phema.reconstruction import (PROFILE_ERROR_WARN, main_phema, outpu
 from edm2_jax.phema.solver import profile_error, profile_inner_products, solve_weights
 from edm2_jax.phema.sigma_sweep import main_sweep, run_data_config, sweep
 
-# The streaming internals under their former names, for benchmarks/phema_*.py.
-from edm2_jax.checkpoint import restore_partial as _restore_partial  # noqa: E402,F401
-from edm2_jax.checkpoint import subtree as _subtree  # noqa: E402,F401
-from edm2_jax.checkpoint import tree_metadata as _tree_metadata  # noqa: E402,F401
-from edm2_jax.phema.streaming import flat_layout as _flat_layout  # noqa: E402,F401
-from edm2_jax.phema.streaming import make_reader as _make_reader  # noqa: E402,F401
-from edm2_jax.phema.streaming import mmap_large_allocations as _mmap_large_allocations  # noqa: E402,F401,E501
-from edm2_jax.phema.streaming import orbax_tree_keys as _orbax_tree_keys  # noqa: E402,F401
-from edm2_jax.phema.streaming import quiet_orbax as _quiet_orbax  # noqa: E402,F401
-from edm2_jax.phema.streaming import ts_context as _ts_context  # noqa: E402,F401
-
 __all__ = ["RELEASE_NAME_RE", "PROFILE_ERROR_WARN", "SnapshotFile", "find_snapshots",
            "import_release_snapshots", "input_network", "main_phema", "main_sweep",
            "output_name", "parse_per_tensor", "parse_release_name", "profile_error",
