@@ -60,16 +60,9 @@ RELEASE_NET_KEYS = ("img_resolution", "img_channels", "label_dim", "model_channe
                     "logvar_channels")
 
 
-def load_config(spec: str):
-    path, _, variant = spec.partition(":")
-    mod_spec = importlib.util.spec_from_file_location("bench_config", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod.get_config(variant) if variant else mod.get_config()
-
-
 def build_config(args):
     from edm2_jax.presets import NETWORK_PRESETS
+    from train_throughput import load_config
     config = load_config(args.config)
     if args.preset:
         config.network.update(dict(NETWORK_PRESETS[args.preset]))
@@ -101,33 +94,19 @@ def peak_tflops(args, device_kind: str) -> float:
 class Ours:
     def __init__(self, config, args):
         import jax
-        import jax.numpy as jnp
-        from train_throughput import random_train_state
-        from edm2_jax import optim as optim_lib, sharding as shard_lib, train
         from forward import random_variables
+        from train_throughput import compiled_step
+        from edm2_jax import train
         self.jax, self.args, self.config = jax, args, config
-        self.net = train.make_network(config)
         self.bs = int(config.batch_size)
-        net = self.net
         if "train" in args.work:
-            mesh = shard_lib.make_mesh(None)
-            tx = optim_lib.make_optimizer(config.optim, self.bs)
-            self.state = jax.device_put(random_train_state(config, net, tx, 0),
-                                        shard_lib.replicated(mesh))
-            rng = np.random.default_rng(0)
-            r, c, L = net.img_resolution, net.img_channels, net.label_dim
-            self.batch = shard_lib.global_batch(mesh, {
-                "image": rng.uniform(-1, 1, (self.bs, r, r, c)).astype(np.float32),
-                "label": np.eye(L, dtype=np.float32)[rng.integers(0, L, self.bs)] if L
-                else np.zeros((self.bs, 0), np.float32)})
-            num_accum = train.num_micro_batches(config, mesh.size)
-            fn = train.jit_train_step(train.make_train_step(config, net, tx, num_accum), mesh)
-            t = time.perf_counter()
-            self.step_fn = fn.lower(self.state, self.batch).compile()
-            self.compile_s = time.perf_counter() - t
+            self.step_fn, self.state, self.batch, info = compiled_step(config)
+            self.net, self.compile_s = info["net"], info["compile_s"]
+        else:
+            self.net = train.make_network(config)
         if "sample" in args.work:
             from edm2_jax.sampling import sample_images
-            v = random_variables(net)
+            v = random_variables(self.net)
             v["params"]["unet"]["out_gain"] = v["params"]["unet"]["out_gain"] * 0 + 0.1
             self.sample_vars, self.sample_images = v, sample_images
             self.seed0 = 0
@@ -194,7 +173,6 @@ class Release:
         self.ema = rel_phema.PowerFunctionEMA(self.net, stds=list(config.ema.sigma_rels))
         self.cur_nimg = 0
         if "sample" in args.work:
-            sys.path.insert(0, os.path.abspath(args.release))
             spec = importlib.util.spec_from_file_location(
                 "release_generate_images", os.path.join(args.release, "generate_images.py"))
             gen = importlib.util.module_from_spec(spec)

@@ -58,6 +58,36 @@ def random_train_state(config, net, tx, seed: int = 0) -> dict:
             "rng": jax.random.PRNGKey(seed + 1)}
 
 
+def compiled_step(config, devices: int = 0, seed: int = 0):
+    """The jitted, compiled training step of `config` over a data-parallel mesh of
+    `devices` devices (0 = all), with a random train state and one fixed synthetic batch
+    on the devices. Returns `(compiled, state, batch, info)`; `info` holds `net`, `mesh`,
+    `num_accum`, `n_params` and `compile_s` (lower + compile, s). `compiled` donates its
+    state: chain `state, metrics = compiled(state, batch)`."""
+    mesh = shard_lib.make_mesh(devices or None)
+    num_accum = train.num_micro_batches(config, mesh.size)
+    batch_size = int(config.batch_size)
+    net = train.make_network(config)
+    tx = optim_lib.make_optimizer(config.optim, batch_size)
+
+    state = jax.device_put(random_train_state(config, net, tx, seed),
+                           shard_lib.replicated(mesh))
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
+    rng = np.random.default_rng(seed)
+    r, c, L = net.img_resolution, net.img_channels, net.label_dim
+    batch = shard_lib.global_batch(mesh, {
+        "image": rng.uniform(-1, 1, (batch_size, r, r, c)).astype(np.float32),
+        "label": np.eye(L, dtype=np.float32)[rng.integers(0, L, batch_size)] if L
+        else np.zeros((batch_size, 0), np.float32)})
+
+    step_fn = train.jit_train_step(train.make_train_step(config, net, tx, num_accum), mesh)
+    t = time.perf_counter()
+    compiled = step_fn.lower(state, batch).compile()
+    info = dict(net=net, mesh=mesh, num_accum=num_accum, n_params=n_params,
+                compile_s=time.perf_counter() - t)
+    return compiled, state, batch, info
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/fashion_mnist.py",
@@ -81,26 +111,10 @@ def main() -> None:
         config.batch_per_device = args.batch_per_device
     if args.dtype:
         config.network.dtype = args.dtype
-    mesh = shard_lib.make_mesh(args.devices or None)
-    num_accum = train.num_micro_batches(config, mesh.size)
     batch_size = int(config.batch_size)
-    net = train.make_network(config)
-    tx = optim_lib.make_optimizer(config.optim, batch_size)
-
-    state = jax.device_put(random_train_state(config, net, tx, args.seed),
-                           shard_lib.replicated(mesh))
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
-    rng = np.random.default_rng(args.seed)
-    r, c, L = net.img_resolution, net.img_channels, net.label_dim
-    batch = shard_lib.global_batch(mesh, {
-        "image": rng.uniform(-1, 1, (batch_size, r, r, c)).astype(np.float32),
-        "label": np.eye(L, dtype=np.float32)[rng.integers(0, L, batch_size)] if L
-        else np.zeros((batch_size, 0), np.float32)})
-
-    step_fn = train.jit_train_step(train.make_train_step(config, net, tx, num_accum), mesh)
-    t = time.perf_counter()
-    compiled = step_fn.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t
+    compiled, state, batch, info = compiled_step(config, args.devices, args.seed)
+    mesh, num_accum, n_params, compile_s = (info["mesh"], info["num_accum"], info["n_params"],
+                                            info["compile_s"])
     state, metrics = compiled(state, batch)  # warm-up (state is donated: chain it)
     jax.block_until_ready(metrics)
     t = time.perf_counter()
