@@ -24,6 +24,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from edm2_jax import integrity
+
 NETWORK_JSON = "network.json"
 VARIABLES = "variables"
 
@@ -128,10 +130,16 @@ def save_network(path: str, variables: dict, net_config: dict, meta: dict | None
         (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)))
     ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
         use_ocdbt=not low_memory, type_handler_registry=registry))
+    record = integrity.digest_tree_numpy(variables)
+    if record["nonfinite"]:
+        raise integrity.IntegrityError(f"not saving {path}: non-finite values (NaN/inf) in "
+                                       f"{', '.join(record['nonfinite'][:4])}")
     ckptr.save(os.path.join(path, VARIABLES), args=ocp.args.PyTreeSave(variables))
-    with open(os.path.join(path, NETWORK_JSON), "w") as f:
-        json.dump({"network": _to_jsonable(dict(net_config)), "meta": _to_jsonable(meta or {})},
-                  f, indent=2)
+    # network.json last and atomically: a directory without it is no network checkpoint.
+    with open(os.path.join(path, NETWORK_JSON + ".tmp"), "w") as f:
+        json.dump({"network": _to_jsonable(dict(net_config)), "meta": _to_jsonable(meta or {}),
+                   "integrity": record}, f, indent=2)
+    os.replace(os.path.join(path, NETWORK_JSON + ".tmp"), os.path.join(path, NETWORK_JSON))
     return path
 
 
@@ -145,25 +153,60 @@ def variables_dir(path: str) -> str:
     return os.path.join(path, VARIABLES)
 
 
+def _network_json(path: str) -> dict:
+    file = os.path.join(path, NETWORK_JSON)
+    try:
+        with open(file) as f:
+            info = json.load(f)
+        if not isinstance(info.get("network"), dict):
+            raise ValueError("no 'network' section")
+    except (ValueError, UnicodeDecodeError, AttributeError) as e:
+        raise integrity.IntegrityError(
+            f"{file} is unreadable ({e}); it is written last by --mode=convert and post-hoc "
+            f"EMA: write that network checkpoint again") from None
+    return info
+
+
 def read_network_json(path: str) -> tuple[dict, dict]:
     """`(net_config, meta)` of the network checkpoint `path`, without reading its
-    variables (the one reader of `network.json`)."""
-    with open(os.path.join(path, NETWORK_JSON)) as f:
-        info = json.load(f)
+    variables (the one reader of `network.json`). Raises IntegrityError when the file
+    is unreadable."""
+    info = _network_json(path)
     return info["network"], info.get("meta", {}) or {}
+
+
+def network_checker(path: str) -> integrity.LeafChecker:
+    """Checks the arrays of network checkpoint `path` one at a time as a streaming
+    reader reads them (`checker('params/<param path>', array)`); finiteness only for
+    one written before checksums were recorded."""
+    return integrity.LeafChecker(_network_json(path).get("integrity"),
+                                 f"network checkpoint {path}",
+                                 "Write it again (--mode=convert or post-hoc EMA).")
 
 
 def load_network(path: str) -> tuple[dict, dict, dict]:
     """Read a directory written by `save_network`.
 
-    Returns `(net_config, variables, meta)` with numpy leaves. Raises
-    FileNotFoundError naming the path when it is not a network checkpoint.
+    Returns `(net_config, variables, meta)` with numpy leaves, checked against the
+    checksums recorded in network.json and for NaN/inf. Raises FileNotFoundError naming
+    the path when it is not a network checkpoint, IntegrityError when it is corrupt.
     """
     path = os.path.abspath(os.path.expanduser(path))
     if not is_network_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a network checkpoint (expected network.json and "
                                 f"variables/ written by `--mode=convert` or post-hoc EMA)")
     net_config, meta = read_network_json(path)
-    variables = ocp.StandardCheckpointer().restore(variables_dir(path))
+    try:
+        variables = ocp.StandardCheckpointer().restore(variables_dir(path))
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
+        raise integrity.IntegrityError(
+            f"network checkpoint {path} is unreadable ({' '.join(str(e).split())[:300]}). "
+            f"Write it again (--mode=convert or post-hoc EMA).") from None
     variables = jax.tree_util.tree_map(np.asarray, variables)
+    try:
+        integrity.check(_network_json(path).get("integrity"),
+                        integrity.digest_tree_numpy(variables), f"network checkpoint {path}")
+    except integrity.IntegrityError as e:
+        raise integrity.IntegrityError(f"{e}. Write it again (--mode=convert or post-hoc "
+                                       f"EMA).") from None
     return net_config, variables, meta

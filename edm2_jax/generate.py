@@ -55,6 +55,11 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
     Raises FileNotFoundError naming what was looked for, KeyError for an unknown EMA.
     """
     path = os.path.abspath(os.path.expanduser(path))
+    if ckpt_lib.is_network_checkpoint(path) and rundir.is_run(path):
+        raise ValueError(f"{path} is both a training run and a network checkpoint "
+                         f"(network.json + variables/, e.g. from --mode=convert into the run); "
+                         f"move {ckpt_lib.NETWORK_JSON} and {ckpt_lib.VARIABLES}/ to a "
+                         f"directory of their own and pass the one you mean")
     if ckpt_lib.is_network_checkpoint(path):
         cfg, variables, meta = ckpt_lib.load_network(path)
         return precond_from_config(cfg), variables, f"network checkpoint {path}"

@@ -6,8 +6,8 @@ The claims:
   signal, exits 0, and the rerun continues from that checkpoint.
 - An unfinished checkpoint (a kill during the save leaves Orbax's temporary directory) is
   never loaded and is deleted by the next run.
-- A checkpoint that does not restore is set aside with a warning; the run resumes from
-  the previous one and ends bitwise equal to an uninterrupted run.
+- A checkpoint that does not restore is set aside with one line on stderr; the run
+  resumes from the previous one and ends bitwise equal to an uninterrupted run.
 - A failed save (disk full) is an error naming the cause; the earlier checkpoints are
   intact and the rerun after freeing space ends bitwise equal.
 - `benchmarks/chaos.py` (slow): >= 10 random SIGKILL/SIGTERM, no checkpoint corrupt or
@@ -68,7 +68,7 @@ def _stopped_at_2(full_run, tmp_path) -> Path:
     return run
 
 
-def test_corrupt_checkpoint_falls_back_and_unfinished_one_is_ignored(full_run, tmp_path):
+def test_corrupt_checkpoint_falls_back_and_unfinished_one_is_ignored(full_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(full_run["run"], run)
     # Checkpoint 4's array data overwritten (bit rot, a truncated copy, ...).
@@ -82,8 +82,10 @@ def test_corrupt_checkpoint_falls_back_and_unfinished_one_is_ignored(full_run, t
     (tmp / "state").mkdir(parents=True)
     (tmp / "state" / "half_written").write_bytes(b"\1" * 100)
 
-    with pytest.warns(UserWarning, match=r"checkpoint 4 failed to restore.*4\.corrupt"):
-        r = train.train_and_evaluate(tiny_config(full_run["data"]), str(run))
+    r = train.train_and_evaluate(tiny_config(full_run["data"]), str(run))
+    err = capsys.readouterr().err
+    assert re.search(r"checkpoint 4 is corrupt or unreadable .*moved to checkpoints/4\.corrupt",
+                     err), err
     assert r["finished"] and r["step"] == 4
     assert not tmp.exists()                              # cleaned, never loaded
     assert (run / "checkpoints" / "4.corrupt").is_dir()  # kept for inspection
@@ -109,7 +111,7 @@ def test_disk_full_while_saving_is_an_error_and_keeps_earlier_checkpoints(
         m.setattr(async_path, "write_bytes", disk_full)
         with pytest.raises(train.CheckpointSaveError,
                            match=r"step 4 .*No space left on device.*\[2\] are intact.*"
-                                 r"free disk space"):
+                                 r"disk .* GiB free of .* free disk space"):
             train.train_and_evaluate(tiny_config(full_run["data"]), str(run))
     assert _steps(run) == [2]
     assert _equal(_restore(run, 2)[1], full_run["mid"])

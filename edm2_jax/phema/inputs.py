@@ -140,6 +140,14 @@ def input_network(kind: str, workdir: str, files: Sequence[SnapshotFile]) -> tup
     return net_config, buffers
 
 
+def input_checker(kind: str, workdir: str, f: SnapshotFile):
+    """`checker(name, array)` (`integrity.LeafChecker`) of snapshot `f`'s arrays, named
+    `'/'.join(tree_path + key path)`: its recorded checksums and finiteness."""
+    if kind == "run":
+        return rundir.snapshot_checker(workdir, int(f.label.rsplit("/", 1)[1]))
+    return ckpt_lib.network_checker(os.path.dirname(f.directory))
+
+
 def import_release_snapshots(src_dir: str, out_dir: str) -> list[str]:
     """Convert every release raw snapshot in `src_dir` (`*-<kimg>-<sigma_rel>.pkl`, also
     `.pt` / `.npz`) into a network checkpoint `out_dir/<file name without extension>/`

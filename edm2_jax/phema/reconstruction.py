@@ -32,7 +32,7 @@ import os
 import re
 import time
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -41,7 +41,7 @@ from tqdm import tqdm
 from edm2_jax import checkpoint as ckpt_lib
 from edm2_jax import ema as ema_lib
 from edm2_jax.phema import streaming
-from edm2_jax.phema.inputs import find_snapshots, input_network
+from edm2_jax.phema.inputs import find_snapshots, input_checker, input_network
 from edm2_jax.phema.solver import gammas, profile_error, solve_weights
 
 Array = jax.Array
@@ -125,6 +125,16 @@ def output_name(nimg: float, sigma_rel: float, per_tensor: Sequence = ()) -> str
     return name
 
 
+def _checked_reader(reader, checker, tree_path: tuple, layout) -> Callable:
+    """`reader` (`get_leaf(n)`), each tensor checked against the snapshot's checksums and
+    for NaN/inf as it is read (`integrity.LeafChecker`; raises IntegrityError)."""
+    def get_leaf(n: int) -> np.ndarray:
+        x = reader(n)
+        checker("/".join(tuple(tree_path) + tuple(layout.keys[n])), x)
+        return x
+    return get_leaf
+
+
 def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None = None,
                 out_dir: str | None = None, batch_outputs: int = 8,
                 per_tensor: Sequence[tuple[str, float]] | str | None = None, *,
@@ -180,6 +190,12 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
     in_nimg = np.array([files[fi].nimg for fi, _ in inputs], np.float64)
     in_sigma = np.array([files[fi].sigma_rels[j] for fi, j in inputs], np.float64)
     out_nimg = float(in_nimg.max()) if at_kimg is None else float(at_kimg) * 1000
+    if at_kimg is not None and not 0 < out_nimg <= float(in_nimg.max()) * (1 + 1e-9):
+        raise ValueError(
+            f"--at_kimg={at_kimg:g} is outside the snapshots of {workdir} (kimg "
+            f"{in_nimg.min() / 1000:g}..{in_nimg.max() / 1000:g}): post-hoc EMA cannot "
+            f"reconstruct a time after the last snapshot. Pass a value in (0, "
+            f"{in_nimg.max() / 1000:g}], or leave it out for the last snapshot's time.")
 
     # Columns: the wanted sigma_rels, then one per per-tensor group.
     col_sigma = np.array(sigma_rels + [s for _, s in per_tensor], np.float64)
@@ -261,11 +277,13 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
                     w = [X[i, batch]] + [np.full(len(batch), X[i, len(sigma_rels) + g])
                                          for g in range(len(per_tensor))]
                     w = [acc.weights(wg) for wg in w]
-                    for offset, g, chunk in layout.chunks(reader):
+                    checked = _checked_reader(reader, input_checker(kind, workdir, f),
+                                              tree_path, layout)
+                    for offset, g, chunk in layout.chunks(checked):
                         acc.add(offset, chunk, w[g])
                         nbytes += chunk.nbytes
                         del chunk
-                    del reader
+                    del reader, checked
                     streaming.release_free_memory()
                 del context
                 bar.set_postfix_str(f"{nbytes / max(time.time() - t0, 1e-9) / 1e9:.2f} GB/s")
