@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from edm2_jax import presets
+from edm2_jax import ema, presets
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -48,6 +48,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint_kimg = 128 * 2**10 / 1000
     c.snapshot_kimg = 8 * 2**20 / 1000
     c.keep_checkpoints = 3
+    # Resuming (rundir.TrainCheckpoints.restore_latest): resume_step N > 0 resumes from
+    # checkpoint N and sets the newer checkpoints and snapshots aside (the rescue of a run
+    # whose loss became NaN; applied once, as recorded in config.json); start_over=True
+    # starts from step 0 when the run has checkpoints but none restores (the old outputs
+    # are moved into WORKDIR/discarded-<time>/).
+    c.resume_step = 0
+    c.start_over = False
     # Device mesh (sharding.py): the batch is split over data x fsdp devices; fsdp > 1
     # also splits params, Adam state and EMAs over fsdp devices. -1 = all remaining
     # devices. May change between restarts (checkpoints are resharded on restore).
@@ -63,6 +70,47 @@ def base_config() -> ml_collections.ConfigDict:
         metrics="", num_images=1000, sigma_rel=0.0, num_steps=32, batch_size=100, seed=0,
         ref_split="test", classifier_epochs=3, classifier_batch_size=128))
     return c
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+    """Raise ValueError naming the field and a valid value for a config that cannot
+    train (checked before anything is written or compiled)."""
+    def need(ok: bool, field: str, what: str):
+        if not ok:
+            value = c
+            for part in field.split("."):
+                value = value[part]
+            raise ValueError(f"--config.{field}={value!r}: {what}")
+
+    def number(field: str):
+        value = c
+        for part in field.split("."):
+            value = value[part]
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    need(isinstance(c.batch_size, int) and c.batch_size > 0, "batch_size",
+         "the global batch must be a positive number of images, e.g. 64")
+    need(isinstance(c.batch_per_device, int) and c.batch_per_device >= 0, "batch_per_device",
+         "must be >= 0 (0 = no gradient accumulation)")
+    for f in ("total_kimg", "status_kimg", "checkpoint_kimg", "snapshot_kimg"):
+        v = number(f)
+        need(v is not None and v > 0, f, "must be a positive number of kimg (thousands of "
+             "images)" + (", e.g. 64" if f == "total_kimg" else ""))
+    need(isinstance(c.keep_checkpoints, int) and c.keep_checkpoints >= 1, "keep_checkpoints",
+         "keep at least 1 checkpoint")
+    need(isinstance(c.resume_step, int) and c.resume_step >= 0, "resume_step",
+         "a checkpoint step (0 = the newest)")
+    need(len(c.ema.sigma_rels) > 0
+         and all(0 < float(s) <= ema.SIGMA_REL_MAX for s in c.ema.sigma_rels),
+         "ema.sigma_rels", f"one or more EMA widths in (0, {ema.SIGMA_REL_MAX:.3f}], e.g. "
+         f"(0.05, 0.10)")
+    for f in ("optim.ref_lr", "optim.t_ref"):
+        v = number(f)
+        need(v is not None and v > 0, f, "must be positive")
+    v = number("optim.grad_clip")
+    need(v is not None and v >= 0, "optim.grad_clip", "must be >= 0 (0 = off)")
+    need(str(c.network.dtype) in ("float32", "bfloat16", "float16"), "network.dtype",
+         "one of float32, bfloat16, float16")
 
 
 def preset_config(name: str) -> ml_collections.ConfigDict:

@@ -110,10 +110,18 @@ def _get(cfg: Any, key: str, default: Any) -> Any:
         return default
 
 
+def _stateless_update(tx: optax.GradientTransformation) -> Callable:
+    """`update_fn` of a chain of stateless transforms behind one EmptyState."""
+    def update_fn(updates, state, params=None):
+        return tx.update(updates, tx.init(updates), params)[0], state
+    return update_fn
+
+
 def make_optimizer(optim_cfg: Any, batch_size: int) -> optax.GradientTransformationExtraArgs:
     """The EDM2 optimiser as one optax chain.
 
-    Chain: `force_finite()` -> `clip_by_global_norm(grad_clip)` (only if `grad_clip > 0`) ->
+    Chain: `force_finite()` -> `clip_by_global_norm(grad_clip)` (only if `grad_clip > 0`;
+    both in one stateless element, so the state's arrays do not depend on `grad_clip`) ->
     `scale_by_adam(beta1, beta2, eps)` -> `scale_by_nimg_schedule(learning_rate)`.
     Force-finite comes first so that a single inf/NaN entry cannot turn the global norm
     (and thus every clipped gradient) non-finite.
@@ -142,9 +150,15 @@ def make_optimizer(optim_cfg: Any, batch_size: int) -> optax.GradientTransformat
         return learning_rate(nimg, batch_size=batch_size, ref_lr=ref_lr, t_ref=t_ref,
                              rampup_kimg=rampup_kimg)
 
-    chain = [force_finite()]
+    # The clip, when on, is chained *inside* one stateless element: the optimiser state
+    # then has the same arrays whatever grad_clip is, so that it may change on resume
+    # (`resume.CHANGEABLE_ON_RESUME`; the rescue of a diverged run).
+    first = force_finite()
     if grad_clip > 0:
-        chain.append(optax.clip_by_global_norm(grad_clip))
+        first = optax.chain(first, optax.clip_by_global_norm(grad_clip))
+        first = optax.GradientTransformation(lambda params: optax.EmptyState(),
+                                             _stateless_update(first))
+    chain = [first]
     chain.append(optax.scale_by_adam(b1=float(_get(optim_cfg, "beta1", 0.9)),
                                      b2=float(_get(optim_cfg, "beta2", 0.99)),
                                      eps=float(_get(optim_cfg, "eps", 1e-8))))

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from edm2_jax import data as data_lib
 from edm2_jax import ema as ema_lib
-from edm2_jax import evaluate
+from edm2_jax import configs, evaluate, integrity
 from edm2_jax import loss as loss_lib
 from edm2_jax import optim as optim_lib
 from edm2_jax import preemption, resume, rundir, sampling
@@ -52,7 +52,8 @@ Array = jax.Array
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or infinite; the last good checkpoint is kept."""
+    """The loss (or the state to be saved) became NaN or infinite; the checkpoints are
+    kept and the message names the newest healthy one and how to resume from it."""
 
 
 # --------------------------------------------------------------------------------------
@@ -237,15 +238,73 @@ def setup_model(config: ml_collections.ConfigDict) -> Model:
 
 
 def restore_or_init(config: ml_collections.ConfigDict, model: Model,
-                    managers: rundir.TrainCheckpoints) -> tuple[dict, bool]:
-    """`(state, resumed)`: the latest complete checkpoint on the model's shardings, else
-    a fresh state from `config.seed`."""
-    state = managers.restore_latest(model.abstract_state, model.state_sharding)
+                    managers: rundir.TrainCheckpoints, resume_step: int = 0
+                    ) -> tuple[dict, bool, rundir.TrainCheckpoints]:
+    """`(state, resumed, managers)`: the latest complete checkpoint (or checkpoint
+    `resume_step`) on the model's shardings, checked against its integrity record
+    (`rundir.TrainCheckpoints.restore_latest`), else a fresh state from `config.seed`.
+    When the run has checkpoints but none restores, raises NoCheckpointError, unless
+    `config.start_over`: then the run's outputs are moved aside and it starts from
+    step 0 (with new managers, returned)."""
+    try:
+        state = managers.restore_latest(model.abstract_state, model.state_sharding,
+                                        resume_step=resume_step)
+    except rundir.NoCheckpointError:
+        if not config.start_over:
+            raise
+        managers.close()
+        moved = rundir.discard_outputs(managers.workdir)
+        print(f"Starting over (--config.start_over=True): the run's former outputs are in "
+              f"{moved}", flush=True)
+        managers = rundir.TrainCheckpoints(managers.workdir, keep=managers.keep)
+        state = None
+    else:
+        if config.start_over and state is not None:
+            print(f"--config.start_over=True ignored: checkpoint {int(state['step'])} "
+                  f"restores (to start over anyway, use a new --workdir)", flush=True)
     if state is not None:
-        return state, True
+        return state, True, managers
     init_fn = jax.jit(lambda r: init_train_state(config, model.net, model.tx, r),
                       out_shardings=model.state_sharding)
-    return init_fn(jax.random.PRNGKey(config.seed)), False
+    state = init_fn(jax.random.PRNGKey(config.seed))
+    managers.reference_rms = {"params": integrity.rms(state["params"])}
+    return state, False, managers
+
+
+def effective_resume_step(config: ml_collections.ConfigDict, workdir: str) -> int:
+    """`config.resume_step`, or 0 when config.json records that an earlier run of this
+    workdir applied it already (then the checkpoints after it are that run's progress,
+    not the diverged ones it set aside)."""
+    step = int(config.resume_step)
+    saved = rundir.read_config(workdir) or {}
+    newest = rundir.step_dirs(os.path.join(workdir, rundir.CHECKPOINTS))
+    if step and saved.get("resume_step") == step and newest and int(
+            os.path.basename(newest[0])) > step:
+        print(f"--config.resume_step={step} was applied by an earlier run (config.json); "
+              f"resuming from the newest checkpoint, {os.path.basename(newest[0])}", flush=True)
+        return 0
+    return step
+
+
+def rescue_hint(managers: rundir.TrainCheckpoints, config: ml_collections.ConfigDict) -> str:
+    """How to resume a diverged run: the newest checkpoint that is finite with a
+    healthy parameter RMS (`rundir.is_healthy`), and the flags."""
+    try:
+        managers.close()  # the saves in flight complete (or fail) first
+    except rundir.CheckpointSaveError:
+        pass
+    found = managers.newest_healthy()
+    lr = float(config.optim.ref_lr)
+    if found is None:
+        return (" No checkpoint of this run is healthy (finite, parameter RMS within "
+                f"{rundir.HEALTHY_RMS_FACTOR:g}x of the start): start a new run in a new "
+                f"--workdir with a lower --config.optim.ref_lr (now {lr:g}).")
+    step, record = found
+    return (f" The newest healthy checkpoint is step {step} (finite; parameter RMS "
+            f"{record['rms']['params']:.3g}). Resume from it with a lower learning rate: "
+            f"re-run the same command with --config.resume_step={step} "
+            f"--config.optim.ref_lr={lr / 10:g} (or --config.optim.grad_clip=1); the "
+            f"optim.* fields may change on resume.")
 
 
 # --------------------------------------------------------------------------------------
@@ -303,9 +362,9 @@ class StepMetrics:
             if not np.isfinite(m["objective"]):
                 raise NonFiniteLossError(
                     f"non-finite loss ({m['objective']}) at step {m['_step']} "
-                    f"(kimg {m['_step'] * self.batch_size / 1000:.1f}); stopping. The last "
-                    f"good checkpoint in {self.workdir}/checkpoints is kept; lower "
-                    f"optim.ref_lr or set optim.grad_clip, then resume.")
+                    f"(kimg {m['_step'] * self.batch_size / 1000:.1f}); stopping. The "
+                    f"checkpoints in {self.workdir}/checkpoints are kept (lower "
+                    f"optim.ref_lr or set optim.grad_clip, then resume).")
         return {k: float(np.mean([m[k] for m in host])) for k in host[0] if k != "_step"}
 
     def status(self, step: int) -> dict:
@@ -395,35 +454,54 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     unfinished ones); a checkpoint that does not restore is set aside and the previous
     one is used.
 
-    Raises ValueError for a config that does not match the run in `workdir`
-    (`resume.py`), the data errors of `data.make_source`, NonFiniteLossError when the
-    loss becomes NaN/inf (the last good checkpoint is kept), and CheckpointSaveError when
-    a checkpoint cannot be written (e.g. disk full; the earlier ones are intact).
+    Integrity (`rundir.py`, `integrity.py`): one training process per workdir (an OS
+    file lock, `rundir.RunLock`); every checkpoint and snapshot is saved with a checksum
+    per array and checked on restore, along with finiteness (a corrupt one is set aside
+    as `<step>.corrupt` and the previous one used); a state holding NaN/inf is never
+    saved; config.json is (re)written only once every check has passed.
+
+    Raises ValueError for a config that cannot train (`configs.validate`) or that does
+    not match the run in `workdir` (`resume.py`; the optim.* fields may change), the data
+    errors of `data.make_source`, RunLockedError when another process trains in
+    `workdir`, NoCheckpointError when the run has checkpoints but none restores (unless
+    `config.start_over`), NonFiniteLossError when the loss or the state becomes NaN/inf
+    (naming the newest healthy checkpoint and `--config.resume_step`), and
+    CheckpointSaveError when a checkpoint cannot be written (e.g. disk full; the earlier
+    ones are intact).
     """
+    configs.validate(config)  # before anything is written
     # First, since jax.distributed installs its own SIGTERM handler (its preemption
     # notifier), which ours must replace.
     shard_lib.maybe_initialize_distributed()
-    with preemption.StopRequest() as stop:
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    os.makedirs(workdir, exist_ok=True)
+    with rundir.RunLock(workdir), preemption.StopRequest() as stop:
         return _train(config, workdir, stop)
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str,
            stop: preemption.StopRequest) -> dict:
-    workdir = os.path.abspath(os.path.expanduser(workdir))
     is_main = jax.process_index() == 0
-    os.makedirs(workdir, exist_ok=True)
 
     # Set-up, each step failing before anything costly when its part of the config is
     # wrong: data first (a missing or broken dataset fails before anything is compiled),
-    # then the config record (same run, or a clear error before any step), then the
-    # evaluation, then the model and its state.
+    # then the config check (same run, or a clear error before any step), then the
+    # evaluation, then the model and its state (checked against its checksums); the
+    # config is recorded only then.
     source, config = setup_data(config)
-    resume.check_and_record_config(workdir, config, write=is_main)
+    current = resume.check_config(workdir, config)
     eval_key, evaluator = setup_eval(config, is_main)
     model = setup_model(config)
     mesh, net, batch_size = model.mesh, model.net, int(config.batch_size)
+    resume_step = effective_resume_step(config, workdir)
     managers = rundir.TrainCheckpoints(workdir, keep=int(config.keep_checkpoints))
-    state, resumed = restore_or_init(config, model, managers)
+    try:
+        state, resumed, managers = restore_or_init(config, model, managers, resume_step)
+    except BaseException:
+        managers.abandon()
+        raise
+    if is_main:
+        resume.record_config(workdir, current)
     sched = Schedule.from_config(config)
 
     step0 = int(state["step"])
@@ -497,12 +575,25 @@ def _train(config: ml_collections.ConfigDict, workdir: str,
             if step % sched.checkpoint_every == 0 or done or stopping:
                 metrics_log.flush()
                 managers.save_state(step, state)
+    except (NonFiniteLossError, rundir.NonFiniteStateError) as e:
+        failed = e
+        if is_main:  # the rescue's --config.resume_step is to be applied (again)
+            rundir.write_config(workdir, dict(current, resume_step=0))
+        raise NonFiniteLossError(str(e) + rescue_hint(managers, config)) from None
+    except BaseException:
+        failed = True
+        raise
+    else:
+        failed = None
     finally:
         bar.close()
         it.close() if hasattr(it, "close") else None
         if logger:
             logger.close()
-        managers.close()  # waits for the asynchronous saves
+        if failed is None:
+            managers.close()  # waits for the asynchronous saves
+        else:  # already failing: the first error is the one raised
+            managers.abandon()
 
     if stopping and step < sched.total_steps:
         saved = f"checkpoint {step} saved" if step > step0 else "no new step to save"

@@ -431,7 +431,7 @@ def test_config_mismatch_fails_before_any_step(runs, tmp_path, monkeypatch):
         train.train_and_evaluate(cfg, str(run))
     msg = str(e.value)
     assert "network.model_channels: checkpoint 8 vs now 16" in msg
-    assert "optim.ref_lr: checkpoint 0.01 vs now 0.02" in msg
+    assert "optim.ref_lr" not in msg  # may change on resume (the rescue of a diverged run)
     assert "--workdir" in msg
     assert (run / "config.json").read_text() == saved  # the run's record is untouched
     assert _steps(run) == [2]
@@ -450,7 +450,7 @@ def test_labels_wanted_but_data_unlabelled(tmp_path, monkeypatch):
     # asked for 10 classes (the data decide). Stopped once its config is recorded.
     def stop(*args, **kwargs):
         raise _StopBeforeCompiling
-    monkeypatch.setattr(train.shard_lib, "make_mesh", stop)
+    monkeypatch.setattr(train, "jit_train_step", stop)  # config.json is written by then
     cfg = tiny_config(data, **{"data.use_labels": False})
     assert cfg.network.label_dim == 10
     with pytest.raises(_StopBeforeCompiling):
