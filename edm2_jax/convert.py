@@ -365,8 +365,16 @@ def load_release(path: str) -> ReleaseWeights:
                 arrays = {k: v for k, v in arrays.items() if k.startswith("w/")}
             return _from_loaded(arrays, path, "npz")
         return _from_loaded(_torch_load(path), path, "torch")
-    with open(path, "rb") as f:
-        obj = ReleaseUnpickler(f).load()
+    try:
+        with open(path, "rb") as f:
+            obj = ReleaseUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError,
+            KeyError, UnicodeDecodeError, OverflowError) as e:
+        raise ValueError(
+            f"{path} is not a file this converter reads ({type(e).__name__}: {e}): expected "
+            f"a released EDM2 network pickle (network-snapshot-*.pkl, edm2-*.pkl), a "
+            f"torch.save'd Precond state_dict (.pt/.pth) or an .npz with the same keys; "
+            f"check the file (a truncated download?)") from None
     if isinstance(obj, int) and obj == 0x1950A86A20F9469CFC6C:  # legacy torch.save format
         return _from_loaded(_torch_load(path), path, "torch")
     return _from_loaded(obj, path, "pickle")
@@ -584,7 +592,8 @@ def state_dict_to_variables(sd: Mapping[str, Any], net_config: Mapping | None = 
                          f"{_fmt(_release_shape(got[p].shape))}")
         lines.append("(shapes in the release's layout: conv OIHW, dense [out, in].) Fix: "
                      "check that the file is an EDM2 Precond, or correct the architecture "
-                     "with net_overrides (e.g. {'channel_mult': [1, 2, 3, 4]}).")
+                     "with --net_overrides='{\"channel_mult\": [1, 2, 3, 4]}' "
+                     "(convert.convert(..., net_overrides=...) in Python).")
         raise ValueError("\n".join(lines))
 
     variables: dict = {"params": {}, "buffers": {}}
@@ -644,8 +653,14 @@ def _count(tree: Mapping) -> int:
 
 
 def _convert(src: str, workdir: str, net_overrides: Mapping | None):
+    from edm2_jax import rundir
     from edm2_jax.checkpoint import save_network
 
+    if rundir.is_run(workdir) or os.path.isdir(os.path.join(workdir, rundir.CHECKPOINTS)):
+        raise FileExistsError(
+            f"{workdir} is a training run directory; a network converted into it would "
+            f"stand in for the run (--mode=generate --net={workdir}). Choose another "
+            f"--workdir for the converted network.")
     weights = load_release(src)
     cfg, variables = state_dict_to_variables(weights.state_dict,
                                              net_config_from_release(weights, net_overrides))

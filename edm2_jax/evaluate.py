@@ -241,6 +241,12 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int, 
               **gen_kw) -> dict:
     """CLI body of `--mode=eval` (see module doc). Prints and returns the results."""
     names = [m.strip() for m in metrics.split(",") if m.strip()]
+    if num_images < 2:
+        raise ValueError(f"--num_images={num_images}: the metrics need at least 2 images "
+                         f"(FID-50k: --num_images=50000)")
+    if ref and "fid" in names:  # a bad file fails now, not after generating the images
+        from edm2_jax.metrics import fid
+        fid.load_ref_stats(ref)
     if sum(map(bool, (images_dir, net_path, data_split_images))) != 1:
         raise ValueError("--mode=eval needs exactly one of --images=DIR, --net=PATH or "
                          "--data_split_images=SPLIT")

@@ -17,17 +17,32 @@ Config fields are overridden with `--config.field=value`, e.g. `--config.total_k
 
 Owns the flags and their dispatch to each mode's function (`train.train_and_evaluate`,
 `convert.main_convert`, `evaluate.main_eval`, `phema.main_phema`, `phema.main_sweep`,
-`generate.main_generate`), and the persistent compilation cache.
+`generate.main_generate`), the persistent compilation cache, and how the process ends:
+the errors a user can act on (`USER_ERRORS`) as one `error:` message without a traceback
+(exit 1), and a bounded exit (background threads that do not finish within
+`EXIT_GRACE_S` are abandoned with one line, never waited for).
 """
 from __future__ import annotations
 
+import json
 import os
+import sys
+import threading
+import time
+import traceback
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from edm2_jax import convert, evaluate, generate, phema, train
+from edm2_jax import convert, evaluate, generate, integrity, phema, rundir, train
+
+# Errors whose message names the problem and the fix: printed alone, exit status 1.
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError,
+               PermissionError, integrity.IntegrityError, rundir.CheckpointSaveError,
+               rundir.RunLockedError, rundir.NoCheckpointError, rundir.NonFiniteStateError,
+               train.NonFiniteLossError)
+EXIT_GRACE_S = 30.0
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py[:variant]).",
@@ -36,6 +51,8 @@ flags.DEFINE_string("workdir", None, "Directory of the run (checkpoints, logs, s
 flags.DEFINE_enum("mode", "train", ["train", "convert", "generate", "eval", "phema", "phema_sweep"],
                   "What to do.")
 flags.DEFINE_string("src", None, "convert: released network pickle / state_dict (.pkl, .pt, .npz).")
+flags.DEFINE_string("net_overrides", None, "convert: JSON of Precond kwargs that win over what is "
+                    "read from --src, e.g. '{\"channel_mult\": [1, 2, 3, 4]}'.")
 # generate
 flags.DEFINE_string("net", None, "generate: network checkpoint, training run dir or RUN/snapshots/<step>.")
 flags.DEFINE_string("ema", None, "generate: which EMA of a run ('0.100', 'online'); default largest sigma_rel.")
@@ -82,8 +99,71 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+        # Orbax logs every save at INFO and, after a failed save or restore, each of its
+        # threads' errors: the error this process raises says it in one message.
+        logging.set_verbosity(logging.WARNING)
+        logging.get_absl_logger().addFilter(_drop_orbax_noise)
     _enable_compilation_cache()
+    rc = 0
+    try:
+        _dispatch()
+    except app.UsageError:
+        raise
+    except USER_ERRORS as e:
+        msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        rc = 1
+    except BaseException as e:  # noqa: BLE001 - printed, then the bounded exit
+        traceback.print_exc()
+        rc = 130 if isinstance(e, KeyboardInterrupt) else 1
+    _exit_bounded(rc)
+    return rc
+
+
+def _drop_orbax_noise(record) -> bool:
+    """absl log filter: Orbax's and asyncio's ERROR records from background threads
+    (the exception that reaches the user names the failure once)."""
+    return not (record.levelno >= 40 and threading.current_thread() is not threading.main_thread())
+
+
+def _exit_bounded(rc: int) -> None:
+    """Wait at most `EXIT_GRACE_S` for the process's other non-daemon threads (Orbax's
+    savers finishing); if some are still running, say so in one line and end the process
+    without waiting for them (`os._exit`)."""
+    deadline = time.time() + EXIT_GRACE_S
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join(max(0.0, deadline - time.time()))
+    alive = [t.name for t in threading.enumerate()
+             if t is not threading.current_thread() and not t.daemon and t.is_alive()]
+    if alive:
+        print(f"abandoning {len(alive)} background thread(s) still running after "
+              f"{EXIT_GRACE_S:.0f} s ({', '.join(alive[:3])}); exiting with status {rc}",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(rc)
+
+
+def _config():
+    """`--config` with its `--config.field=value` overrides, or an error that names the
+    file or the field (config_flags parses them lazily, on first use)."""
+    try:
+        return FLAGS.config
+    except (AttributeError, KeyError) as e:
+        given = [a.split("=")[0] for a in sys.argv[1:] if a.startswith("--config.")]
+        raise ValueError(
+            f"unknown config field {str(e).strip(chr(34))} in the overrides {given}: each "
+            f"--config.FIELD must be a field of the config file (see edm2_jax/configs.py "
+            f"base_config for all fields, e.g. --config.total_kimg, --config.optim.ref_lr)"
+        ) from None
+    except OSError as e:
+        raise FileNotFoundError(
+            f"--config: {' '.join(str(e).split())}. Give a config file and optional variant, "
+            f"e.g. --config=configs/fashion_mnist.py:tiny or --config=configs/img64.py:xs"
+        ) from None
+
+
+def _dispatch():
     if FLAGS.mode == "generate":
         if not FLAGS.net:
             raise app.UsageError("--mode=generate needs --net=PATH")
@@ -114,11 +194,24 @@ def main(argv):
     elif FLAGS.mode == "convert":
         if not FLAGS.src:
             raise app.UsageError("--mode=convert needs --src=FILE")
-        convert.main_convert(FLAGS.src, FLAGS.workdir)
-    elif FLAGS.config is None:
+        convert.main_convert(FLAGS.src, FLAGS.workdir, _net_overrides())
+    elif _config() is None:
         raise app.UsageError("--config is required, e.g. --config=configs/fashion_mnist.py")
     else:
-        train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+        train.train_and_evaluate(_config(), FLAGS.workdir)
+
+
+def _net_overrides() -> dict | None:
+    if not FLAGS.net_overrides:
+        return None
+    try:
+        value = json.loads(FLAGS.net_overrides)
+    except ValueError as e:
+        raise ValueError(f"--net_overrides={FLAGS.net_overrides!r} is not JSON ({e}); e.g. "
+                         f"--net_overrides='{{\"channel_mult\": [1, 2, 3, 4]}}'") from None
+    if not isinstance(value, dict):
+        raise ValueError("--net_overrides must be a JSON object of Precond kwargs")
+    return value
 
 
 def _sigma_rels() -> list[float]:
@@ -127,7 +220,7 @@ def _sigma_rels() -> list[float]:
 
 def _data_config() -> dict | None:
     """The data section of `--config`, if given."""
-    return FLAGS.config.data.to_dict() if FLAGS.config else None
+    return _config().data.to_dict() if _config() else None
 
 
 if __name__ == "__main__":

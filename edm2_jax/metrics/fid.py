@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -153,13 +154,24 @@ def load_ref_stats(path: str | os.PathLike,
     if not path.is_file():
         raise FileNotFoundError(f"reference statistics file {path} not found")
     suffix = path.suffix.lower()
-    if suffix == ".npz":
-        with np.load(path) as data:
-            return _mu_sigma(data, str(path))
-    if suffix != ".pkl":
+    if suffix not in (".npz", ".pkl"):
         raise ValueError(f"reference statistics must be .pkl or .npz, got {path}")
-    with open(path, "rb") as f:
-        data = _StatsUnpickler(f).load()
+    try:
+        if suffix == ".npz":
+            with np.load(path) as z:
+                data = {k: z[k] for k in z.files}
+        else:
+            with open(path, "rb") as f:
+                data = _StatsUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, OSError, ValueError, TypeError, KeyError,
+            IndexError, UnicodeDecodeError, zipfile.BadZipFile) as e:
+        raise ValueError(
+            f"reference statistics file {path} is unreadable ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:200]}): expected the release's dataset-refs .pkl or "
+            f"an .npz with arrays mu and sigma; re-download or recompute it (--mode=eval "
+            f"without --ref computes them from --config's data)") from None
+    if suffix == ".npz":
+        return _mu_sigma(data, str(path))
     if isinstance(data, dict) and metric in data:
         return _mu_sigma(data[metric], f"{path}[{metric!r}]")
     if isinstance(data, dict) and "mu" in data:
