@@ -109,6 +109,8 @@ def digest_numpy(x: np.ndarray) -> tuple[list[int], bool]:
 
 
 def _bits_jax(x: jax.Array) -> jax.Array:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)  # saved (and read back as NumPy) as its key data
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32)
     size = x.dtype.itemsize
@@ -137,7 +139,8 @@ def _leaf_digest(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     if x.dtype == jnp.float32:  # from the bits, in the same pass: exponent all ones
         finite = jnp.all((b & np.uint32(0x7F800000)) != np.uint32(0x7F800000))
     else:
-        finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else True
+        finite = (jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
+                  else jnp.asarray(True))
     return jnp.stack([lane1, lane2]), jnp.asarray(finite)
 
 

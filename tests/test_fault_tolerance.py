@@ -18,6 +18,7 @@ The runs are the 4-step tiny run of tests/test_train.py (with its compilation ca
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -236,3 +237,211 @@ def test_two_hosts_stop_at_the_same_step(full_run, tmp_path, xla_cache):
     for log in logs:
         assert f"Resuming in {run} at step {stops[0]}," in log.read_text()
     assert _steps(run) == [stops[0], stops[0] + 1]
+
+
+# --------------------------------------------------------------------------------------
+# Integrity, one writer, recoverable NaN, no silent restart (issue #16)
+
+
+def _sums(root: Path) -> dict:
+    """sha256 of every file under `root` (relative path -> hex), the lock file aside."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "train.lock"}
+
+
+def _flip(path: Path, offset: int, n: int = 16) -> None:
+    """Invert `n` bytes of `path` from `offset` (clamped to the file)."""
+    b = bytearray(path.read_bytes())
+    offset = max(0, min(offset, len(b) - n))
+    for i in range(offset, min(offset + n, len(b))):
+        b[i] ^= 0xFF
+    path.write_bytes(bytes(b))
+
+
+def _largest_array_file(item: Path) -> Path:
+    files = [p for p in item.rglob("*") if p.is_file() and p.parent.name == "d"
+             and "ocdbt.process" in str(p)]
+    assert files, f"no array data files under {item}"
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _verified_state(run: Path) -> dict:
+    from edm2_jax import rundir
+    return rundir.restore_latest_state(str(run))  # raises IntegrityError if corrupt
+
+
+def _same_leaves(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("where", ["array@0.1", "array@0.5", "array@0.8", "array-tail@0.995",
+                                   "_CHECKPOINT_METADATA@0.5", "default/_METADATA@0.5",
+                                   "default/ocdbt.process_0/manifest.ocdbt@0.5"])
+def test_byte_flip_in_newest_checkpoint_never_restores_silently(full_run, tmp_path, capsys,
+                                                                where):
+    """16 bytes inverted in one file of checkpoint 4 (array data at several positions,
+    or its metadata): the rerun sets it aside with one line naming it (array data: always,
+    by its checksums) and retrains from checkpoint 2, or, for a byte no reader uses,
+    restores values equal to what was saved; the end state equals the uninterrupted
+    run's; checkpoint 2 and the snapshots are unchanged."""
+    run = tmp_path / "run"
+    shutil.copytree(full_run["run"], run)
+    name, frac = where.split("@")
+    ck4 = run / "checkpoints" / "4"
+    target = _largest_array_file(ck4 / "default") if name.startswith("array") else ck4 / name
+    _flip(target, int(float(frac) * target.stat().st_size))
+    ck2, snaps = _sums(run / "checkpoints" / "2"), _sums(run / "snapshots")
+
+    r = train.train_and_evaluate(tiny_config(full_run["data"]), str(run))
+    err = capsys.readouterr().err
+    assert r["finished"]
+    set_aside = (run / "checkpoints" / "4.corrupt").is_dir()
+    if name == "array":
+        assert set_aside, err
+    if set_aside:
+        assert len([x for x in err.splitlines() if "checkpoint 4 is corrupt" in x]) == 1, err
+        assert "moved to checkpoints/4.corrupt" in err
+    assert _steps(run) == [2, 4]
+    assert _sums(run / "checkpoints" / "2") == ck2
+    assert _sums(run / "snapshots") == snaps
+    assert _same_leaves(_verified_state(run), _restore(run, 4)[1])
+    assert _equal(_restore(run, 4)[1], full_run["final"])
+
+
+def test_byte_flips_in_snapshots_and_networks_are_refused_by_every_reader(full_run, tmp_path):
+    """Post-hoc EMA, generate and load_network check what they read: a flipped snapshot
+    or network checkpoint is an IntegrityError naming it and the fix, nothing is
+    written, and the outputs made before are unchanged."""
+    from edm2_jax import checkpoint as ckpt_lib
+    from edm2_jax import generate, integrity, phema, rundir
+    run = tmp_path / "run"
+    shutil.copytree(full_run["run"], run)
+    [good] = phema.reconstruct(str(run), [0.07], out_dir=str(tmp_path / "ph"), progress=False)
+    outputs = _sums(tmp_path / "ph")
+    with pytest.raises(ValueError, match=r"--at_kimg=100 is outside the snapshots.*Pass a "
+                                         r"value in \(0, 0\.032\]"):
+        phema.reconstruct(str(run), [0.07], at_kimg=100, out_dir=str(tmp_path / "far"))
+    assert not (tmp_path / "far").exists()
+
+    _flip(_largest_array_file(run / "snapshots" / "4" / "ema"), 1000)
+    fix = r"mv .*snapshots/4 .*snapshots/4\.corrupt"
+    with pytest.raises(integrity.IntegrityError, match=r"snapshot .*snapshots/4: .*checksum "
+                                                       r"mismatch.*" + fix):
+        rundir.restore_snapshot(str(run), 4)
+    with pytest.raises(integrity.IntegrityError, match=r"snapshot .*checksum mismatch.*" + fix):
+        phema.reconstruct(str(run), [0.08], out_dir=str(tmp_path / "ph2"), progress=False)
+    assert not any(ckpt_lib.is_network_checkpoint(str(p)) for p in (tmp_path / "ph2").glob("*"))
+    with pytest.raises(integrity.IntegrityError, match="checksum mismatch"):
+        generate.load_net(str(run / "snapshots" / "4"))
+
+    _flip(_largest_array_file(run / "checkpoints" / "4" / "default"), 500)
+    with pytest.raises(integrity.IntegrityError, match=r"checkpoint .*checkpoints/4: .*"
+                                                       r"Re-run the run's training command"):
+        generate.load_net(str(run))
+
+    net = tmp_path / "net"
+    shutil.copytree(good, net)
+    files = sorted((p for p in (net / "variables").rglob("*") if p.is_file()
+                    and p.stat().st_size > 256 and "params" in str(p)), key=lambda p: -p.stat().st_size)
+    _flip(files[0], files[0].stat().st_size // 2)
+    with pytest.raises(integrity.IntegrityError, match=r"network checkpoint .*net.*(checksum "
+                                                       r"mismatch|unreadable).*Write it again"):
+        ckpt_lib.load_network(str(net))
+    assert _sums(tmp_path / "ph") == outputs
+    ckpt_lib.load_network(good)  # the original still loads
+
+
+def test_nonfinite_state_is_never_saved(full_run, tmp_path):
+    from edm2_jax import rundir
+    run = tmp_path / "run"
+    shutil.copytree(full_run["run"], run)
+    before = _sums(run)
+    state = jax.tree.map(np.copy, full_run["final"])
+    state["ema"]["power"]["0.050"]["unet"]["enc_8x8_conv"]["weight"][0, 0, 0, 0] = np.nan
+    mngr = rundir.TrainCheckpoints(str(run))
+    with pytest.raises(rundir.NonFiniteStateError, match=r"step 6 holds NaN/inf values \(in "
+                                                         r"ema/power/0\.050/unet/enc_8x8_conv"):
+        mngr.save_state(6, state)
+    with pytest.raises(rundir.NonFiniteStateError, match="EMA snapshot at step 6 holds NaN"):
+        mngr.save_snapshot(6, 48, state["ema"], (0.05, 0.1), 8)
+    mngr.close()
+    assert _sums(run) == before
+
+
+def test_diverged_run_names_its_newest_healthy_checkpoint_and_is_rescued(full_run, tmp_path):
+    """ref_lr=1e30 from checkpoint 2: the loss stays finite (forced weight normalisation)
+    but the parameters explode; nothing of it is saved, the error names checkpoint 2 and
+    --config.resume_step=2. Following it with the learning rate restored (optim.* may
+    change on resume) ends bitwise equal to the uninterrupted run; re-running the same
+    command later does not go back to step 2 again."""
+    run = _stopped_at_2(full_run, tmp_path)
+    ck2 = _sums(run / "checkpoints" / "2")
+    with pytest.raises(train.NonFiniteLossError) as e:
+        train.train_and_evaluate(tiny_config(full_run["data"], **{"optim.ref_lr": 1e30}),
+                                 str(run))
+    msg = str(e.value)
+    assert "diverged" in msg and "newest healthy checkpoint is step 2" in msg, msg
+    assert "--config.resume_step=2 --config.optim.ref_lr=" in msg, msg
+    assert _steps(run) == [2] and _steps(run, "snapshots") == []
+    assert _sums(run / "checkpoints" / "2") == ck2
+
+    r = train.train_and_evaluate(tiny_config(full_run["data"], resume_step=2), str(run))
+    assert r["finished"] and _steps(run) == [2, 4]
+    assert _equal(_restore(run, 4)[1], full_run["final"])
+    assert json.loads((run / "config.json").read_text())["resume_step"] == 2
+    r = train.train_and_evaluate(tiny_config(full_run["data"], resume_step=2,
+                                             total_kimg=0.048), str(run))
+    assert r["finished"] and _steps(run) == [2, 4, 6]  # continued from 4, not from 2
+
+
+def test_all_checkpoints_corrupt_is_an_error_every_time_until_start_over(full_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(full_run["run"], run)
+    for step in (2, 4):
+        p = _largest_array_file(run / "checkpoints" / str(step) / "default")
+        p.write_bytes(b"\0" * p.stat().st_size)
+    snaps, samples = _sums(run / "snapshots"), _sums(run / "samples")
+    for _ in range(2):
+        with pytest.raises(train.rundir.NoCheckpointError,
+                           match=r"none restores \(set aside: checkpoints/2\.corrupt, "
+                                 r"checkpoints/4\.corrupt\); nothing was trained.*"
+                                 r"--config\.start_over=True"):
+            train.train_and_evaluate(tiny_config(full_run["data"]), str(run))
+        assert _steps(run) == [] and _sums(run / "snapshots") == snaps
+    r = train.train_and_evaluate(tiny_config(full_run["data"], start_over=True), str(run))
+    assert r["finished"] and _steps(run) == [2, 4]
+    [old] = run.glob("discarded-*")
+    assert _sums(old / "snapshots") == snaps and _sums(old / "samples") == samples
+    assert sorted(p.name for p in (old / "checkpoints").iterdir()) == ["2.corrupt", "4.corrupt"]
+    assert _equal(_restore(run, 4)[1], full_run["final"])
+
+
+def test_second_trainer_on_a_workdir_is_refused_naming_the_holder(full_run, tmp_path):
+    from edm2_jax import rundir
+    run = _stopped_at_2(full_run, tmp_path)
+    before = _sums(run)
+    with rundir.RunLock(str(run)):
+        with pytest.raises(rundir.RunLockedError,
+                           match=rf"in use by another training process \(host .*, pid "
+                                 rf"{os.getpid()}, since .*\)\. Wait for it to finish"):
+            train.train_and_evaluate(tiny_config(full_run["data"]), str(run))
+        assert _sums(run) == before
+    r = train.train_and_evaluate(tiny_config(full_run["data"]), str(run))  # released
+    assert r["finished"] and _steps(run) == [2, 4]
+
+
+def test_config_json_is_written_only_after_every_check(full_run, tmp_path):
+    """A run whose config.json went missing: a resume with another network fails on the
+    checkpoint's shapes and writes nothing; the right config then resumes."""
+    run = _stopped_at_2(full_run, tmp_path)
+    (run / "config.json").unlink()
+    before = _sums(run)
+    with pytest.raises(ValueError, match="does not match the current model"):
+        train.train_and_evaluate(tiny_config(full_run["data"],
+                                             **{"network.model_channels": 16}), str(run))
+    assert _sums(run) == before
+    r = train.train_and_evaluate(tiny_config(full_run["data"]), str(run))
+    assert r["finished"]
+    assert json.loads((run / "config.json").read_text())["network"]["model_channels"] == 8
+    assert _equal(_restore(run, 4)[1], full_run["final"])
