@@ -19,8 +19,9 @@ Owns the flags and their dispatch to each mode's function (`train.train_and_eval
 `convert.main_convert`, `evaluate.main_eval`, `phema.main_phema`, `phema.main_sweep`,
 `generate.main_generate`), the persistent compilation cache, and how the process ends:
 the errors a user can act on (`USER_ERRORS`) as one `error:` message without a traceback
-(exit 1), and a bounded exit (background threads that do not finish within
-`EXIT_GRACE_S` are abandoned with one line, never waited for).
+(exit 1), Orbax's background noise summarised in one line, and a bounded exit
+(background threads still running `EXIT_GRACE_S` after the end are abandoned with one
+line, never waited for).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 
 import jax
 from absl import app, flags, logging
@@ -103,6 +105,9 @@ def main(argv):
         # threads' errors: the error this process raises says it in one message.
         logging.set_verbosity(logging.WARNING)
         logging.get_absl_logger().addFilter(_drop_orbax_noise)
+        sys.excepthook, sys.unraisablehook = _quiet_excepthook, _quiet_unraisablehook
+        # ... and the writes a failed save left unawaited, reported at exit.
+        warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
     _enable_compilation_cache()
     rc = 0
     try:
@@ -111,6 +116,8 @@ def main(argv):
         raise
     except USER_ERRORS as e:
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        if isinstance(e, rundir.CheckpointSaveError) and e.strerror:
+            msg = e.strerror  # without OSError's "[Errno N]" prefix: the message names it
         print(f"error: {msg}", file=sys.stderr, flush=True)
         rc = 1
     except BaseException as e:  # noqa: BLE001 - printed, then the bounded exit
@@ -121,44 +128,71 @@ def main(argv):
 
 
 def _drop_orbax_noise(record) -> bool:
-    """absl log filter: Orbax's and asyncio's ERROR records from background threads
-    (the exception that reaches the user names the failure once)."""
-    return not (record.levelno >= 40 and threading.current_thread() is not threading.main_thread())
+    """absl log filter: Orbax's ERROR records (with their tracebacks) and any from
+    background threads: the exception that reaches the user names the failure once."""
+    return not (record.levelno >= 40 and (
+        threading.current_thread() is not threading.main_thread()
+        or f"{os.sep}orbax{os.sep}" in (record.pathname or "")))
+
+
+_suppressed = {"n": 0}
+
+
+def _closed_loop(value) -> bool:
+    return isinstance(value, RuntimeError) and "Event loop is closed" in str(value)
+
+
+def _quiet_unraisablehook(unraisable) -> None:
+    """sys.unraisablehook: after a failed asynchronous save or restore, TensorStore's
+    callbacks try to reach Orbax's closed event loop, and each prints a traceback
+    ("Event loop is closed"), hundreds of them; those are counted (`_exit_bounded`
+    reports them in one line), everything else is printed as usual."""
+    if _closed_loop(unraisable.exc_value):
+        _suppressed["n"] += 1
+        return
+    sys.__unraisablehook__(unraisable)
+
+
+def _quiet_excepthook(kind, value, tb) -> None:
+    """sys.excepthook: the same for the callbacks that report through it."""
+    if _closed_loop(value):
+        _suppressed["n"] += 1
+        return
+    sys.__excepthook__(kind, value, tb)
 
 
 def _exit_bounded(rc: int) -> None:
-    """Wait at most `EXIT_GRACE_S` for the process's other non-daemon threads (Orbax's
-    savers finishing); if some are still running, say so in one line and end the process
-    without waiting for them (`os._exit`)."""
-    deadline = time.time() + EXIT_GRACE_S
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and not t.daemon:
-            t.join(max(0.0, deadline - time.time()))
-    alive = [t.name for t in threading.enumerate()
-             if t is not threading.current_thread() and not t.daemon and t.is_alive()]
-    if alive:
-        print(f"abandoning {len(alive)} background thread(s) still running after "
-              f"{EXIT_GRACE_S:.0f} s ({', '.join(alive[:3])}); exiting with status {rc}",
+    """Bound the process's exit: a daemon watchdog ends it (`os._exit(rc)`, with one line
+    naming the threads still running) if the interpreter's shutdown, which joins the
+    remaining non-daemon threads (Orbax's savers), takes more than `EXIT_GRACE_S`."""
+    if _suppressed["n"]:
+        print(f"({_suppressed['n']} 'Event loop is closed' errors of Orbax's background "
+              f"threads suppressed)", file=sys.stderr, flush=True)
+
+    def watchdog():
+        time.sleep(EXIT_GRACE_S)
+        alive = [t.name for t in threading.enumerate() if not t.daemon and t.is_alive()
+                 and t is not threading.main_thread()]
+        print(f"abandoning {len(alive)} background thread(s) still running {EXIT_GRACE_S:.0f} s "
+              f"after the end ({', '.join(alive[:3])}); exiting with status {rc}",
               file=sys.stderr, flush=True)
-        sys.stdout.flush()
         os._exit(rc)
+
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
 
 
 def _config():
     """`--config` with its `--config.field=value` overrides, or an error that names the
-    file or the field (config_flags parses them lazily, on first use)."""
+    file (config_flags loads it lazily, on first use; unknown fields: `_parse_flags`)."""
     try:
-        return FLAGS.config
-    except (AttributeError, KeyError) as e:
-        given = [a.split("=")[0] for a in sys.argv[1:] if a.startswith("--config.")]
-        raise ValueError(
-            f"unknown config field {str(e).strip(chr(34))} in the overrides {given}: each "
-            f"--config.FIELD must be a field of the config file (see edm2_jax/configs.py "
-            f"base_config for all fields, e.g. --config.total_kimg, --config.optim.ref_lr)"
-        ) from None
+        config = FLAGS.config
+        if config is not None:
+            config.get("seed")  # a file that failed to load raises here
+        return config
     except OSError as e:
+        cause = e.__cause__ or e
         raise FileNotFoundError(
-            f"--config: {' '.join(str(e).split())}. Give a config file and optional variant, "
+            f"--config: {' '.join(str(cause).split())}. Give a config file and optional variant, "
             f"e.g. --config=configs/fashion_mnist.py:tiny or --config=configs/img64.py:xs"
         ) from None
 
@@ -223,5 +257,19 @@ def _data_config() -> dict | None:
     return _config().data.to_dict() if _config() else None
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with an unknown `--config.FIELD` (an AttributeError deep in
+    ml_collections) reported as one `error:` line naming the field and the fix."""
+    try:
+        return app.parse_flags_with_usage(argv)
+    except (AttributeError, KeyError) as e:
+        given = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
+        print(f"error: unknown config field {str(e).strip(chr(34))} in the overrides {given}: "
+              f"each --config.FIELD must be a field of the config file (see "
+              f"edm2_jax/configs.py base_config for all fields, e.g. --config.total_kimg, "
+              f"--config.optim.ref_lr)", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

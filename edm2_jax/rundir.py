@@ -590,7 +590,8 @@ class TrainCheckpoints:
             cause = cause.__cause__ or cause.__context__
         cause = cause if isinstance(cause, OSError) else e
         try:
-            done = sorted(self.state_mngr.all_steps(read=True) or [])
+            self.state_mngr.reload()
+            done = sorted(self.state_mngr.all_steps() or [])
         except Exception:  # noqa: BLE001 - only for the message
             done = "?"
         code = getattr(cause, "errno", None)

@@ -445,3 +445,163 @@ def test_config_json_is_written_only_after_every_check(full_run, tmp_path):
     assert r["finished"]
     assert json.loads((run / "config.json").read_text())["network"]["model_channels"] == 8
     assert _equal(_restore(run, 4)[1], full_run["final"])
+
+
+# --------------------------------------------------------------------------------------
+# The same faults through the CLI: exit status, one clear message, bounded exit (slow)
+
+
+def _cli_env(cache: str) -> dict:
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+                JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+
+
+def _quiet(log: str, max_lines: int = 12) -> None:
+    """The output of a failed run: no traceback, no Orbax/asyncio noise, a few lines."""
+    lines = [x for x in log.splitlines() if "step/s" not in x and "it/s" not in x and x.strip()]
+    assert "Traceback" not in log and "RuntimeError: Event loop is closed" not in log, log[-3000:]
+    assert len(lines) <= max_lines, "\n".join(lines[:40])
+
+
+@pytest.mark.slow
+def test_cli_two_trainers_started_together(full_run, tmp_path, xla_cache):
+    """Two CLI trainers started at once on one new workdir: one trains to the end (same
+    state as the uninterrupted run, one stats row per status), the other exits 1 at once
+    naming the holder's pid and what to do."""
+    run = tmp_path / "run"
+    overrides = {**TINY_OVERRIDES, "data.path": full_run["data"]}
+    procs = [_cli_popen(run, overrides, xla_cache) for _ in range(2)]
+    t0 = time.time()
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    rcs = [p.returncode for p in procs]
+    assert sorted(rcs) == [0, 1], logs
+    winner, loser = procs[rcs.index(0)], logs[rcs.index(1)]
+    assert re.search(rf"error: {run} is in use by another training process \(host .*, pid "
+                     rf"{winner.pid}, since .*Wait for it to finish, or stop it", loser), loser
+    _quiet(loser, 4)
+    assert time.time() - t0 < 300
+    assert _steps(run) == [2, 4]
+    assert _equal(_restore(run, 4)[1], full_run["final"])
+    steps = [json.loads(x)["step"] for x in (run / "stats.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))
+
+
+@pytest.mark.slow
+def test_cli_all_checkpoints_corrupt_exits_1_every_time(full_run, tmp_path, xla_cache):
+    run = tmp_path / "run"
+    shutil.copytree(full_run["run"], run)
+    for step in (2, 4):
+        _flip(_largest_array_file(run / "checkpoints" / str(step) / "default"), 100)
+    snaps = _sums(run / "snapshots")
+    overrides = {**TINY_OVERRIDES, "data.path": full_run["data"]}
+    for _ in range(2):
+        proc = _cli_popen(run, overrides, xla_cache)
+        log = proc.communicate(timeout=600)[0]
+        assert proc.returncode == 1, log[-3000:]
+        assert re.search(r"error: the run in .* has checkpoints but none restores \(set aside: "
+                         r"checkpoints/2\.corrupt, checkpoints/4\.corrupt\).*"
+                         r"--config\.start_over=True", log), log[-3000:]
+        assert "Starting in" not in log and "First step" not in log
+        _quiet(log, 6)
+        assert _sums(run / "snapshots") == snaps
+
+
+_DISK_FULL_DRIVER = """
+import errno, os, runpy, sys
+from orbax.checkpoint._src.path import async_path
+async def disk_full(path, *args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+async_path.write_bytes = async_path.write_text = disk_full
+sys.argv = ["edm2_jax.main"] + sys.argv[1:]
+runpy.run_module("edm2_jax.main", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_cli_disk_full_names_disk_free_space_and_step(full_run, tmp_path, xla_cache):
+    """Every Orbax file write fails with ENOSPC (injected) from the resumed run's first
+    save on: exit 1 within bounded time, one message naming the save and step that
+    failed, the disk and its free space, and the fix; checkpoint 2 unchanged."""
+    run = _stopped_at_2(full_run, tmp_path)
+    ck2 = _sums(run / "checkpoints" / "2")
+    driver = tmp_path / "disk_full.py"
+    driver.write_text(_DISK_FULL_DRIVER)
+    flags = [f"--config.{k}={v}" for k, v in {**TINY_OVERRIDES,
+                                              "data.path": full_run["data"]}.items()]
+    t0 = time.time()
+    r = subprocess.run([sys.executable, str(driver), f"--config={FMNIST_CONFIG}:tiny",
+                        f"--workdir={run}", *flags], env=_cli_env(xla_cache), cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    log = r.stdout + r.stderr
+    assert r.returncode == 1, log[-3000:]
+    assert re.search(r"error: saving the (snapshot|checkpoint) of step 4 in .* failed: "
+                     r"OSError: \[Errno 28\] No space left on device.*checkpoints \[2\] are "
+                     r"intact.*the disk /\S* \(\d+\.\d+ GiB free of \d+\.\d+ GiB\) is full: "
+                     r"free disk space", log), log[-3000:]
+    _quiet(log)
+    assert time.time() - t0 < 300
+    assert _sums(run / "checkpoints" / "2") == ck2
+
+
+def _bad_input_cases(full_run, tmp: Path) -> list:
+    """(argv, regex of the error, workdir that must not come into being) of item 6."""
+    run = tmp / "run"
+    shutil.copytree(full_run["run"], run)
+    both = tmp / "both"
+    shutil.copytree(full_run["run"], both)
+    (both / "network.json").write_text('{"network": {}}')
+    (both / "variables").mkdir()
+    rnd = tmp / "random.pkl"
+    rnd.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, np.uint8).tobytes())
+    ref_pkl, ref_npz = tmp / "ref.pkl", tmp / "ref.npz"
+    ref_pkl.write_bytes(b"\x80\x04garbage" * 40)
+    ref_npz.write_bytes(b"PK\x03\x04garbage" * 40)
+    npz = tmp / "w.npz"
+    np.savez(npz, x=np.zeros(1))
+    tiny = [f"--config={FMNIST_CONFIG}:tiny"]
+    new = tmp / "new"
+    return [
+        (tiny + [f"--workdir={new}", "--config.foo=1"],
+         r"unknown config field 'foo'.*must be a field of the config file", new),
+        ([f"--config={REPO}/configs/nope.py", f"--workdir={new}"],
+         r"--config: .*nope\.py.*e\.g\. --config=configs/fashion_mnist\.py:tiny", new),
+        (tiny + [f"--workdir={new}", "--config.batch_size=0"],
+         r"--config\.batch_size=0: the global batch must be a positive number", new),
+        (tiny + [f"--workdir={new}", "--config.total_kimg=0"],
+         r"--config\.total_kimg=0\.0: must be a positive number of kimg", new),
+        (tiny + [f"--workdir={new}", "--config.total_kimg=-3"],
+         r"--config\.total_kimg=-3\.0: must be a positive number of kimg", new),
+        (["--mode=eval", f"--net={run}", "--num_images=0"],
+         r"--num_images=0: the metrics need at least 2 images", None),
+        (["--mode=eval", f"--images={full_run['data']}", f"--ref={ref_pkl}", "--num_images=4"],
+         rf"reference statistics file {ref_pkl} is unreadable.*re-download or recompute", None),
+        (["--mode=eval", f"--images={full_run['data']}", f"--ref={ref_npz}", "--num_images=4"],
+         rf"reference statistics file {ref_npz} is unreadable", None),
+        (["--mode=convert", f"--src={rnd}", f"--workdir={new}"],
+         rf"{rnd} is not a file this converter reads.*expected a released EDM2", new),
+        (["--mode=convert", f"--src={npz}", f"--workdir={run}"],
+         r"is a training run directory.*Choose another --workdir", None),
+        (["--mode=convert", f"--src={npz}", f"--workdir={new}", "--net_overrides=[1"],
+         r"--net_overrides='\[1' is not JSON", new),
+        (["--mode=phema", f"--workdir={run}", "--at_kimg=1000", f"--outdir={new}"],
+         r"--at_kimg=1000 is outside the snapshots .*Pass a value in", new),
+        (["--mode=generate", f"--net={both}", f"--outdir={new}"],
+         r"both a training run and a network checkpoint", new),
+    ]
+
+
+@pytest.mark.slow
+def test_cli_bad_inputs_name_problem_and_fix_before_any_compile(full_run, tmp_path, xla_cache):
+    """Each bad input of issue #16 item 6: exit 1, `error:` naming the problem and the
+    fix, no traceback, nothing compiled (JAX_LOG_COMPILES), no workdir created."""
+    for argv, pattern, absent in _bad_input_cases(full_run, tmp_path):
+        env = dict(_cli_env(xla_cache), JAX_LOG_COMPILES="1")
+        r = subprocess.run([sys.executable, "-m", "edm2_jax.main", *argv], env=env, cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+        log = r.stdout + r.stderr
+        assert r.returncode == 1, (argv, log[-3000:])
+        assert re.search("error: .*?" + pattern, log, re.S), (argv, log[-3000:])
+        assert "Traceback" not in log and "Compiling" not in log, (argv, log[-3000:])
+        if absent is not None:
+            assert not absent.exists(), argv
