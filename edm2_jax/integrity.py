@@ -1,7 +1,7 @@
 """Integrity of saved arrays: a digest per array and its finiteness, computed where the
 array lives (sharded device arrays under `jit`, or host NumPy) and compared on restore.
 
-Orbax 0.12 and TensorStore offer no checksum of array data: the zarr3 layout checksums
+Orbax (0.12.8) and TensorStore (0.1.86) offer no checksum of array data: the zarr3 layout checksums
 only its shard index (`crc32c` in `index_codecs`), zarr2/OCDBT none; a flipped byte in an
 array file restores as wrong values without an error. So each checkpoint, EMA snapshot and
 network checkpoint records, next to its arrays (`rundir.py`, `checkpoint.py`), the
@@ -38,10 +38,6 @@ _CHUNK = 1 << 20  # elements per NumPy pass (4 MiB temporaries)
 
 class IntegrityError(ValueError):
     """Arrays that were read differ from what was saved, or are not finite."""
-
-
-def _path_name(path: tuple) -> str:
-    return "/".join(path)
 
 
 def key_paths(tree: Any) -> list[str]:
@@ -162,14 +158,51 @@ def _digest_and_norms(tree, rms_of: tuple):
     return digests, norms
 
 
-def digest_tree(tree: Any, rms_of: tuple = ("params",)) -> dict:
+def _on_host(x) -> bool:
+    """Whether `x` lives in this process's host memory (NumPy, or a CPU jax.Array with
+    all its shards here): XLA:CPU runs the digest's integer loop at ~0.3 GB/s on 2
+    cores, NumPy at ~1.2 GB/s, so such arrays are digested in NumPy."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return True
+    return (isinstance(x, jax.Array) and x.is_fully_addressable
+            and all(d.platform == "cpu" for d in x.devices()))
+
+
+def _host_view(x) -> np.ndarray:
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def _sum_squares_numpy(tree) -> float:
+    total = 0.0
+    for x in jax.tree.leaves(tree):
+        flat = _host_view(x).reshape(-1)
+        if not np.issubdtype(flat.dtype, np.floating):
+            flat = flat.astype(np.float32)
+        for start in range(0, flat.size, _CHUNK):
+            c = flat[start:start + _CHUNK].astype(np.float32, copy=False)
+            total += float(np.dot(c, c))
+    return total
+
+
+def digest_tree(tree: Any, rms_of: tuple = ("params",), jitted: bool | None = None) -> dict:
     """The integrity record of a pytree of arrays (device or host, any sharding):
 
         {"version": 1, "digests": {"a/b": [lane1, lane2], ...},
          "nonfinite": ["a/c", ...],  # float arrays with a NaN or inf
          "rms": {"params": float}}   # root mean square of each tree[k], k in `rms_of`
 
-    One jitted reduction and a transfer of a few bytes per array."""
+    On accelerators or across processes: one jitted reduction and a transfer of a few
+    bytes per array; for arrays in host memory (`_on_host`): NumPy, on the arrays in place.
+    The digests are the same either way; `jitted` True/False forces one."""
+    if jitted is False or jitted is None and all(_on_host(x) for x in jax.tree.leaves(tree)):
+        record = digest_tree_numpy(jax.tree.map(_host_view, tree))
+        counts = {k: sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(tree[k]))
+                  for k in rms_of if k in tree}
+        record["rms"] = {k: float(np.sqrt(_sum_squares_numpy(tree[k]) / max(counts[k], 1)))
+                         for k in counts}
+        return record
     digests, norms = jax.device_get(_digest_and_norms(tree, tuple(rms_of)))
     names = key_paths(tree)
     counts = {k: sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(tree[k]))

@@ -11,16 +11,23 @@
     WORKDIR/stats.jsonl          one JSON line per status / evaluation (`StatsLogger`)
     WORKDIR/tb/                  the same as TensorBoard scalars
     WORKDIR/samples/<tag>.png    sample grids (`samples_path`)
+    WORKDIR/train.lock           the running trainer's host and pid (`RunLock`)
+    <step>/_CHECKPOINT_METADATA  Orbax's per-step JSON; `custom_metadata.integrity` holds
+                                 the step's integrity record (`integrity.digest_tree`:
+                                 a checksum per array, NaN/inf, parameter RMS)
+    <step>.corrupt, <step>.discarded   set aside (corrupt; after `--config.resume_step`)
 
 Writers: `TrainCheckpoints` (the Orbax managers of checkpoints/ and snapshots/),
 `write_config`, `StatsLogger`. Readers: `is_run`, `read_config`, `network_config`,
 `step_dirs` (finalised steps, newest first), `restore_latest_state`, `run_buffers`,
-`list_snapshots`, `restore_snapshot`; Orbax items come back as host NumPy arrays
-(`checkpoint.restore_numpy`, re-exported here).
+`list_snapshots`, `restore_snapshot`, `snapshot_checker`, `step_record`; Orbax items
+come back as host NumPy arrays (`checkpoint.restore_numpy`, re-exported here). Every
+reader checks what it read against the step's integrity record (IntegrityError).
 
 Orbax writes into a temporary directory and renames it when complete, so a run killed
 mid-save never sees a half-written checkpoint; `restore_latest` and `step_dirs` only list
-finalised ones.
+finalised ones. The integrity record is part of that rename (Orbax's step metadata), so
+a checkpoint and its checksums appear together.
 """
 from __future__ import annotations
 
@@ -33,7 +40,6 @@ import socket
 import sys
 import threading
 import time
-import warnings
 
 import jax
 import orbax.checkpoint as ocp
