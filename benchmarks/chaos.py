@@ -1,5 +1,7 @@
-"""Chaos test of resumable training: kill a tiny run at random moments, resume it each
-time, and check that nothing is corrupt or lost and that the result is the same.
+"""Chaos test of resumable training: kill a tiny run at random moments, flip bytes in its
+checkpoints and snapshots, start a second trainer beside it, resume it each time, and
+check that nothing is corrupt or lost, no corruption goes unnoticed, and that the result
+is the same.
 
     python benchmarks/chaos.py --workdir=/tmp/chaos --kills=12 --json=/tmp/chaos.json
 
@@ -9,17 +11,37 @@ time, and check that nothing is corrupt or lost and that the result is the same.
 2. Chaos: the same command, killed `--kills` times with SIGKILL or SIGTERM (chosen at
    random) at a random moment: during start-up/restore/compilation (1 in 4) or during
    training, and restarted after each kill; then run to the end.
+   With probability `--p_concurrent`, a second trainer is started on the same workdir
+   during training first: it must exit 1 at once naming the running one (one writer per
+   workdir) and leave it undisturbed. After a kill, with probability `--p_flip`, 16
+   bytes are inverted in an array file of the newest checkpoint (the restart must set it
+   aside as `<step>.corrupt` and resume from the one before) or of a random snapshot
+   (its reader must refuse it; the bytes are then put back), at a place that changes a
+   value read back unchecked (`flip_bytes`).
    After every kill:
    - corrupt: a complete checkpoint (one of the newest `keep`) or EMA snapshot that does
-     not restore;
+     not restore, or whose arrays differ from their saved checksums or are not finite;
    - lost: the newest complete checkpoint is older than one seen before the kill, or a
      snapshot seen before is gone;
    - a SIGTERM during training must exit 0 with a checkpoint at the step it stopped;
-   - the restart must resume from the newest complete checkpoint.
+   - the restart must resume from the newest complete checkpoint (after a flip: the one
+     before the flipped one); silent: a flipped checkpoint restored without complaint, a
+     flipped snapshot read without an IntegrityError.
 3. The final checkpoint and every snapshot equal the reference's bitwise (CPU, same
    compiled programs from a persistent XLA cache).
 
 Prints a JSON summary (also written to `--json`); exit status 1 if any check fails.
+
+The cost of the integrity checks (a checksum and finiteness per array, edm2_jax/integrity.py)
+on a state checkpoint's save and restore, state only, no data or training:
+
+    python benchmarks/chaos.py --cost=configs/fashion_mnist.py --workdir=/tmp/cost
+    python benchmarks/chaos.py --cost=configs/img64.py:xs --workdir=/tmp/cost --step_time=0
+
+times, alternately (`--repeats` pairs, medians), the digest alone, a save of the train state
+with `rundir.TrainCheckpoints` (digest + Orbax) and with Orbax alone, the same for the
+restore, and (unless `--step_time=0`) one jitted training step on a random batch of the
+config's `batch_size`, against which it reports the digest's share.
 """
 from __future__ import annotations
 
@@ -100,14 +122,40 @@ def complete_steps(workdir: Path, sub: str) -> list[int]:
 
 
 def restore_state(workdir: Path, step: int):
-    import jax
-    import orbax.checkpoint as ocp
-    mngr = ocp.CheckpointManager(workdir / "checkpoints",
-                                 options=ocp.CheckpointManagerOptions(create=False, read_only=True))
-    try:
-        return jax.device_get(mngr.restore(step, args=ocp.args.StandardRestore()))
-    finally:
-        mngr.close()
+    """Checkpoint `step` as NumPy, checked against its checksums and for NaN/inf
+    (raises IntegrityError)."""
+    from edm2_jax import integrity, rundir
+    d = workdir / "checkpoints" / str(step)
+    state = rundir.restore_numpy(str(d / rundir.STATE_ITEM))
+    integrity.check(rundir.step_record(str(d)), integrity.digest_tree_numpy(state),
+                    f"checkpoint {step}")
+    return state
+
+
+def flip_bytes(item: Path, rnd: random.Random, tries: int = 20) -> int:
+    """Invert 16 bytes at a random place in the middle 90% of the largest array data file
+    of the Orbax item `item`, at a place some value depends on: a flip that still reads
+    back (unchecked) the same values, e.g. in an unreferenced tail of the append-only
+    OCDBT file, is undone and another place is tried. Returns the tries it took."""
+    from edm2_jax import rundir
+    files = [p for p in item.rglob("*") if p.is_file() and p.parent.name == "d"
+             and "ocdbt.process" in str(p)]
+    path = max(files, key=lambda p: p.stat().st_size)
+    before = rundir.restore_numpy(str(item))
+    original = path.read_bytes()
+    for attempt in range(1, tries + 1):
+        b = bytearray(original)
+        at = rnd.randrange(len(b) // 20, max(len(b) // 20 + 1, len(b) * 19 // 20 - 16))
+        for i in range(at, min(at + 16, len(b))):
+            b[i] ^= 0xFF
+        path.write_bytes(bytes(b))
+        try:
+            if not equal(rundir.restore_numpy(str(item)), before):
+                return attempt
+        except Exception:  # noqa: BLE001 - unreadable is a real corruption too
+            return attempt
+        path.write_bytes(original)
+    raise RuntimeError(f"no flip in {path} changed a value in {tries} tries")
 
 
 def restore_snapshot(workdir: Path, step: int):
@@ -122,12 +170,14 @@ def equal(a, b) -> bool:
             and all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
 
 
-def check_restorable(workdir: Path) -> tuple[list[str], list[int], list[int]]:
-    """(problems, complete checkpoint steps, complete snapshot steps) of a stopped run."""
+def check_restorable(workdir: Path, skip: int | None = None
+                     ) -> tuple[list[str], list[int], list[int]]:
+    """(problems, complete checkpoint steps, complete snapshot steps) of a stopped run;
+    checkpoint `skip` (flipped on purpose, not yet set aside) is not checked."""
     problems = []
     ckpts, snaps = complete_steps(workdir, "checkpoints"), complete_steps(workdir, "snapshots")
     # An older checkpoint than the newest KEEP may be one whose deletion was cut short.
-    for step in ckpts[-KEEP:]:
+    for step in [s for s in ckpts[-KEEP:] if s != skip]:
         try:
             restore_state(workdir, step)
         except Exception as e:  # noqa: BLE001 - any failure is a corrupt checkpoint
@@ -140,6 +190,102 @@ def check_restorable(workdir: Path) -> tuple[list[str], list[int], list[int]]:
     return problems, ckpts, snaps
 
 
+def integrity_cost(config_arg: str, root: Path, repeats: int, step_time: bool) -> dict:
+    """Seconds of the integrity checks on save and restore of `config_arg`'s train
+    state (module doc); the medians of `repeats` alternated measurements."""
+    import statistics
+
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from ml_collections import config_flags  # noqa: F401 (config files import it)
+
+    from edm2_jax import integrity, rundir, train
+    path, _, variant = config_arg.partition(":")
+    spec = __import__("importlib.util").util.spec_from_file_location("cfg", REPO / path)
+    module = __import__("importlib.util").util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(*([variant] if variant else []))
+    model = train.setup_model(config)
+    init = jax.jit(lambda r: train.init_train_state(config, model.net, model.tx, r),
+                   out_shardings=model.state_sharding)
+    state = jax.block_until_ready(init(jax.random.PRNGKey(0)))
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+
+    def timed(fn):
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    integrity.digest_tree(state)  # compile
+    t_digest, t_save, t_save0, t_rest, t_rest0 = [], [], [], [], []
+    for i in range(repeats):
+        t_digest.append(timed(lambda: integrity.digest_tree(state)))
+        for ours in (True, False) if i % 2 == 0 else (False, True):
+            d = root / f"cost-{i}-{ours}"
+            shutil.rmtree(d, ignore_errors=True)
+            if ours:
+                def save():
+                    m = rundir.TrainCheckpoints(str(d), keep=1)
+                    m.save_state(1, state)
+                    m.close()
+                t_save.append(timed(save))
+                def restore():
+                    m = rundir.TrainCheckpoints(str(d), keep=1)
+                    jax.block_until_ready(m.restore_latest(model.abstract_state,
+                                                           model.state_sharding))
+                    m.close()
+                t_rest.append(timed(restore))
+            else:
+                def save0():
+                    m = ocp.CheckpointManager(d / "checkpoints", item_handlers=ocp.StandardCheckpointHandler(),
+                                              options=ocp.CheckpointManagerOptions(create=True))
+                    m.save(1, args=ocp.args.StandardSave(state))
+                    m.wait_until_finished()
+                    m.close()
+                t_save0.append(timed(save0))
+                target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                      model.abstract_state, model.state_sharding)
+                def restore0():
+                    m = ocp.CheckpointManager(d / "checkpoints", item_handlers=ocp.StandardCheckpointHandler(),
+                                              options=ocp.CheckpointManagerOptions(create=False))
+                    jax.block_until_ready(m.restore(1, args=ocp.args.StandardRestore(target)))
+                    m.close()
+                t_rest0.append(timed(restore0))
+            shutil.rmtree(d, ignore_errors=True)
+    med = statistics.median
+    out = {"config": config_arg, "elements": n, "state_bytes": nbytes,
+           "digest_s": med(t_digest), "digest_GBps": nbytes / med(t_digest) / 1e9,
+           "save_s": med(t_save), "save_orbax_only_s": med(t_save0),
+           "restore_s": med(t_rest), "restore_orbax_only_s": med(t_rest0),
+           "repeats": repeats, "backend": jax.default_backend(),
+           "devices": jax.device_count()}
+    if step_time:
+        step = train.jit_train_step(train.make_train_step(config, model.net, model.tx,
+                                                          model.num_accum),
+                                    model.mesh, model.state_sharding)
+        b = int(config.batch_size)
+        net = config.network
+        batch = {"image": np.random.default_rng(0).uniform(
+                     -1, 1, (b, net.img_resolution, net.img_resolution, net.img_channels)
+                 ).astype(np.float32),
+                 "label": np.eye(max(net.label_dim, 1), dtype=np.float32)[
+                     np.arange(b) % max(net.label_dim, 1)][:, :net.label_dim]}
+        state, _ = step(state, batch)  # compile
+        times = []
+        for _ in range(max(3, repeats)):
+            t = time.perf_counter()
+            state, m = step(state, batch)
+            jax.block_until_ready(m)
+            times.append(time.perf_counter() - t)
+        steps_per_ckpt = max(1, round(float(config.checkpoint_kimg) * 1000 / b))
+        out.update(step_s=med(times), steps_per_checkpoint=steps_per_ckpt,
+                   digest_pct_of_step=100 * med(t_digest) / med(times),
+                   digest_pct_per_step_amortised=100 * med(t_digest) / (med(times) * steps_per_ckpt))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", required=True, help="scratch directory (emptied first)")
@@ -147,8 +293,24 @@ def main():
     ap.add_argument("--steps", type=int, default=160, help="training steps of the run")
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     ap.add_argument("--cache", default="", help="XLA compilation cache dir (default: in workdir)")
+    ap.add_argument("--p_flip", type=float, default=0.5,
+                    help="probability of a byte flip after each kill")
+    ap.add_argument("--p_concurrent", type=float, default=0.25,
+                    help="probability of a second trainer started during training")
     ap.add_argument("--json", default="", help="also write the summary here")
+    ap.add_argument("--cost", default="", help="CONFIG[:variant]: measure the integrity "
+                    "checks' cost on save/restore of its train state instead (module doc)")
+    ap.add_argument("--repeats", type=int, default=3, help="--cost: measurements per kind")
+    ap.add_argument("--step_time", type=int, default=1, help="--cost: also time one step")
     args = ap.parse_args()
+    if args.cost:
+        root = Path(args.workdir).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        res = integrity_cost(args.cost, root, args.repeats, bool(args.step_time))
+        print(json.dumps(res, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        return
     from absl import logging
     logging.set_verbosity(logging.ERROR)  # Orbax's notes on read-only managers
 
@@ -183,8 +345,14 @@ def main():
     events, problems = [], []
     best_ckpt, seen_snaps = 0, set()
     kills = restarts = 0
+    flips = {"checkpoint": 0, "snapshot": 0}
+    concurrent = silent = 0
+    flip_tries: list[int] = []  # per flip: places tried until one changed a value
+    flipped_ckpt = None  # the checkpoint step flipped before this restart
     while True:
         expect = complete_steps(work, "checkpoints")
+        if flipped_ckpt is not None:
+            expect = [s for s in expect if s < flipped_ckpt]
         run = Run(work, overrides, cache)
         restarts += 1
         if kills >= args.kills:  # the final, uninterrupted run
@@ -192,6 +360,11 @@ def main():
             run.wait_for("\0", 5)
             if rc != 0:
                 problems.append(f"final run failed (rc {rc}): {run.log()[-2000:]}")
+            resumed = re.search(r"(Resuming|Starting) in .* at step (\d+),", run.log())
+            if flipped_ckpt is not None and (not resumed or int(resumed.group(2)) == flipped_ckpt):
+                silent += 1
+                problems.append(f"final run: flipped checkpoint {flipped_ckpt} was not set "
+                                f"aside (silent corruption)")
             break
         sig = rnd.choice([signal.SIGKILL, signal.SIGTERM])
         in_startup = rnd.random() < 0.25
@@ -208,6 +381,21 @@ def main():
             # About `chunk` steps per attempt, so that the kills spread over the run.
             m = re.search(r"at step (\d+),", run.log())
             remaining = args.steps - (int(m.group(1)) if m else 0)
+            # A second trainer on the same workdir, while the first has a start-up's
+            # worth of steps to go (the second takes its lock before loading any data).
+            if rnd.random() < args.p_concurrent and remaining * sec_per_step > startup_s:
+                second = Run(work, overrides, cache)
+                try:
+                    rc2 = second.proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    second.proc.kill()
+                    rc2 = second.proc.wait()
+                second.wait_for("\0", 5)
+                if run.proc.poll() is None or rc2 == 1:  # they did overlap
+                    concurrent += 1
+                    if rc2 != 1 or "in use by another training process" not in second.log():
+                        problems.append(f"concurrent start {concurrent}: the second trainer "
+                                        f"exited {rc2}: {second.log()[-1500:]}")
             time.sleep(rnd.uniform(0, min(2 * chunk, 0.8 * remaining) * sec_per_step))
             when = "training"
         if run.proc.poll() is not None:  # finished before the kill: the run is done
@@ -227,8 +415,17 @@ def main():
         if resumed and int(resumed.group(2)) != (expect[-1] if expect else 0):
             problems.append(f"restart {restarts} resumed at step {resumed.group(2)}, newest "
                             f"complete checkpoint was {expect[-1] if expect else None}")
+        if flipped_ckpt is not None and resumed:  # the restart has read the flipped one
+            if int(resumed.group(2)) == flipped_ckpt:
+                silent += 1
+                problems.append(f"restart {restarts}: flipped checkpoint {flipped_ckpt} was "
+                                f"restored (silent corruption)")
+            flipped_ckpt = None
+        elif flipped_ckpt is not None and list((work / "checkpoints").glob(
+                f"{flipped_ckpt}.corrupt*")):
+            flipped_ckpt = None  # set aside by a restart killed before it resumed
         stopped = re.search(r"Stopped by signal 15 .* at step (\d+), .*; checkpoint", log)
-        bad, ckpts, snaps = check_restorable(work)
+        bad, ckpts, snaps = check_restorable(work, skip=flipped_ckpt)
         problems += [f"kill {kills}: {b}" for b in bad]
         if ckpts and ckpts[-1] < best_ckpt or not ckpts and best_ckpt:
             problems.append(f"kill {kills}: newest checkpoint {ckpts[-1:]} < {best_ckpt} (lost)")
@@ -241,7 +438,41 @@ def main():
             elif stopped and int(stopped.group(1)) not in ckpts:
                 problems.append(f"kill {kills}: stopped at step {stopped.group(1)} but no "
                                 f"checkpoint there")
+        flip = None
+        if rnd.random() < args.p_flip:
+            # A checkpoint only when there is one before it (a run whose only checkpoint
+            # is corrupt stops with NoCheckpointError, by design) and none is pending.
+            flip = "checkpoint" if len(ckpts) >= 2 and (not snaps or rnd.random() < 0.6) \
+                else "snapshot"
+            if flip == "snapshot" and not snaps:
+                flip = None
+            if flip == "checkpoint" and flipped_ckpt is not None:
+                flip = "snapshot" if snaps else None  # one flipped checkpoint at a time
+        if flip:
+            flips[flip] += 1
+            if flip == "checkpoint":  # the restart must set it aside and go one back
+                flipped_ckpt = ckpts[-1]
+                flip_tries.append(flip_bytes(work / "checkpoints" / str(ckpts[-1]) / "default",
+                                             rnd))
+                best_ckpt = max([0, *(c for c in ckpts if c < ckpts[-1])])
+            else:  # its readers must refuse it; then the bytes are put back
+                step = rnd.choice(snaps)
+                item = work / "snapshots" / str(step) / "ema"
+                saved = {p: p.read_bytes() for p in item.rglob("*") if p.is_file()}
+                flip_tries.append(flip_bytes(item, rnd))
+                try:
+                    restore_snapshot(work, step)
+                    silent += 1
+                    problems.append(f"kill {kills}: flipped snapshot {step} read without "
+                                    f"an error (silent corruption)")
+                except Exception as e:  # noqa: BLE001 - only IntegrityError is right
+                    if type(e).__name__ != "IntegrityError":
+                        problems.append(f"kill {kills}: flipped snapshot {step}: "
+                                        f"{type(e).__name__}: {str(e)[:200]}")
+                for p, b in saved.items():
+                    p.write_bytes(b)
         events.append({"kill": kills, "signal": signal.Signals(sig).name, "phase": when,
+                       "flip": flip,
                        "rc": rc, "resumed_at": int(resumed.group(2)) if resumed else None,
                        "stopped_at": int(stopped.group(1)) if stopped else None,
                        "checkpoints": ckpts, "snapshots": snaps,
@@ -267,7 +498,11 @@ def main():
     if kills < args.kills:
         problems.append(f"only {kills} of {args.kills} kills happened")
     summary = {
+        "faults": kills + sum(flips.values()) + concurrent,
         "kills": kills, "sigkill": sum(e.get("signal") == "SIGKILL" for e in events),
+        "byte_flips_checkpoint": flips["checkpoint"], "byte_flips_snapshot": flips["snapshot"],
+        "flip_tries": flip_tries,
+        "concurrent_starts": concurrent, "silent_corruptions": silent,
         "sigterm": sum(e.get("signal") == "SIGTERM" for e in events),
         "during_startup": sum(e.get("phase") == "start-up" for e in events),
         "restarts": restarts, "steps": args.steps,
