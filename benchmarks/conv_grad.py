@@ -3,11 +3,13 @@
     python benchmarks/conv_grad.py --config=configs/fashion_mnist.py --rounds=3
 
 `edm2_jax.mp.conv2d_same` computes the weight gradient of a 3x3 convolution on the CPU
-backend either with XLA's own filter-gradient convolution (`xla`, the default) or with a
-custom VJP of shifted matmuls (`matmul`); both are the same math. Which one is faster
-depends on the CPU and the jaxlib, so this times the whole training step
-(`benchmarks/train_throughput.py`) under `EDM2_JAX_CPU_CONV_GRAD=xla` and `=matmul`,
-alternating the two in fresh processes, and prints the medians and the setting to use.
+backend with XLA's own filter-gradient convolution on operands relaid out outside XLA's
+fusions (`relayout`, the default), with plain autodiff (`xla`: the same convolution,
+relayouts fused with their producers) or with a custom VJP of shifted matmuls
+(`matmul`); all are the same math. Which one is faster depends on the CPU and the
+jaxlib, so this times the whole training step (`benchmarks/train_throughput.py`) under
+each `EDM2_JAX_CPU_CONV_GRAD` value, alternating them in fresh processes, and prints the
+medians and the setting to use.
 """
 from __future__ import annotations
 
@@ -39,15 +41,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    res = {"xla": [], "matmul": []}
+    res = {"relayout": [], "xla": [], "matmul": []}
     for r in range(args.rounds):
         for mode in res:
             res[mode].append(run(mode, args))
             print(f"round {r} {mode}: {res[mode][-1]:.1f} img/s", flush=True)
     med = {m: statistics.median(v) for m, v in res.items()}
     best = max(med, key=med.get)
-    print(f"median img/s: xla {med['xla']:.1f}, matmul {med['matmul']:.1f} -> "
-          f"export EDM2_JAX_CPU_CONV_GRAD={best}  ({max(med.values()) / min(med.values()):.2f}x)")
+    print("median img/s: " + ", ".join(f"{m} {v:.1f}" for m, v in med.items())
+          + f" -> export EDM2_JAX_CPU_CONV_GRAD={best}"
+          f"  ({med[best] / min(med.values()):.2f}x the slowest)")
 
 
 if __name__ == "__main__":

@@ -113,8 +113,7 @@ def _conv_cpu_fwd(x, w):
 
 
 def _conv_cpu_bwd(res, dy):
-    # XLA:CPU's filter-gradient convolution is ~4x slower than the forward; the same
-    # gradient as kh*kw shifted matmuls runs at matmul speed. Exact same math.
+    # The weight gradient as kh*kw shifted matmuls. Exact same math as XLA's.
     x, w = res
     kh, kw, ci, co = w.shape
     n, h, wd, _ = x.shape
@@ -131,23 +130,61 @@ def _conv_cpu_bwd(res, dy):
 _conv_cpu.defvjp(_conv_cpu_fwd, _conv_cpu_bwd)
 
 
-# How 3x3 convolutions get their weight gradient on the CPU backend: 'xla' (XLA's own
-# filter-gradient convolution) or 'matmul' (the custom VJP above). Which is faster
-# depends on the CPU and the jaxlib: measure with `python benchmarks/conv_grad.py`.
-# Measured on an AMD EPYC (2 cores, jaxlib 0.10.2): 'xla' trains the Fashion-MNIST net
-# 1.25x faster (the shifted slices cost more than XLA's layout transposes); an older
-# jaxlib on another machine measured 'matmul' 3.6x faster per convolution.
+@jax.custom_vjp
+def _conv_cpu_relayout(x: Array, w: Array) -> Array:
+    return _xla_conv(x, w)
+
+
+def _conv_cpu_relayout_bwd(res, dy):
+    # XLA's own filter-gradient convolution, i.e. the same kernels and the same float32
+    # sums as plain autodiff, with its operands relaid out up front. XLA:CPU computes the
+    # weight gradient as a convolution whose contraction runs over the batch, so it copies
+    # x to [C_in, H, W, N] and dy to [H, W, N, C_out]. Left to itself it fuses those
+    # copies with the elementwise ops that produced x and dy (MP-SiLU, scaling, mp_sum),
+    # and a fused transpose is emitted as a plain loop that reads its inputs with a
+    # stride of H*W*C: 5-10x slower than copying the materialised array. A `cond` is a
+    # fusion boundary XLA keeps (`optimization_barrier` is gone before fusion on CPU); its
+    # predicate is traced and both branches are the same function, so the value is
+    # unchanged whatever it reads. Measured in benchmarks/README.md ("relayout").
+    x, w = res
+    kh, kw, _, _ = w.shape
+
+    def relayout(x, dy):
+        return jnp.transpose(x, (3, 1, 2, 0)), jnp.transpose(dy.astype(x.dtype), (1, 2, 0, 3))
+
+    xt, dyt = jax.lax.cond(jnp.isfinite(w[0, 0, 0, 0]), relayout, relayout, x, dy)
+    dw = jax.lax.conv_general_dilated(
+        xt, dyt, window_strides=(1, 1), padding=((kh // 2, kh // 2), (kw // 2, kw // 2)),
+        dimension_numbers=("NHWC", "HWIO", "NHWC"), preferred_element_type=jnp.float32)
+    dw = jnp.transpose(dw, (1, 2, 0, 3))  # [C_in, kh, kw, C_out] -> HWIO
+    dx = jax.vjp(lambda x_: _xla_conv(x_, w).astype(dy.dtype), x)[1](dy)[0]
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_conv_cpu_relayout.defvjp(_conv_cpu_fwd, _conv_cpu_relayout_bwd)
+
+
+# How 3x3 convolutions get their weight gradient on the CPU backend:
+#   'relayout' (default): XLA's own filter-gradient convolution on operands copied to
+#       its layout outside any fusion (the custom VJP above);
+#   'xla': plain autodiff, XLA's filter-gradient convolution with the relayouts fused;
+#   'matmul': the shifted-matmul custom VJP.
+# All three are the same math. Which is fastest depends on the CPU and the jaxlib:
+# measure with `python benchmarks/conv_grad.py`. On an AMD EPYC (2 cores, jaxlib
+# 0.10.2) the fashion_mnist step takes relayout < xla < matmul (benchmarks/README.md);
+# an older jaxlib on another machine measured 'matmul' 3.6x faster per convolution.
 CPU_CONV_GRAD_ENV = "EDM2_JAX_CPU_CONV_GRAD"
-_CPU_CONV_GRADS = ("xla", "matmul")
+_CPU_CONV_GRADS = ("relayout", "xla", "matmul")
 
 
 def cpu_conv_grad() -> str:
-    """The CPU weight-gradient path in force: `$EDM2_JAX_CPU_CONV_GRAD` or 'xla'.
+    """The CPU weight-gradient path in force: `$EDM2_JAX_CPU_CONV_GRAD` or 'relayout'.
 
-    Read when a network is traced. Raises ValueError for a value other than 'xla' or
-    'matmul' (both are the same math; they differ in float32 summation order only).
+    Read when a network is traced. Raises ValueError for a value other than
+    'relayout', 'xla' or 'matmul' (the same math; 'relayout' and 'xla' run the same
+    convolution, 'matmul' differs from them in float32 summation order only).
     """
-    mode = os.environ.get(CPU_CONV_GRAD_ENV, "xla") or "xla"
+    mode = os.environ.get(CPU_CONV_GRAD_ENV, "relayout") or "relayout"
     if mode not in _CPU_CONV_GRADS:
         raise ValueError(f"{CPU_CONV_GRAD_ENV}={mode!r}: expected one of {_CPU_CONV_GRADS} "
                          "(python benchmarks/conv_grad.py says which is faster here)")
@@ -157,15 +194,19 @@ def cpu_conv_grad() -> str:
 def conv2d_same(x: Array, w: Array) -> Array:
     """NHWC x HWIO convolution, stride 1, 'same' zero padding, float32 output.
 
-    1x1 kernels are matmuls. On the CPU backend with `cpu_conv_grad() == 'matmul'`
-    larger kernels use a custom VJP whose weight gradient is computed as shifted
-    matmuls (identical math); otherwise XLA's convolution and its own gradient.
+    1x1 kernels are matmuls. On the CPU backend the weight gradient of larger kernels
+    takes the path `cpu_conv_grad()` names (identical math, see above); on other
+    backends XLA's convolution and its own gradient.
     """
     kh, kw, ci, co = w.shape
     if kh == kw == 1:
         return jnp.matmul(x, w.reshape(ci, co), preferred_element_type=jnp.float32)
-    if jax.default_backend() == "cpu" and cpu_conv_grad() == "matmul":
-        return _conv_cpu(x, w)
+    if jax.default_backend() == "cpu":
+        mode = cpu_conv_grad()
+        if mode == "matmul":
+            return _conv_cpu(x, w)
+        if mode == "relayout":
+            return _conv_cpu_relayout(x, w)
     return _xla_conv(x, w)
 
 

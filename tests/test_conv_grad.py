@@ -1,11 +1,13 @@
-"""The two CPU weight-gradient paths of `mp.conv2d_same` (XLA's filter-gradient
-convolution and the shifted-matmul custom VJP) compute the same gradients.
+"""The three CPU weight-gradient paths of `mp.conv2d_same` (XLA's filter-gradient
+convolution by autodiff, the same convolution on operands relaid out outside XLA's
+fusions, and the shifted-matmul custom VJP) compute the same gradients.
 
-Both are the exact gradient of a 3x3 'same' convolution; they differ only in the order
+All are the exact gradient of a 3x3 'same' convolution; they differ only in the order
 of the float32 sums (the weight gradient sums N*H*W products per element, the input
 gradient 3*3*C_out). The bound is `reorder_tol(N*H*W*C_in*C_out)` = 1.0e-5 of each
 gradient's scale (tests/tolerances.py; n counts every product of the layer's weight
-gradient, a conservative n). Measured here: dw 6.4e-7, dx 0.
+gradient, a conservative n). Measured here: matmul dw 6.4e-7, dx 0; relayout 0 and 0
+(it runs the very convolution autodiff runs, on the same operands).
 A wrong kernel flip or transposed weight gradient is O(1) off (negative control below).
 """
 import jax
@@ -40,15 +42,34 @@ def test_matmul_vjp_equals_xla_gradient(inputs):
     assert scaled_err(jnp.flip(dw, (0, 1)), dw_ref) > 1000 * tol
 
 
+def test_relayout_vjp_equals_xla_gradient(inputs):
+    x, w = inputs
+    dx_ref, dw_ref = _grads(mp._xla_conv, x, w)
+    dx, dw = _grads(mp._conv_cpu_relayout, x, w)
+    tol = reorder_tol(N * H * H * CI * CO)
+    assert scaled_err(dx, dx_ref) <= tol
+    assert scaled_err(dw, dw_ref) <= tol
+    assert scaled_err(jnp.flip(dw, (0, 1)), dw_ref) > 1000 * tol
+    # A rectangular 5x3 kernel and one output channel: the relayout's padding and the
+    # [C_in, kh, kw, C_out] -> HWIO transpose are per axis.
+    w53 = jax.random.normal(jax.random.PRNGKey(3), (5, 3, CI, 1))
+    dx_ref, dw_ref = _grads(mp._xla_conv, x, w53)
+    dx, dw = _grads(mp._conv_cpu_relayout, x, w53)
+    assert scaled_err(dw, dw_ref) <= tol and scaled_err(dx, dx_ref) <= tol
+
+
 def test_env_selects_the_path(monkeypatch, inputs):
     x, w = inputs
     if jax.default_backend() != "cpu":
         pytest.skip("the switch only applies to the CPU backend")
-    for mode in ("xla", "matmul"):
+    monkeypatch.delenv(mp.CPU_CONV_GRAD_ENV, raising=False)
+    assert mp.cpu_conv_grad() == "relayout"
+    for mode in ("relayout", "xla", "matmul"):
         monkeypatch.setenv(mp.CPU_CONV_GRAD_ENV, mode)
         assert mp.cpu_conv_grad() == mode
         jaxpr = str(jax.make_jaxpr(jax.grad(lambda w: jnp.sum(mp.conv2d_same(x, w))))(w))
         assert ("dot_general" in jaxpr) == (mode == "matmul")  # shifted matmuls
+        assert ("cond" in jaxpr) == (mode == "relayout")  # the fusion boundary
     monkeypatch.setenv(mp.CPU_CONV_GRAD_ENV, "fast")
     with pytest.raises(ValueError, match="EDM2_JAX_CPU_CONV_GRAD"):
         mp.conv2d_same(x, w)
