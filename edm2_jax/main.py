@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 import threading
 import time
@@ -41,7 +42,7 @@ from edm2_jax import convert, evaluate, generate, integrity, phema, rundir, trai
 
 # Errors whose message names the problem and the fix: printed alone, exit status 1.
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError,
-               PermissionError, integrity.IntegrityError, rundir.CheckpointSaveError,
+               PermissionError, pickle.UnpicklingError, integrity.IntegrityError, rundir.CheckpointSaveError,
                rundir.RunLockedError, rundir.NoCheckpointError, rundir.NonFiniteStateError,
                train.NonFiniteLossError)
 EXIT_GRACE_S = 30.0

@@ -112,6 +112,10 @@ def stats_from_source(source, params, num_images: int | None = None, batch_size:
     return stats_from_images(batches(), params, feature_fn)
 
 
+class _ForbiddenGlobal(pickle.UnpicklingError):
+    """A statistics pickle names a class outside `_StatsUnpickler._ALLOWED`."""
+
+
 class _StatsUnpickler(pickle.Unpickler):
     """Reads statistics pickles: containers and numpy arrays only, nothing executable."""
     _ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray",
@@ -125,8 +129,8 @@ class _StatsUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "dnnlib.util" and name == "EasyDict":
             return dict
-        raise pickle.UnpicklingError(f"statistics pickle refers to {module}.{name}; only "
-                                     f"dicts of numpy arrays are read")
+        raise _ForbiddenGlobal(f"statistics pickle refers to {module}.{name}; only dicts of "
+                               f"numpy arrays are read")
 
 
 def _mu_sigma(entry, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -163,6 +167,8 @@ def load_ref_stats(path: str | os.PathLike,
         else:
             with open(path, "rb") as f:
                 data = _StatsUnpickler(f).load()
+    except _ForbiddenGlobal as e:
+        raise _ForbiddenGlobal(f"{path}: {e}") from None
     except (pickle.UnpicklingError, EOFError, OSError, ValueError, TypeError, KeyError,
             IndexError, UnicodeDecodeError, zipfile.BadZipFile) as e:
         raise ValueError(
