@@ -471,7 +471,7 @@ def _cli_env(cache: str) -> dict:
 
 def _quiet(log: str, max_lines: int = 12) -> None:
     """The output of a failed run: no traceback, no Orbax/asyncio noise, a few lines."""
-    lines = [x for x in log.splitlines() if "step/s" not in x and "it/s" not in x and x.strip()]
+    lines = [x for x in log.splitlines() if x.strip() and not re.search(r"\d+%\|", x)]  # no tqdm
     assert "Traceback" not in log and "RuntimeError: Event loop is closed" not in log, log[-3000:]
     assert len(lines) <= max_lines, "\n".join(lines[:40])
 
