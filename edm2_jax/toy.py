@@ -24,8 +24,8 @@ What is here, in data-flow order:
 - `plot_guidance`: samples and score fields of unguided / CFG / autoguidance.
 - `run`: all of it (the CLI and `colabs/toy_2d.ipynb` call this).
 
-    python -m edm2_jax.toy --out=toy_out          # ~1 min on 2 CPU cores
-    python -m edm2_jax.toy --out=/tmp/toy --tiny  # ~15 s, for tests
+    python -m edm2_jax.toy --out=toy_out          # 105 s of CPU time (2 cores: 1-2.6 min)
+    python -m edm2_jax.toy --out=/tmp/toy --tiny  # about a third of that, for tests
 """
 from __future__ import annotations
 
