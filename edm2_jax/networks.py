@@ -261,18 +261,29 @@ class Precond(nn.Module):
             labels = jnp.asarray(labels, jnp.float32).reshape(x.shape[0], self.label_dim)
         else:
             labels = None
-        sd = self.sigma_data
-        s = sigma[:, None, None, None]
-        c_skip = sd**2 / (s**2 + sd**2)
-        c_out = s * sd / jnp.sqrt(s**2 + sd**2)
-        c_in = 1 / jnp.sqrt(sd**2 + s**2)
-        c_noise = jnp.log(sigma) / 4
+        c_skip, c_out, c_in, c_noise = precond_coefficients(sigma, self.sigma_data, x.ndim)
         F_x = self.unet(c_in * x, c_noise, labels, train)
         D_x = c_skip * x + c_out * F_x.astype(jnp.float32)
         if not return_logvar:
             return D_x
         logvar = self.logvar_linear(self.logvar_fourier(c_noise))[:, 0]
         return D_x, logvar
+
+
+def precond_coefficients(sigma: Array, sigma_data: float, ndim: int):
+    """EDM preconditioning coefficients (docs/recipe.md §3; paper Appendix B.6).
+
+    `sigma` `[N]` float32 (> 0) -> `(c_skip, c_out, c_in, c_noise)`: the first three of
+    shape `[N, 1, ..., 1]` with `ndim` axes (to broadcast against an `ndim`-axis input),
+    `c_noise = ln(sigma) / 4` of shape `[N]`. `c_skip = sd^2 / (sigma^2 + sd^2)`,
+    `c_out = sigma sd / sqrt(sigma^2 + sd^2)`, `c_in = 1 / sqrt(sd^2 + sigma^2)`.
+    """
+    sd = sigma_data
+    s = sigma.reshape(sigma.shape + (1,) * (ndim - 1))
+    c_skip = sd**2 / (s**2 + sd**2)
+    c_out = s * sd / jnp.sqrt(s**2 + sd**2)
+    c_in = 1 / jnp.sqrt(sd**2 + s**2)
+    return c_skip, c_out, c_in, jnp.log(sigma) / 4
 
 
 def precond_from_config(net_cfg: Any, dtype: Any = None) -> Precond:

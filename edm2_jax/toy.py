@@ -45,7 +45,7 @@ import numpy as np
 import optax
 
 from edm2_jax import ema as ema_lib
-from edm2_jax import mp, sampling
+from edm2_jax import mp, networks, sampling
 
 Array = jax.Array
 
@@ -235,11 +235,8 @@ class ToyDenoiser(nn.Module):
     def __call__(self, x: Array, sigma: Array, labels: Array | None = None) -> Array:
         x = jnp.asarray(x, jnp.float32)
         sigma = _broadcast_sigma(sigma, x)
-        sd, s = self.sigma_data, sigma[:, None]
-        c_skip = sd**2 / (s**2 + sd**2)
-        c_out = s * sd / jnp.sqrt(s**2 + sd**2)
-        c_in = 1 / jnp.sqrt(sd**2 + s**2)
-        c_noise = jnp.log(sigma) / 4
+        c_skip, c_out, c_in, c_noise = networks.precond_coefficients(
+            sigma, self.sigma_data, x.ndim)
 
         emb = mp.MPConv(self.noise_channels, self.hidden, name="emb_noise")(
             mp.MPFourier(self.noise_channels, name="emb_fourier")(c_noise))
