@@ -19,7 +19,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.network = ml_collections.ConfigDict(dict(
         img_resolution=32, img_channels=1, label_dim=10, model_channels=32,
         channel_mult=(1, 2, 2), num_blocks=1, attn_resolutions=(8,), dropout=0.0,
-        channels_per_head=64, sigma_data=0.5, logvar_channels=128, dtype="float32"))
+        channels_per_head=64, sigma_data=0.5, logvar_channels=128, dtype="float32",
+        # The paper's ablation (Sec. 2; configs/ablation.py, docs/ablation.md); these
+        # defaults are config G. C->D mp_learned_layers, E->F group_norm, F->G
+        # mp_fixed_layers (networks.py docstring); D->E is optim.forced_wn.
+        mp_learned_layers=True, group_norm=False, mp_fixed_layers=True))
 
     # Loss (docs/recipe.md §4): ln(sigma) ~ N(P_mean, P_std^2).
     c.loss = ml_collections.ConfigDict(dict(P_mean=-0.8, P_std=1.6, sigma_data=0.5))
@@ -27,7 +31,11 @@ def base_config() -> ml_collections.ConfigDict:
     # Optimiser: Adam + inverse-sqrt decay after t_ref batches, linear ramp-up.
     c.optim = ml_collections.ConfigDict(dict(
         ref_lr=0.0120, t_ref=35000, rampup_kimg=10_000.0,  # 10 Mimg = 1e7 images, as the release
-        beta1=0.9, beta2=0.99, eps=1e-8, grad_clip=0.0))  # grad_clip 0 = off
+        beta1=0.9, beta2=0.99, eps=1e-8, grad_clip=0.0,  # grad_clip 0 = off
+        # D->E of the paper's ablation (Sec. 2.3): forced weight normalisation of the
+        # stored weights before every step (Eq. 66); False = plain Adam on unnormalised
+        # weights (config D, with t_ref=0: no learning-rate decay).
+        forced_wn=True))
 
     # EMA (docs/recipe.md §5): power-function EMAs by sigma_rel; traditional EMA off if 0.
     c.ema = ml_collections.ConfigDict(dict(
@@ -43,9 +51,11 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.batch_size = 2048          # global batch (images per optimiser step)
     c.batch_per_device = 0       # micro-batch per device; 0 = no gradient accumulation
-    c.total_kimg = 2**30 / 1000    # kimg (floats throughout)
-    c.status_kimg = 128.0
-    c.checkpoint_kimg = 128 * 2**10 / 1000
+    # Durations in kimg (floats throughout), the release's defaults in its binary units:
+    # status every 128Ki images, EMA snapshots every 8Mi, full checkpoints every 128Mi.
+    c.total_kimg = 2**30 / 1000
+    c.status_kimg = 128 * 2**10 / 1000
+    c.checkpoint_kimg = 128 * 2**20 / 1000
     c.snapshot_kimg = 8 * 2**20 / 1000
     c.keep_checkpoints = 3
     # Resuming (rundir.TrainCheckpoints.restore_latest): resume_step N > 0 resumes from
@@ -60,15 +70,29 @@ def base_config() -> ml_collections.ConfigDict:
     # devices. May change between restarts (checkpoints are resharded on restore).
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
 
-    c.sample = ml_collections.ConfigDict(dict(num_steps=32, grid_rows=8, grid_cols=8, seed=0))
+    # Training-dynamics diagnostics (diagnostics.py), every status interval on a fixed
+    # probe batch of probe_images training images x each of `sigmas`: activation RMS of
+    # every block at act_sigmas (a subset of sigmas), weight RMS and effective learning
+    # rate of every layer, loss and logvar per sigma; logged as diag/* to stats.jsonl and
+    # TensorBoard; `python -m edm2_jax.diagnostics WORKDIR` plots them.
+    c.diagnostics = ml_collections.ConfigDict(dict(
+        enabled=False, probe_images=8, seed=0,
+        sigmas=(0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0), act_sigmas=(0.1, 1.0, 10.0)))
+
+
+    # Sample grids; rng: per-seed noise and labels from JAX keys ('jax') or drawn as the
+    # release's per-seed torch generator draws them ('release', sampling.sample_images).
+    c.sample = ml_collections.ConfigDict(dict(num_steps=32, grid_rows=8, grid_cols=8, seed=0,
+                                              rng="jax"))
 
     # Evaluation during training (evaluate.TrainingEval): metrics '' = off, 'cls'
-    # (classifier FD/KID/precision/recall; labelled data), 'fid' or 'cls,fid', of
-    # num_images images of the sigma_rel EMA (0 = largest tracked) at every snapshot,
-    # logged to stats.jsonl / TensorBoard as eval/<metric>.
+    # (classifier FD/KID/precision/recall; labelled data), 'fid', 'fd_dinov2' (DINOv2
+    # ViT-L/14 weights file in `dinov2`) or a comma list, of num_images images of the
+    # sigma_rel EMA (0 = largest tracked) at every snapshot, logged to stats.jsonl /
+    # TensorBoard as eval/<metric>.
     c.eval = ml_collections.ConfigDict(dict(
         metrics="", num_images=1000, sigma_rel=0.0, num_steps=32, batch_size=100, seed=0,
-        ref_split="test", classifier_epochs=3, classifier_batch_size=128))
+        ref_split="test", classifier_epochs=3, classifier_batch_size=128, dinov2=""))
     return c
 
 
@@ -104,11 +128,26 @@ def validate(c: ml_collections.ConfigDict) -> None:
          and all(0 < float(s) <= ema.SIGMA_REL_MAX for s in c.ema.sigma_rels),
          "ema.sigma_rels", f"one or more EMA widths in (0, {ema.SIGMA_REL_MAX:.3f}], e.g. "
          f"(0.05, 0.10)")
-    for f in ("optim.ref_lr", "optim.t_ref"):
-        v = number(f)
-        need(v is not None and v > 0, f, "must be positive")
+    v = number("optim.ref_lr")
+    need(v is not None and v > 0, "optim.ref_lr", "must be positive")
+    v = number("optim.t_ref")
+    need(v is not None and v >= 0, "optim.t_ref",
+         "a number of batches >= 0 (0 = no learning-rate decay)")
+    need(not (c.optim.get("forced_wn", True) and not c.network.get("mp_learned_layers", True)),
+         "optim.forced_wn", "forced weight normalisation needs magnitude-preserving learned "
+         "layers: with network.mp_learned_layers=False (config C) set optim.forced_wn=False, "
+         "or it would reset every standard layer's weight to norm sqrt(fan_in)")
+    d = c.get("diagnostics")
+    if d is not None and d.enabled:
+        need(isinstance(d.probe_images, int) and d.probe_images > 0, "diagnostics.probe_images",
+             "a positive number of images, e.g. 8")
+        need(len(d.sigmas) > 0 and all(float(s) > 0 for s in d.sigmas), "diagnostics.sigmas",
+             "one or more positive noise levels")
+        need(set(map(float, d.act_sigmas)) <= set(map(float, d.sigmas)), "diagnostics.act_sigmas",
+             f"must be among diagnostics.sigmas {tuple(d.sigmas)}")
     v = number("optim.grad_clip")
     need(v is not None and v >= 0, "optim.grad_clip", "must be >= 0 (0 = off)")
+    need(str(c.sample.rng) in ("jax", "release"), "sample.rng", "'jax' or 'release'")
     need(str(c.network.dtype) in ("float32", "bfloat16", "float16"), "network.dtype",
          "one of float32, bfloat16, float16")
 

@@ -32,6 +32,8 @@ Command line: `python -m edm2_jax.main --mode=convert --src=FILE --workdir=DIR`.
 """
 from __future__ import annotations
 
+import functools
+import json
 import math
 import os
 import pickle
@@ -307,6 +309,8 @@ def _select_network(obj, path: str, key: str = "") -> tuple[Any, str] | None:
 def _looks_like_precond(obj) -> bool:
     if isinstance(obj, Mapping):
         return any(str(k).startswith(("unet.", "module.unet.")) for k in obj)
+    if _is_export(obj):
+        return True
     state = _module_state(obj)
     return state is not None and "unet" in (state.get("_modules") or {})
 
@@ -316,6 +320,12 @@ def _strip_prefixes(sd: dict) -> dict:
         if sd and all(k.startswith(prefix) for k in sd):
             sd = {k[len(prefix):]: v for k, v in sd.items()}
     return sd
+
+
+def _is_export(obj) -> bool:
+    """A Precond written by `release_state.export_network_pickle` (its state holds the
+    constructor arguments and the state dict)."""
+    return isinstance(obj, PersistentObject) and "edm2_jax_state_dict" in obj.state
 
 
 def _from_loaded(obj, path: str, fmt: str) -> ReleaseWeights:
@@ -330,6 +340,9 @@ def _from_loaded(obj, path: str, fmt: str) -> ReleaseWeights:
     if isinstance(net, Mapping):
         raw, net_kwargs = dict(net), {}
         info["class_name"] = "state_dict"
+    elif _is_export(net):
+        raw, net_kwargs = dict(net.state["edm2_jax_state_dict"]), dict(net.state["edm2_jax_kwargs"])
+        info["class_name"] = net.class_name
     else:
         raw, modules = {}, {}
         _walk_module(net, "", raw, modules)
@@ -534,13 +547,20 @@ def _put(tree: dict, path: tuple, value) -> None:
 
 def expected_variable_shapes(net_config: Mapping) -> dict:
     """`{(collection, *path): shape}` of `Precond(**net_config)`, via `jax.eval_shape`
-    (nothing is allocated)."""
+    (nothing is allocated; cached per config: post-hoc EMA converts one pickle per
+    snapshot, all of the same network)."""
+    cfg = {k: v for k, v in dict(net_config).items() if k != "dtype"}  # shapes do not depend on it
+    return dict(_expected_shapes(json.dumps(cfg, sort_keys=True)))
+
+
+@functools.lru_cache(maxsize=8)
+def _expected_shapes(net_config_json: str) -> tuple:
     import jax
     from edm2_jax.networks import init_variables, precond_from_config
 
-    net = precond_from_config(dict(net_config))
+    net = precond_from_config(json.loads(net_config_json))
     shapes = jax.eval_shape(lambda r: init_variables(net, r), jax.random.PRNGKey(0))
-    return {path: tuple(leaf.shape) for path, leaf in _flatten(shapes).items()}
+    return tuple((path, tuple(leaf.shape)) for path, leaf in _flatten(shapes).items())
 
 
 def _fmt(shape) -> str:

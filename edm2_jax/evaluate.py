@@ -7,10 +7,24 @@
         --config=configs/fashion_mnist.py
     # An image folder instead of a network:
     python -m edm2_jax.main --mode=eval --images=out/ --ref=img64.pkl
+    # FD_DINOv2 (and FID) against the release's img512 statistics:
+    python -m edm2_jax.main --mode=eval --images=out/ --metrics=fid,fd_dinov2 \
+        --ref=img512.pkl --dinov2=dinov2_vitl14_pretrain.pth
+    # Reference statistics of a dataset in the release's .pkl format (both metrics):
+    python -m edm2_jax.main --mode=ref --images=imagenet512/ --ref=img512.pkl \
+        --metrics=fid,fd_dinov2 --dinov2=dinov2_vitl14_pretrain.pth
+    # Autoguidance, the seeds of the release's FID protocol:
+    python -m edm2_jax.main --mode=eval --net=nets/img64-s --guide=nets/img64-xs \
+        --guidance=1.4 --seeds=0-49999 --ref=img64.pkl
+    # An image folder instead of a network (a random subset of 50000 when it holds more,
+    # the same files as the release's `calculate_metrics.py --seed=0` picks):
+    python -m edm2_jax.main --mode=eval --images=out/ --ref=img64.pkl --subset_seed=0
 
 Metric names: `fid` (reported as `fid{N}` when N != 50000 — an FID of fewer images is
-biased upward and is never to be compared with FID-50k), `cls` (`fd_cls`, `kid_cls`,
-`precision_cls`, `recall_cls` in the classifier's penultimate features; never FID).
+biased upward and is never to be compared with FID-50k), `fd_dinov2` (FD_DINOv2, the
+Frechet distance in DINOv2 ViT-L/14 features, `metrics.dinov2`; `fd_dinov2{N}` likewise;
+needs the weights file, `--dinov2=PATH`), `cls` (`fd_cls`, `kid_cls`, `precision_cls`,
+`recall_cls` in the classifier's penultimate features; never FID).
 """
 from __future__ import annotations
 
@@ -24,35 +38,79 @@ import numpy as np
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 
 
-def folder_images(path: str, num_images: int, batch_size: int = 64) -> Iterator[np.ndarray]:
-    """uint8 NHWC batches of the first `num_images` images (sorted, recursive) of a folder.
+def folder_subset(path: str, num_images: int, seed: int = 0) -> list[str]:
+    """The image files of a folder (recursive; `IMAGE_SUFFIXES`) that an evaluation of
+    `num_images` of them uses, in sorted order: all of them when there are exactly
+    `num_images`, else the release's seeded random subset (`calculate_metrics.py --seed`:
+    the sorted file list indexed by the sorted first `num_images` entries of
+    `np.random.RandomState(seed mod 2^31).permutation(count)`).
 
     Raises ValueError when the folder holds fewer than `num_images` images.
     """
-    import PIL.Image
-    files = sorted(os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs
-                   if f.lower().endswith(IMAGE_SUFFIXES))
+    files = sorted(os.path.relpath(os.path.join(r, f), path) for r, _, fs in os.walk(path)
+                   for f in fs if f.lower().endswith(IMAGE_SUFFIXES))
     if len(files) < num_images:
         raise ValueError(f"{path} holds {len(files)} images, fewer than --num_images="
                          f"{num_images}; generate more or lower --num_images")
+    idx = np.arange(len(files))
+    if len(files) > num_images:
+        idx = np.sort(np.random.RandomState(seed % (1 << 31)).permutation(len(files))[:num_images])
+    return [os.path.join(path, files[i]) for i in idx]
+
+
+def folder_images(path: str, num_images: int, batch_size: int = 64,
+                  seed: int = 0) -> Iterator[np.ndarray]:
+    """uint8 NHWC batches of `num_images` images of a folder, the seeded random subset of
+    `folder_subset`. Raises its ValueError."""
+    import PIL.Image
+    files = folder_subset(path, num_images, seed)
     for i in range(0, num_images, batch_size):
         batch = [np.asarray(PIL.Image.open(f)) for f in files[i:i + batch_size]]
         yield np.stack([b[..., None] if b.ndim == 2 else b for b in batch])
 
 
-def net_images(net_path: str, num_images: int, batch_size: int = 64, ema: str | None = None,
-               seed0: int = 0, num_steps: int = 32, **gen_kw) -> Iterator[np.ndarray]:
-    """uint8 NHWC batches of `num_images` images generated for seeds `seed0 ...`."""
+def net_images(net_path: str, seeds: Sequence[int], batch_size: int = 64,
+               ema: str | None = None, num_steps: int = 32, guide_path: str | None = None,
+               guide_ema: str | None = None, guidance: float = 1.0,
+               **gen_kw) -> Iterator[np.ndarray]:
+    """uint8 NHWC batches of the images `net_path` generates for `seeds` (guided by
+    `guide_path` with weight `guidance`; `generate.load_guide`); `gen_kw`: the other
+    arguments of `generate.generate_images` (class_idx, sampler settings)."""
     from edm2_jax import generate
     net, variables, desc = generate.load_net(net_path, ema)
-    print(f"Generating {num_images} images from {desc}")
-    for _, imgs in generate.generate_images(net, variables, list(range(seed0, seed0 + num_images)),
-                                            batch_size=batch_size, num_steps=num_steps, **gen_kw):
+    guide = generate.load_guide(guide_path, guide_ema, guidance)
+    print(f"Generating {len(seeds)} images from {desc}")
+    for _, imgs in generate.generate_images(net, variables, list(seeds), batch_size=batch_size,
+                                            num_steps=num_steps, guide=guide, guidance=guidance,
+                                            **gen_kw):
         yield imgs
 
 
 def fid_name(num_images: int) -> str:
     return "fid" if num_images == 50000 else f"fid{num_images}"
+
+
+FD_METRICS = ("fid", "fd_dinov2")  # Frechet distances with reference statistics
+METRICS = FD_METRICS + ("cls",)
+
+
+def metric_key(metric: str, num_images: int) -> str:
+    """The result key of a Frechet-distance metric of `num_images` images: `fid` /
+    `fd_dinov2` for 50,000 (the papers' protocol), else `fid{N}` / `fd_dinov2{N}` (biased
+    upward with fewer images; never compare them with the 50k values)."""
+    return metric if num_images == 50000 else f"{metric}{num_images}"
+
+
+def feature_extractor(metric: str, dinov2: str | None = None):
+    """`(params, feature_fn)` of a Frechet-distance metric, for
+    `metrics.fid.stats_from_images`: Inception-v3 pool_3 for `fid`, DINOv2 ViT-L/14's
+    class token for `fd_dinov2` (weights from `dinov2` or $EDM2_DINOV2_WEIGHTS).
+    Raises FileNotFoundError naming the weights to install / download."""
+    if metric == "fid":
+        from edm2_jax.metrics import inception
+        return inception.load_inception_params(), inception.features_uint8
+    from edm2_jax.metrics import dinov2 as dinov2_lib
+    return dinov2_lib.load_dinov2(dinov2), dinov2_lib.features_uint8
 
 
 class Metrics:
@@ -62,36 +120,47 @@ class Metrics:
     during training, post-hoc EMA sweeps) only pay for the generated images.
 
     Args:
-      names: metric names, any of `fid`, `cls`.
-      num_images: generated images per call (names the FID: `fid{N}`, see `fid_name`).
-      ref: `fid` reference statistics (a release `.pkl` / `.npz` path); None = computed
-        from `num_images` images of `data_config`'s `ref_split` split.
+      names: metric names, any of `fid`, `fd_dinov2`, `cls`.
+      num_images: generated images per call (names the result: `fid{N}`, see `metric_key`).
+      ref: `fid` / `fd_dinov2` reference statistics (a release `.pkl` with both entries, or
+        an `.npz` for `fid`); None = computed from `num_images` images of `data_config`'s
+        `ref_split` split.
+      dinov2: the DINOv2 ViT-L/14 weights file of `fd_dinov2` (`metrics.dinov2`).
       data_config: the data section of a training config (source, path, ...); needed by
         `cls` (a labelled dataset: the classifier trains on its train split once, then is
         cached) and by `fid` without `ref`.
       ref_split: the reference split (`test` by default; `train` for a dataset floor).
       classifier_config: `metrics.classifier.TrainConfig` (None = its defaults).
       log: print progress of the one-off preparation.
-    Raises ValueError for an unknown metric name or when reference data is missing.
+    Raises ValueError for an unknown metric name, when reference data is missing or the
+    reference file lacks a metric's entry; FileNotFoundError without the DINOv2 weights.
     """
 
     def __init__(self, names: Sequence[str], num_images: int, *, ref: str | None = None,
                  data_config: Any = None, ref_split: str = "test",
-                 classifier_config: Any = None, log: bool = True):
+                 classifier_config: Any = None, log: bool = True,
+                 dinov2: str | None = None):
         self.names = [n.strip() for n in names if n.strip()]
-        unknown = sorted(set(self.names) - {"fid", "cls"})
+        unknown = sorted(set(self.names) - set(METRICS))
         if unknown:
-            raise ValueError(f"unknown metrics {unknown}; valid: fid, cls")
+            raise ValueError(f"unknown metrics {unknown}; valid: {', '.join(METRICS)}")
         self.num_images = int(num_images)
         self.info: dict = {}
         self._data_config, self._ref_split = data_config, ref_split
-        if "fid" in self.names:
-            from edm2_jax.metrics import fid, inception
+        self._fd: dict = {}  # metric -> (params, feature_fn, reference statistics)
+        for metric in (m for m in FD_METRICS if m in self.names):
+            from edm2_jax.metrics import fid
             t = time.time()
-            self._inception = inception.load_inception_params()
-            self._fid_ref = ref or fid.stats_from_source(self._source(ref_split), self._inception,
-                                                         num_images=self.num_images)
-            self.info["time_fid_ref_s"] = time.time() - t
+            params, feature_fn = feature_extractor(metric, dinov2)
+            if ref:
+                fid.load_ref_stats(ref, metric)  # a missing entry fails now
+                ref_stats = ref
+            else:
+                ref_stats = fid.stats_from_source(self._source(ref_split), params,
+                                                  num_images=self.num_images,
+                                                  feature_fn=feature_fn)
+            self._fd[metric] = (params, feature_fn, ref_stats)
+            self.info[f"time_{metric}_ref_s"] = time.time() - t
         if "cls" in self.names:
             from edm2_jax.metrics import classifier as cls_lib
             t = time.time()
@@ -112,20 +181,20 @@ class Metrics:
 
     def __call__(self, images: np.ndarray) -> dict:
         """Metrics of uint8 `[num_images, H, W, C]` images: a flat dict of floats with
-        `fid{N}` and / or `fd_cls`, `kid_cls`, `precision_cls`, `recall_cls`, plus the
-        wall time of each (`time_fid_s`, `time_cls_s`). Raises ValueError for another
-        number of images."""
+        `fid{N}`, `fd_dinov2{N}` and / or `fd_cls`, `kid_cls`, `precision_cls`,
+        `recall_cls`, plus the wall time of each (`time_fid_s`, `time_fd_dinov2_s`,
+        `time_cls_s`). Raises ValueError for another number of images."""
         if len(images) != self.num_images:
             raise ValueError(f"got {len(images)} images, the metrics were set up for "
                              f"{self.num_images}")
         out: dict = {}
-        if "fid" in self.names:
+        for metric, (params, feature_fn, ref_stats) in self._fd.items():
             from edm2_jax.metrics import fid
             t = time.time()
             gen = fid.stats_from_images([images[i:i + 64] for i in range(0, len(images), 64)],
-                                        self._inception)
-            out[fid_name(self.num_images)] = fid.fid_from_stats(gen, self._fid_ref)
-            out["time_fid_s"] = time.time() - t
+                                        params, feature_fn)
+            out[metric_key(metric, self.num_images)] = fid.fid_from_stats(gen, ref_stats, metric)
+            out[f"time_{metric}_s"] = time.time() - t
         if "cls" in self.names:
             from edm2_jax.metrics import classifier as cls_lib
             t = time.time()
@@ -136,18 +205,19 @@ class Metrics:
 
 def evaluate(images: Iterator[np.ndarray], num_images: int, metrics: list[str], *,
              ref: str | None = None, data_config: Any = None, ref_split: str = "test",
-             classifier_config: Any = None) -> dict:
+             classifier_config: Any = None, dinov2: str | None = None) -> dict:
     """Compute `metrics` over `images` (uint8 NHWC batches, `num_images` in all).
 
-    `fid` needs `ref` (a reference .pkl/.npz) or `data_config` (reference statistics are
-    then computed from that dataset, `ref_split` split). `cls` needs a labelled
+    `fid` / `fd_dinov2` need `ref` (a reference .pkl/.npz) or `data_config` (reference
+    statistics are then computed from that dataset, `ref_split` split); `fd_dinov2` also
+    the DINOv2 weights file `dinov2`. `cls` needs a labelled
     `data_config` (the classifier trains on its train split once, then is cached; the
     reference set is `ref_split`; `classifier_config` a `classifier.TrainConfig`).
     Returns a flat dict of floats, plus wall times.
     Raises ValueError for an unknown metric or fewer than `num_images` images.
     """
     suite = Metrics(metrics, num_images, ref=ref, data_config=data_config, ref_split=ref_split,
-                    classifier_config=classifier_config)
+                    classifier_config=classifier_config, dinov2=dinov2)
     results: dict = {"num_images": num_images, **suite.info}
     t = time.time()
     gen = np.concatenate(list(images))[:num_images]
@@ -163,7 +233,8 @@ class TrainingEval:
     images generated by an EMA of the run at every snapshot, logged with the other stats
     under `eval/` (e.g. `eval/fd_cls`, `eval/fid1000`).
 
-    `config.eval` fields: `metrics` ('' = off, 'cls', 'fid' or 'cls,fid'), `num_images`,
+    `config.eval` fields: `metrics` ('' = off, or a comma list of 'cls', 'fid',
+    'fd_dinov2'), `dinov2` (the DINOv2 weights file of 'fd_dinov2'), `num_images`,
     `sigma_rel` (the power EMA to evaluate, 0 = the largest tracked), `num_steps` (Heun
     steps), `batch_size`, `seed` (first seed; the same seeds at every snapshot),
     `ref_split`, `classifier_epochs`, `classifier_batch_size`.
@@ -199,7 +270,8 @@ class TrainingEval:
                                          batch_size=int(e.classifier_batch_size))
         self.metrics = Metrics(str(e.metrics).split(","), self.num_images,
                                data_config=config.data, ref_split=str(e.ref_split),
-                               classifier_config=clf_config, log=log)
+                               classifier_config=clf_config, log=log,
+                               dinov2=str(e.get("dinov2", "")) or None)
         if log:
             print(f"Evaluation during training: {self.metrics.names} of {self.num_images} "
                   f"images of EMA sigma_rel={self.ema_key} ({self.num_steps} steps) at every "
@@ -234,33 +306,102 @@ def source_images(data_config: Any, split: str, num_images: int, seed: int = 0,
         yield np.stack([src[j][0] for j in idx[i:i + batch_size]])
 
 
-def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int, metrics: str,
-              ref: str | None, data_config: Any, ema: str | None = None, batch_size: int = 64,
-              num_steps: int = 32, out_json: str | None = None, ref_split: str = "test",
-              data_split_images: str | None = None, classifier_config: Any = None,
-              **gen_kw) -> dict:
-    """CLI body of `--mode=eval` (see module doc). Prints and returns the results."""
+def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int | None,
+              metrics: str, ref: str | None, data_config: Any, ema: str | None = None,
+              batch_size: int = 64, num_steps: int = 32, out_json: str | None = None,
+              ref_split: str = "test", data_split_images: str | None = None,
+              classifier_config: Any = None, seeds: str | Sequence[int] | None = None,
+              subset_seed: int = 0, dinov2: str | None = None, **gen_kw) -> dict:
+    """CLI body of `--mode=eval` (see module doc). Prints and returns the results.
+
+    `seeds` (`'0-49999'` or ints; default `0 .. num_images - 1`) are the seeds a `--net`
+    generates; `num_images` None means `len(seeds)`. `subset_seed` picks the random
+    subset of an `--images` folder (`folder_subset`). `gen_kw`: `net_images`'s (guide_path,
+    guide_ema, guidance, class_idx, sampler settings). Raises ValueError when `seeds`
+    and `num_images` disagree."""
+    from edm2_jax import generate
     names = [m.strip() for m in metrics.split(",") if m.strip()]
+    if seeds is not None:
+        seeds = generate.parse_seeds(seeds) if isinstance(seeds, str) else list(seeds)
+        if not net_path:
+            raise ValueError("--seeds chooses the seeds a --net generates; for --images the "
+                             "random subset is chosen by --subset_seed")
+        num_images = len(seeds) if num_images is None else num_images
+        if len(seeds) != num_images:
+            raise ValueError(f"--seeds gives {len(seeds)} seeds but --num_images={num_images}; "
+                             f"give one of them, or make them agree")
+    num_images = 50000 if num_images is None else num_images
     if num_images < 2:
         raise ValueError(f"--num_images={num_images}: the metrics need at least 2 images "
                          f"(FID-50k: --num_images=50000)")
-    if ref and "fid" in names:  # a bad file fails now, not after generating the images
-        from edm2_jax.metrics import fid
-        fid.load_ref_stats(ref)
+    for metric in (m for m in FD_METRICS if m in names):
+        # A bad file fails now, not after generating the images.
+        if ref:
+            from edm2_jax.metrics import fid
+            fid.load_ref_stats(ref, metric)
+        if metric == "fd_dinov2":
+            from edm2_jax.metrics import dinov2 as dinov2_lib
+            dinov2_lib.load_dinov2(dinov2)
     if sum(map(bool, (images_dir, net_path, data_split_images))) != 1:
         raise ValueError("--mode=eval needs exactly one of --images=DIR, --net=PATH or "
                          "--data_split_images=SPLIT")
     if data_split_images:
         imgs = source_images(data_config, data_split_images, num_images, batch_size=batch_size)
     elif images_dir:
-        imgs = folder_images(images_dir, num_images, batch_size)
+        imgs = folder_images(images_dir, num_images, batch_size, seed=subset_seed)
     else:
-        imgs = net_images(net_path, num_images, batch_size, ema=ema, num_steps=num_steps, **gen_kw)
+        imgs = net_images(net_path, seeds or range(num_images), batch_size, ema=ema,
+                          num_steps=num_steps, **gen_kw)
     res = evaluate(imgs, num_images, names, ref=ref, data_config=data_config, ref_split=ref_split,
-                   classifier_config=classifier_config)
+                   classifier_config=classifier_config, dinov2=dinov2)
     print(json.dumps(res, indent=2))
     if out_json:
         with open(out_json, "a") as f:
             f.write(json.dumps(dict(res, images=images_dir or data_split_images, net=net_path,
-                                    ref_split=ref_split)) + "\n")
+                                    ref_split=ref_split, guide=gen_kw.get("guide_path"),
+                                    guidance=gen_kw.get("guidance", 1.0))) + "\n")
     return res
+
+
+def main_ref(*, dest: str, images_dir: str | None, data_config: Any, split: str,
+             metrics: str = "fid,fd_dinov2", num_images: int | None = None,
+             batch_size: int = 64, dinov2: str | None = None, seed: int = 0) -> dict:
+    """CLI body of `--mode=ref`: reference statistics of a dataset, written to `dest` in
+    the release's format (`calculate_metrics.py ref`: a `.pkl` `{'num_images': N, 'fid':
+    {'mu', 'sigma'}, 'fd_dinov2': {'mu', 'sigma'}}`, readable by the release and by
+    `--ref`).
+
+    Args: dest: `.pkl` (or `.npz` for `fid` alone); images_dir: a folder of images, else
+      the `split` split of `data_config`; metrics: comma list of `fid`, `fd_dinov2`;
+      num_images: a random subset (seeded) of this many images, None = all (the release
+      uses all); dinov2: the DINOv2 weights file.
+    Returns `{'num_images': N, 'time_s': seconds}`.
+    Raises ValueError for another metric, a missing source or too few images;
+    FileNotFoundError for missing weights.
+    """
+    from edm2_jax.metrics import fid
+    names = [m.strip() for m in metrics.split(",") if m.strip()]
+    bad = sorted(set(names) - set(FD_METRICS))
+    if bad or not names:
+        raise ValueError(f"--mode=ref computes statistics of {', '.join(FD_METRICS)}; got "
+                         f"--metrics={metrics}")
+    if not dest.lower().endswith((".pkl", ".npz")):
+        raise ValueError(f"--ref={dest}: the statistics are written to a .pkl (the release's "
+                         f"format) or an .npz (fid only)")
+    extractors = {m: feature_extractor(m, dinov2) for m in names}  # fail before reading
+    t = time.time()
+    if images_dir:
+        from edm2_jax import data as data_lib
+        source = data_lib.make_source({"source": "folder", "path": images_dir,
+                                       "use_labels": False})
+    elif data_config is not None:
+        from edm2_jax import data as data_lib
+        source = data_lib.make_source(dict(dict(data_config), split=split))
+    else:
+        raise ValueError("--mode=ref needs the dataset: --images=DIR|ZIP or --config")
+    stats = fid.stats_from_source_multi(source, extractors, num_images=num_images,
+                                        batch_size=batch_size, seed=seed)
+    fid.save_ref_stats(dest, stats)
+    n = next(iter(stats.values())).num_items
+    print(f"Reference statistics of {n} images ({', '.join(names)}) -> {dest}")
+    return {"num_images": n, "time_s": time.time() - t}

@@ -11,7 +11,7 @@ training run directory (its latest checkpoint; `--ema=0.100` picks the power EMA
 directory of a run (`RUN/snapshots/<step>`).
 
 Owns `load_net` (a network and its variables from any of those; reading them is
-`checkpoint.py`'s and `rundir.py`'s), `generate_images` (seeds to images, split over
+`checkpoint.py`'s and `rundir.py`'s) and `load_guide`, `generate_images` (seeds to images, split over
 processes and devices) and the CLI body `main_generate`.
 """
 from __future__ import annotations
@@ -93,15 +93,33 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
         f"(config.json + checkpoints/), nor an EMA snapshot (RUN/snapshots/<step>)")
 
 
+def load_guide(guide_path: str | None, guide_ema: str | None, guidance: float
+               ) -> tuple[Precond, dict] | None:
+    """`(net, variables)` of the guide network for `guidance` (`load_net`), or None
+    without `guide_path`. Raises ValueError for guidance != 1 without a guide (it would
+    be ignored)."""
+    if not guide_path:
+        if guidance != 1:
+            raise ValueError(f"--guidance={guidance:g} needs --guide=PATH (an unconditional "
+                             f"net for CFG, a smaller or earlier one for autoguidance)")
+        return None
+    gnet, gvars, gdesc = load_net(guide_path, guide_ema)
+    print(f"Guidance {guidance:g} with guide {gdesc}")
+    return gnet, gvars
+
+
 def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outdir: str | None = None,
                     batch_size: int = 64, class_idx: int | None = None, subdirs: bool = False,
                     guide: tuple[Precond, dict] | None = None, guidance: float = 1.0,
-                    num_steps: int = 32, S_churn: float = 0.0, S_min: float = 0.0,
-                    S_max: float = float("inf"), S_noise: float = 1.0,
+                    num_steps: int = 32, sigma_min: float = 0.002, sigma_max: float = 80.0,
+                    rho: float = 7.0, S_churn: float = 0.0, S_min: float = 0.0,
+                    S_max: float = float("inf"), S_noise: float = 1.0, rng: str = "jax",
                     progress: bool = True, all_processes: bool = True
                     ) -> Iterable[tuple[np.ndarray, np.ndarray]]:
     """Yield `(seeds [b], images uint8 [b, H, W, C])` batches; write `seed%06d.png` files
     to `outdir` (in `outdir/000000/`, `outdir/001000/`, ... with `subdirs`) if given.
+    Sampler settings (`num_steps` ... `S_noise`), guidance and the per-seed random
+    stream `rng` ('jax' or the release's, 'release'): `sampling.sample_images`.
 
     Each process of a multi-host job takes every `process_count`-th batch (with
     `all_processes=False` the calling process takes them all); within a batch the seeds
@@ -122,8 +140,9 @@ def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outd
         seeds_dev = jax.device_put(padded.astype(np.uint32), sharding)
         imgs = np.asarray(sample_images(
             net, variables, seeds_dev, class_idx, guide_net=guide_net, guide_variables=guide_vars,
-            guidance=guidance, num_steps=num_steps, S_churn=S_churn, S_min=S_min, S_max=S_max,
-            S_noise=S_noise))[:len(b)]
+            guidance=guidance, num_steps=num_steps, sigma_min=sigma_min, sigma_max=sigma_max,
+            rho=rho, S_churn=S_churn, S_min=S_min, S_max=S_max, S_noise=S_noise,
+            rng=rng))[:len(b)]
         if outdir:
             for seed, img in zip(b, imgs):
                 d = os.path.join(outdir, f"{seed - seed % MAX_SEEDS_PER_DIR:06d}") if subdirs else outdir
@@ -138,26 +157,21 @@ def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outd
 def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | None = None,
                   batch_size: int = 64, class_idx: int | None = None, subdirs: bool = False,
                   guide_path: str | None = None, guide_ema: str | None = None,
-                  guidance: float = 1.0, num_steps: int = 32, grid: str | None = None,
-                  S_churn: float = 0.0, S_min: float = 0.0, S_max: float = float("inf"),
-                  S_noise: float = 1.0) -> None:
-    """CLI body of `--mode=generate` (see module doc)."""
+                  guidance: float = 1.0, grid: str | None = None, **sampler_kw) -> None:
+    """CLI body of `--mode=generate` (see module doc). `sampler_kw`: `num_steps`,
+    `sigma_min`, `sigma_max`, `rho`, `S_churn`, `S_min`, `S_max`, `S_noise`, `rng` of
+    `generate_images`."""
     seed_list = parse_seeds(seeds)
     if not outdir and not grid:
         raise ValueError("--mode=generate needs --outdir=DIR and/or --grid=FILE.png")
     net, variables, desc = load_net(net_path, ema)
     print(f"Generating {len(seed_list)} images from {desc}")
-    guide = None
-    if guide_path:
-        gnet, gvars, gdesc = load_net(guide_path, guide_ema)
-        guide = (gnet, gvars)
-        print(f"Guidance {guidance} with guide {gdesc}")
+    guide = load_guide(guide_path, guide_ema, guidance)
     t = time.time()
     all_imgs = []
     for _, imgs in generate_images(net, variables, seed_list, outdir=outdir, batch_size=batch_size,
                                    class_idx=class_idx, subdirs=subdirs, guide=guide,
-                                   guidance=guidance, num_steps=num_steps, S_churn=S_churn,
-                                   S_min=S_min, S_max=S_max, S_noise=S_noise):
+                                   guidance=guidance, **sampler_kw):
         if grid:
             all_imgs.append(imgs)
     dt = time.time() - t

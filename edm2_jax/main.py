@@ -3,12 +3,18 @@
 Modes:
   train    (default) train `--config` in `--workdir`, resuming if it holds a run.
   convert  import released weights: `--mode=convert --src=edm2-img64-s-1073741-0.075.pkl
-           --workdir=DIR` writes a network checkpoint that the rest of the project loads.
-  eval     metrics (`--metrics=fid,cls`) of `--images=DIR` or of `--net` generating
-           `--num_images`; reference: `--ref=stats.pkl` or the dataset of `--config`.
+           --workdir=DIR` writes a network checkpoint that the rest of the project loads;
+           `--src=training-state-<kimg>.pt --config=...` a run that --mode=train continues.
+  export   `--net=PATH --dst=FILE.pkl`: a network as the release's network pickle.
+  eval     metrics (`--metrics=fid,fd_dinov2,cls`) of `--images=DIR` or of `--net` generating
+           `--num_images`; reference: `--ref=stats.pkl` or the dataset of `--config`;
+           fd_dinov2 reads the DINOv2 ViT-L/14 weights from `--dinov2=PATH`.
+  ref      reference statistics of `--images=DIR|ZIP` (or the `--ref_split` split of
+           `--config`'s data) for `--metrics=fid,fd_dinov2`, written to `--ref=OUT.pkl` in
+           the release's format (its `calculate_metrics.py ref`).
   phema    post-hoc EMA (Alg. 3): `--workdir=RUN --sigma_rel=0.05,0.1 [--at_kimg] [--per_tensor]`
            reconstructs network checkpoints from the run's EMA snapshots.
-  phema_sweep  reconstruct each `--sigma_rel`, evaluate `--metrics` (one of cls, fid) on
+  phema_sweep  reconstruct each `--sigma_rel`, evaluate `--metrics` (one of cls, fid, fd_dinov2) on
            `--num_images`, write a CSV and plot, name the best; reference data: `--config`,
            else the run's config.json.
   generate images for `--seeds` from `--net` (network checkpoint, run dir or EMA snapshot)
@@ -16,7 +22,8 @@ Modes:
 Config fields are overridden with `--config.field=value`, e.g. `--config.total_kimg=100`.
 
 Owns the flags and their dispatch to each mode's function (`train.train_and_evaluate`,
-`convert.main_convert`, `evaluate.main_eval`, `phema.main_phema`, `phema.main_sweep`,
+`convert.main_convert`, `evaluate.main_eval`, `evaluate.main_ref`, `phema.main_phema`,
+`phema.main_sweep`,
 `generate.main_generate`), the persistent compilation cache, and how the process ends:
 the errors a user can act on (`USER_ERRORS`) as one `error:` message without a traceback
 (exit 1), Orbax's background noise summarised in one line, and a bounded exit
@@ -38,7 +45,8 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from edm2_jax import convert, evaluate, generate, integrity, phema, rundir, train
+from edm2_jax import (convert, evaluate, generate, integrity, phema, release_state, rundir,
+                      train)
 
 # Errors whose message names the problem and the fix: printed alone, exit status 1.
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError,
@@ -51,37 +59,53 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py[:variant]).",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory of the run (checkpoints, logs, samples).")
-flags.DEFINE_enum("mode", "train", ["train", "convert", "generate", "eval", "phema", "phema_sweep"],
+flags.DEFINE_enum("mode", "train", ["train", "convert", "export", "generate", "eval", "ref",
+                                    "phema",
+                                    "phema_sweep"],
                   "What to do.")
 flags.DEFINE_string("src", None, "convert: released network pickle / state_dict (.pkl, .pt, .npz).")
+flags.DEFINE_string("dst", None, "export: the release network pickle to write from --net.")
 flags.DEFINE_string("net_overrides", None, "convert: JSON of Precond kwargs that win over what is "
                     "read from --src, e.g. '{\"channel_mult\": [1, 2, 3, 4]}'.")
 # generate
 flags.DEFINE_string("net", None, "generate: network checkpoint, training run dir or RUN/snapshots/<step>.")
 flags.DEFINE_string("ema", None, "generate: which EMA of a run ('0.100', 'online'); default largest sigma_rel.")
-flags.DEFINE_string("seeds", "0-63", "generate: seeds, e.g. '0-49999' or '1,5,7-9'.")
+flags.DEFINE_string("seeds", "0-63", "generate/eval: seeds, e.g. '0-49999' or '1,5,7-9' (eval "
+                    "default: 0..num_images-1).")
 flags.DEFINE_string("outdir", None, "generate: directory for PNGs.")
 flags.DEFINE_bool("subdirs", False, "generate: one subdirectory per 1000 seeds.")
 flags.DEFINE_string("grid", None, "generate: also write all images as one grid PNG here.")
 flags.DEFINE_integer("class_idx", None, "generate: class for every image (default random per seed).")
 flags.DEFINE_integer("batch", 64, "generate: images per batch (split over devices).")
 flags.DEFINE_integer("steps", 32, "generate: sampler steps N (2N-1 network evaluations).")
-flags.DEFINE_string("guide", None, "generate: guide network (unconditional for CFG, smaller/earlier for autoguidance).")
+flags.DEFINE_string("guide", None, "generate/eval: guide network (unconditional for CFG, smaller/earlier for autoguidance).")
 flags.DEFINE_string("guide_ema", None, "generate: which EMA of the guide run.")
-flags.DEFINE_float("guidance", 1.0, "generate: guidance weight w in D_g + w (D - D_g).")
+flags.DEFINE_float("guidance", 1.0, "generate/eval: guidance weight w in D_g + w (D - D_g).")
 flags.DEFINE_float("S_churn", 0.0, "generate: stochastic churn.")
 flags.DEFINE_float("S_min", 0.0, "generate: churn lower sigma.")
 flags.DEFINE_float("S_max", float("inf"), "generate: churn upper sigma.")
 flags.DEFINE_float("S_noise", 1.0, "generate: churn noise scale.")
+flags.DEFINE_float("sigma_min", 0.002, "generate/eval: lowest noise level of the sampler's schedule.")
+flags.DEFINE_float("sigma_max", 80.0, "generate/eval: highest noise level of the sampler's schedule.")
+flags.DEFINE_enum("rng", "jax", ["jax", "release"], "generate/eval: per-seed noise and labels "
+                  "from JAX keys, or drawn as the release's per-seed torch generator does "
+                  "(a converted release net then gives the release's image for a seed).")
+flags.DEFINE_float("rho", 7.0, "generate/eval: time-step exponent of the schedule (EDM Eq. 5).")
 # phema
 flags.DEFINE_string("sigma_rel", "0.05,0.10", "phema: comma list of EMA lengths sigma_rel.")
 flags.DEFINE_float("at_kimg", None, "phema: reconstruct at this time (default: the last snapshot).")
 flags.DEFINE_string("per_tensor", None, "phema: 'REGEX=SIGMA_REL;...' different sigma_rel per parameter path.")
 # eval
 flags.DEFINE_string("images", None, "eval: folder of images to evaluate instead of --net.")
+flags.DEFINE_integer("subset_seed", 0, "eval: seed of the random subset of --images when it holds "
+                     "more than --num_images (the release's calculate_metrics.py --seed).")
 flags.DEFINE_integer("num_images", 50000, "eval: number of images (error if fewer are available).")
-flags.DEFINE_string("metrics", "fid", "eval: comma list of fid (Inception), cls (classifier FD/KID/PR).")
-flags.DEFINE_string("ref", None, "eval: reference statistics (.pkl/.npz) for FID.")
+flags.DEFINE_string("metrics", "fid", "eval: comma list of fid (Inception), fd_dinov2 (DINOv2 "
+                    "ViT-L/14), cls (classifier FD/KID/PR).")
+flags.DEFINE_string("ref", None, "eval: reference statistics (.pkl/.npz) for fid / fd_dinov2; "
+                    "ref: the .pkl to write.")
+flags.DEFINE_string("dinov2", None, "eval, ref, phema_sweep: DINOv2 ViT-L/14 weights for fd_dinov2 "
+                    "(dinov2_vitl14_pretrain.pth of the official release, or a .safetensors).")
 flags.DEFINE_string("out_json", None, "eval: append the results as one JSON line here.")
 flags.DEFINE_string("ref_split", "test", "eval: split of the --config dataset used as reference.")
 flags.DEFINE_string("data_split_images", None, "eval: evaluate N images of this split of the --config "
@@ -205,16 +229,31 @@ def _dispatch():
         generate.main_generate(
             FLAGS.net, FLAGS.seeds, FLAGS.outdir, ema=FLAGS.ema, batch_size=FLAGS.batch,
             class_idx=FLAGS.class_idx, subdirs=FLAGS.subdirs, guide_path=FLAGS.guide,
-            guide_ema=FLAGS.guide_ema, guidance=FLAGS.guidance, num_steps=FLAGS.steps,
-            grid=FLAGS.grid, S_churn=FLAGS.S_churn, S_min=FLAGS.S_min, S_max=FLAGS.S_max,
-            S_noise=FLAGS.S_noise)
+            guide_ema=FLAGS.guide_ema, guidance=FLAGS.guidance, grid=FLAGS.grid,
+            **_sampler_flags())
+    elif FLAGS.mode == "export":
+        if not FLAGS.net:
+            raise app.UsageError("--mode=export needs --net=PATH and --dst=FILE.pkl")
+        release_state.main_export(FLAGS.net, FLAGS.dst, FLAGS.ema)
     elif FLAGS.mode == "eval":
+        seeds = FLAGS.seeds if FLAGS["seeds"].present else None
         evaluate.main_eval(
-            images_dir=FLAGS.images, net_path=FLAGS.net, num_images=FLAGS.num_images,
+            images_dir=FLAGS.images, net_path=FLAGS.net,
+            num_images=None if seeds and not FLAGS["num_images"].present else FLAGS.num_images,
             metrics=FLAGS.metrics, ref=FLAGS.ref, ref_split=FLAGS.ref_split,
             data_split_images=FLAGS.data_split_images, data_config=_data_config(),
-            ema=FLAGS.ema, batch_size=FLAGS.batch, num_steps=FLAGS.steps, out_json=FLAGS.out_json,
-            class_idx=FLAGS.class_idx, guide=None, guidance=1.0)
+            ema=FLAGS.ema, batch_size=FLAGS.batch, out_json=FLAGS.out_json,
+            class_idx=FLAGS.class_idx, seeds=seeds, subset_seed=FLAGS.subset_seed,
+            guide_path=FLAGS.guide, guide_ema=FLAGS.guide_ema, guidance=FLAGS.guidance,
+            dinov2=FLAGS.dinov2, **_sampler_flags())
+    elif FLAGS.mode == "ref":
+        if not FLAGS.ref:
+            raise app.UsageError("--mode=ref needs --ref=OUT.pkl (where to write the statistics)")
+        evaluate.main_ref(
+            dest=FLAGS.ref, images_dir=FLAGS.images, data_config=_data_config(),
+            split=FLAGS.ref_split, metrics=FLAGS.metrics, batch_size=FLAGS.batch,
+            num_images=FLAGS.num_images if FLAGS["num_images"].present else None,
+            dinov2=FLAGS.dinov2)
     elif not FLAGS.workdir:
         raise app.UsageError("--workdir is required")
     elif FLAGS.mode == "phema":
@@ -225,15 +264,25 @@ def _dispatch():
             FLAGS.workdir, _sigma_rels(), metrics=FLAGS.metrics, num_images=FLAGS.num_images,
             batch_size=FLAGS.batch, num_steps=FLAGS.steps, ref=FLAGS.ref,
             ref_split=FLAGS.ref_split, data_config=_data_config(), at_kimg=FLAGS.at_kimg,
-            out_dir=FLAGS.outdir, per_tensor=FLAGS.per_tensor)
+            out_dir=FLAGS.outdir, per_tensor=FLAGS.per_tensor, dinov2=FLAGS.dinov2)
     elif FLAGS.mode == "convert":
         if not FLAGS.src:
             raise app.UsageError("--mode=convert needs --src=FILE")
-        convert.main_convert(FLAGS.src, FLAGS.workdir, _net_overrides())
+        if release_state.is_training_state(FLAGS.src):
+            release_state.main_import_state(FLAGS.src, FLAGS.workdir, _config())
+        else:
+            convert.main_convert(FLAGS.src, FLAGS.workdir, _net_overrides())
     elif _config() is None:
         raise app.UsageError("--config is required, e.g. --config=configs/fashion_mnist.py")
     else:
         train.train_and_evaluate(_config(), FLAGS.workdir)
+
+
+def _sampler_flags() -> dict:
+    """The EDM sampler's settings from the flags (`generate.generate_images` kwargs)."""
+    return dict(num_steps=FLAGS.steps, sigma_min=FLAGS.sigma_min, sigma_max=FLAGS.sigma_max,
+                rho=FLAGS.rho, S_churn=FLAGS.S_churn, S_min=FLAGS.S_min, S_max=FLAGS.S_max,
+                S_noise=FLAGS.S_noise, rng=FLAGS.rng)
 
 
 def _net_overrides() -> dict | None:

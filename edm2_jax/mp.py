@@ -1,5 +1,10 @@
 """Magnitude-preserving (MP) primitives of EDM2 (Karras et al., CVPR 2024, Appendix B).
 
+Also the standard counterparts the paper's ablation (Sec. 2, configs C-F) starts from:
+`plain_sum`, `plain_cat`, `group_rms_norm`, `MPConv(normalize_weight=False)` (a standard
+bias-free layer with He's uniform init) and `MPFourier(magnitude_preserving=False)`;
+`networks.py` picks them by its config switches (docs/ablation.md).
+
 Arrays are NHWC. Convolution weights are stored HWIO (`[kh, kw, in, out]`), dense
 weights `[in, out]`; the output unit is always the last axis, so "fan-in axes" are all
 the others. Everything here is a pure function or a parameter-holding `linen` module
@@ -78,6 +83,38 @@ def mp_cat(a: Array, b: Array, t: float = 0.5, axis: int = -1) -> Array:
     wa = c / math.sqrt(na) * (1 - t)
     wb = c / math.sqrt(nb) * t
     return jnp.concatenate([wa * a, wb * b], axis=axis)
+
+
+def plain_sum(a: Array, b: Array, t: float = 0.5) -> Array:
+    """Standard (not magnitude-preserving) counterpart of `mp_sum`: `a + t / (1-t) b`.
+
+    The same relative weight of `b` as `mp_sum(a, b, t)` without the normalisation, so a
+    plain sum `a + b` at `t = 0.5`; `t = 0.3` is the paper's weakened residual path
+    (config F, Sec. 2.4). Raises ValueError for `t >= 1`.
+    """
+    if t >= 1:
+        raise ValueError(f"plain_sum: t={t} must be < 1 (the weight of b relative to a is t / (1-t))")
+    return a + (t / (1 - t)) * b if t != 0.5 else a + b
+
+
+def plain_cat(a: Array, b: Array, t: float = 0.5, axis: int = -1) -> Array:
+    """Standard counterpart of `mp_cat`: `concatenate([a, b], axis)` (`t` is ignored)."""
+    del t
+    return jnp.concatenate([a, b], axis=axis)
+
+
+def group_rms_norm(x: Array, eps: float = 1e-4, max_groups: int = 32) -> Array:
+    """Group normalisation of configs C-E (paper Sec. 2.2): NHWC `x` divided per example
+    and per channel group by its RMS over (H, W, channels in the group), with the mean
+    subtraction and the learned scale removed, as config C simplified ADM's GroupNorm.
+
+    Groups: `gcd(max_groups, C)` (32 as ADM where C allows). The RMS is taken in float32;
+    the result keeps `x.dtype` and `x.shape`.
+    """
+    n, h, w, c = x.shape
+    groups = math.gcd(max_groups, c)
+    g = normalize(x.reshape(n, h, w, groups, c // groups), axis=(1, 2, 4), eps=eps)
+    return g.reshape(x.shape)
 
 
 def resample(x: Array, mode: str = "keep") -> Array:
@@ -217,10 +254,13 @@ class MPFourier(nn.Module):
     non-trainable `'buffers'` collection; they are drawn once from the `'params'` init
     rng and must be saved with checkpoints. Input `x` `[N]` (any float dtype) ->
     `sqrt(2) cos(outer(x, freqs) + phases)`, `[N, num_channels]` float32.
+    `magnitude_preserving=False` drops the `sqrt(2)` (standard Fourier features, RMS
+    `1/sqrt(2)`; configs C-F of the paper's Sec. 2).
     """
 
     num_channels: int
     bandwidth: float = 1.0
+    magnitude_preserving: bool = True
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -233,6 +273,8 @@ class MPFourier(nn.Module):
             lambda: 2 * jnp.pi
             * jax.random.uniform(self.make_rng("params"), (self.num_channels,), jnp.float32))
         y = jnp.outer(x.astype(jnp.float32), freqs.value.astype(jnp.float32))
+        if not self.magnitude_preserving:
+            return jnp.cos(y + phases.value.astype(jnp.float32))
         return jnp.sqrt(2.0) * jnp.cos(y + phases.value.astype(jnp.float32))
 
 
@@ -245,10 +287,16 @@ class MPConv(nn.Module):
     normalised and scaled in float32 and cast to `dtype` together with the input; the
     output is returned as float32.
 
+    With `normalize_weight=False` it is the standard bias-free layer of the paper's
+    config C (Sec. 2.2): `y = x * (gain W)` with `W` initialised by He's uniform init,
+    `U(-sqrt(6 / fan_in), sqrt(6 / fan_in))`, and used as stored.
+
     Attributes:
       in_channels, out_channels: channel counts (last axis of input / output).
       kernel: `()` for dense, `(k, k)` for a conv.
       dtype: compute dtype of the matmul / convolution (float32 or bfloat16).
+      normalize_weight: True (configs D-G): the weight normalisation of Eq. 47/66 in
+        the forward pass; False (config C): a standard layer.
     Call: `x` `[..., in]` (dense) or `[N, H, W, in]` (conv), scalar `gain` -> float32.
     """
 
@@ -256,14 +304,20 @@ class MPConv(nn.Module):
     out_channels: int
     kernel: tuple[int, ...] = ()
     dtype: DType = jnp.float32
+    normalize_weight: bool = True
 
     @nn.compact
     def __call__(self, x: Array, gain: Array | float = 1.0) -> Array:
         shape = (*self.kernel, self.in_channels, self.out_channels)
-        weight = self.param("weight", nn.initializers.normal(stddev=1.0), shape, jnp.float32)
-        fan_in = math.prod(shape[:-1])
-        w = normalize(weight.astype(jnp.float32), axis=tuple(range(weight.ndim - 1)))
-        w = (w * (gain / math.sqrt(fan_in))).astype(self.dtype)
+        if self.normalize_weight:
+            weight = self.param("weight", nn.initializers.normal(stddev=1.0), shape, jnp.float32)
+            fan_in = math.prod(shape[:-1])
+            w = normalize(weight.astype(jnp.float32), axis=tuple(range(weight.ndim - 1)))
+            w = (w * (gain / math.sqrt(fan_in))).astype(self.dtype)
+        else:
+            weight = self.param("weight", nn.initializers.he_uniform(), shape, jnp.float32)
+            w = weight if isinstance(gain, float) and gain == 1.0 else weight * gain
+            w = w.astype(self.dtype)
         x = x.astype(self.dtype)
         if not self.kernel:
             y = jnp.matmul(x, w, preferred_element_type=jnp.float32)

@@ -13,6 +13,27 @@ that `convert.py` is a renaming, not a re-derivation):
 
 The `attn_qkv` output channels are laid out [head][channel-in-head][q, k, v], as in
 the release.
+
+The paper's ablation (Sec. 2, Table 1) as three switches of the one network, their
+defaults being config G (the release; bit-identical to the network without them). The
+fourth, forced weight normalisation with the learning-rate decay (D -> E), is the
+training step's (`config.optim.forced_wn`, `config.optim.t_ref`). docs/ablation.md.
+
+    mp_learned_layers  C -> D  Sec. 2.2 "magnitude-preserving learned layers": every conv
+                       and dense layer normalises its weight in the forward pass (MPConv,
+                       Eq. 47/66); False = standard bias-free layers, He uniform init.
+    group_norm         E -> F  Sec. 2.4 "removing group normalizations": True = a group
+                       norm (mean-free, no learned scale, as config C) before both 3x3
+                       convs of each block's residual branch and before the output conv
+                       (followed by SiLU there), and no pixel norm of the encoder's main
+                       path; False = the pixel norm of F/G. F also weakens the residual
+                       path (`res_balance` 0.3, 0.5 in C-E; a separate field).
+    mp_fixed_layers    F -> G  Sec. 2.5 "magnitude-preserving fixed-function layers":
+                       MP SiLU (Eq. 81), MP sum (Eq. 88), MP concat (Eq. 103), MP Fourier
+                       features (Eq. 75), the zero-initialised learned gains of the output
+                       (`out_gain`) and of the embedding (`emb_gain`); False = SiLU,
+                       `plain_sum`, `plain_cat`, cos features, no gains (those two
+                       parameters do not exist).
 """
 from __future__ import annotations
 
@@ -23,8 +44,8 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from edm2_jax.mp import (MPConv, MPFourier, mp_cat, mp_silu, mp_sum, normalize,
-                         pixel_norm, resample)
+from edm2_jax.mp import (MPConv, MPFourier, group_rms_norm, mp_cat, mp_silu, mp_sum,
+                         normalize, pixel_norm, plain_cat, plain_sum, resample)
 
 Array = jax.Array
 
@@ -49,37 +70,51 @@ class Block(nn.Module):
     attn_balance: float = 0.3
     clip_act: float | None = 256
     dtype: Any = jnp.float32
+    mp_learned_layers: bool = True      # the ablation's switches (module docstring)
+    group_norm: bool = False
+    mp_fixed_layers: bool = True
 
     @nn.compact
     def __call__(self, x: Array, emb: Array, train: bool = False) -> Array:
         cin, cout = self.in_channels, self.out_channels
         if self.flavor not in ("enc", "dec"):
             raise ValueError(f"Block.flavor must be 'enc' or 'dec', got {self.flavor!r}")
+        conv = lambda i, o, k, name, dtype=self.dtype: MPConv(  # noqa: E731
+            i, o, k, dtype, normalize_weight=self.mp_learned_layers, name=name)
+        act = mp_silu if self.mp_fixed_layers else jax.nn.silu
+        add = mp_sum if self.mp_fixed_layers else plain_sum
         x = resample(x, self.resample_mode)
         if self.flavor == "enc":
             if cin != cout:
-                x = MPConv(cin, cout, (1, 1), self.dtype, name="conv_skip")(x)
-            x = pixel_norm(x)
+                x = conv(cin, cout, (1, 1), "conv_skip")(x)
+            if not self.group_norm:
+                x = pixel_norm(x)
 
         # Residual branch.
-        y = MPConv(cout if self.flavor == "enc" else cin, cout, (3, 3), self.dtype,
-                   name="conv_res0")(mp_silu(x))
-        emb_gain = self.param("emb_gain", nn.initializers.zeros, (), jnp.float32)
+        y = conv(cout if self.flavor == "enc" else cin, cout, (3, 3), "conv_res0")(
+            act(group_rms_norm(x) if self.group_norm else x))
         # The embedding path stays float32 whatever `dtype` is, as the release's fp16 mode
         # keeps it (a [N, cemb] x [cemb, cout] matmul: negligible cost).
-        c = MPConv(self.emb_channels, cout, (), jnp.float32, name="emb_linear")(emb, gain=emb_gain) + 1
-        y = mp_silu(y * c[:, None, None, :])
+        emb_linear = conv(self.emb_channels, cout, (), "emb_linear", jnp.float32)
+        if self.mp_fixed_layers:
+            emb_gain = self.param("emb_gain", nn.initializers.zeros, (), jnp.float32)
+            c = emb_linear(emb, gain=emb_gain) + 1
+        else:
+            c = emb_linear(emb) + 1
+        if self.group_norm:
+            y = group_rms_norm(y)
+        y = act(y * c[:, None, None, :])
         if train and self.dropout > 0:
             y = nn.Dropout(self.dropout, deterministic=False)(y)
-        y = MPConv(cout, cout, (3, 3), self.dtype, name="conv_res1")(y)
+        y = conv(cout, cout, (3, 3), "conv_res1")(y)
 
         if self.flavor == "dec" and cin != cout:
-            x = MPConv(cin, cout, (1, 1), self.dtype, name="conv_skip")(x)
-        x = mp_sum(x, y, self.res_balance)
+            x = conv(cin, cout, (1, 1), "conv_skip")(x)
+        x = add(x, y, self.res_balance)
 
         # As in the release, heads = out // channels_per_head; zero heads = no attention.
         if self.attention and cout // self.channels_per_head > 0:
-            x = mp_sum(x, self._attention(x), self.attn_balance)
+            x = add(x, self._attention(x), self.attn_balance)
         if self.clip_act:
             x = jnp.clip(x, -self.clip_act, self.clip_act)
         return x
@@ -92,18 +127,21 @@ class Block(nn.Module):
             raise ValueError(f"attention: {c} channels do not split into {heads} heads of "
                              f"channels_per_head={self.channels_per_head}; change channels_per_head")
         cph = c // heads
-        qkv = MPConv(c, 3 * c, (1, 1), self.dtype, name="attn_qkv")(x)
+        qkv = MPConv(c, 3 * c, (1, 1), self.dtype, normalize_weight=self.mp_learned_layers,
+                     name="attn_qkv")(x)
         qkv = normalize(qkv.reshape(n, h * w, heads, cph, 3), axis=3)
         q, k, v = (qkv[..., i].astype(self.dtype) for i in range(3))
         logits = jnp.einsum("nqhc,nkhc->nhqk", q, k / jnp.asarray(math.sqrt(cph), self.dtype),
                             preferred_element_type=jnp.float32)
         weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
         y = jnp.einsum("nhqk,nkhc->nqhc", weights, v, preferred_element_type=jnp.float32)
-        return MPConv(c, c, (1, 1), self.dtype, name="attn_proj")(y.reshape(n, h, w, c))
+        return MPConv(c, c, (1, 1), self.dtype, normalize_weight=self.mp_learned_layers,
+                      name="attn_proj")(y.reshape(n, h, w, c))
 
 
 class UNet(nn.Module):
-    """EDM2 U-Net, config G of the paper (Figure 21). Raw network `F`.
+    """EDM2 U-Net, config G of the paper (Figure 21), or C-F by the switches of the module
+    docstring. Raw network `F`.
 
     Call: `x` `[N, H, W, img_channels]`, `c_noise` `[N]`, `labels` `[N, label_dim]`
     one-hot (or None when `label_dim == 0`) -> `[N, H, W, img_channels]` float32.
@@ -126,6 +164,9 @@ class UNet(nn.Module):
     attn_balance: float = 0.3
     clip_act: float | None = 256
     dtype: Any = jnp.float32
+    mp_learned_layers: bool = True      # the ablation's switches (module docstring)
+    group_norm: bool = False
+    mp_fixed_layers: bool = True
 
     def setup(self):
         mc = self.model_channels
@@ -134,13 +175,17 @@ class UNet(nn.Module):
         cemb = mc * self.channel_mult_emb if self.channel_mult_emb else max(cblock)
         bkw = dict(emb_channels=cemb, channels_per_head=self.channels_per_head,
                    dropout=self.dropout, res_balance=self.res_balance,
-                   attn_balance=self.attn_balance, clip_act=self.clip_act, dtype=self.dtype)
+                   attn_balance=self.attn_balance, clip_act=self.clip_act, dtype=self.dtype,
+                   mp_learned_layers=self.mp_learned_layers, group_norm=self.group_norm,
+                   mp_fixed_layers=self.mp_fixed_layers)
+        nw = dict(normalize_weight=self.mp_learned_layers)
 
-        self.out_gain = self.param("out_gain", nn.initializers.zeros, (), jnp.float32)
-        self.emb_fourier = MPFourier(cnoise)
+        if self.mp_fixed_layers:
+            self.out_gain = self.param("out_gain", nn.initializers.zeros, (), jnp.float32)
+        self.emb_fourier = MPFourier(cnoise, magnitude_preserving=self.mp_fixed_layers)
         # Noise/label embedding in float32 whatever `dtype` is (as the release's fp16 mode).
-        self.emb_noise = MPConv(cnoise, cemb, (), jnp.float32)
-        self.emb_label = MPConv(self.label_dim, cemb, (), jnp.float32) if self.label_dim else None
+        self.emb_noise = MPConv(cnoise, cemb, (), jnp.float32, **nw)
+        self.emb_label = MPConv(self.label_dim, cemb, (), jnp.float32, **nw) if self.label_dim else None
 
         # Encoder. Names follow the release: '{res}x{res}_{conv|down|blockN}'.
         enc, skips = {}, []
@@ -149,7 +194,7 @@ class UNet(nn.Module):
             res = self.img_resolution >> level
             if level == 0:
                 cin, cout = cout, channels
-                enc[f"{res}x{res}_conv"] = MPConv(cin, cout, (3, 3), self.dtype)
+                enc[f"{res}x{res}_conv"] = MPConv(cin, cout, (3, 3), self.dtype, **nw)
             else:
                 enc[f"{res}x{res}_down"] = Block(cout, cout, flavor="enc", resample_mode="down", **bkw)
             skips.append(cout)
@@ -176,18 +221,20 @@ class UNet(nn.Module):
         self.dec = dec
         self.enc_order = list(enc)  # dict attributes may be re-ordered by flax
         self.dec_order = list(dec)
-        self.out_conv = MPConv(cout, self.img_channels, (3, 3), self.dtype)
+        self.out_conv = MPConv(cout, self.img_channels, (3, 3), self.dtype, **nw)
 
     def __call__(self, x: Array, c_noise: Array, labels: Array | None = None,
                  train: bool = False) -> Array:
+        act, add, cat = ((mp_silu, mp_sum, mp_cat) if self.mp_fixed_layers
+                         else (jax.nn.silu, plain_sum, plain_cat))
         emb = self.emb_noise(self.emb_fourier(c_noise))
         if self.emb_label is not None:
             if labels is None:
                 raise ValueError(f"UNet with label_dim={self.label_dim} needs labels [N, {self.label_dim}]")
             labels = labels.astype(jnp.float32)
-            emb = mp_sum(emb, self.emb_label(labels * math.sqrt(labels.shape[-1])),
-                         self.label_balance)
-        emb = mp_silu(emb)
+            emb = add(emb, self.emb_label(labels * math.sqrt(labels.shape[-1])),
+                      self.label_balance)
+        emb = act(emb)
 
         x = jnp.concatenate([x, jnp.ones_like(x[..., :1])], axis=-1)
         skips = []
@@ -198,8 +245,12 @@ class UNet(nn.Module):
         for name in self.dec_order:
             block = self.dec[name]
             if "_block" in name:
-                x = mp_cat(x, skips.pop(), self.concat_balance)
+                x = cat(x, skips.pop(), self.concat_balance)
             x = block(x, emb, train)
+        if self.group_norm:
+            x = act(group_rms_norm(x))
+        if not self.mp_fixed_layers:
+            return self.out_conv(x)
         return self.out_conv(x, gain=self.out_gain)
 
 
@@ -237,6 +288,9 @@ class Precond(nn.Module):
     sigma_data: float = 0.5
     logvar_channels: int = 128
     dtype: Any = jnp.float32
+    mp_learned_layers: bool = True      # the ablation's switches (module docstring); the
+    group_norm: bool = False            # uncertainty head `logvar` is config G's in all
+    mp_fixed_layers: bool = True
 
     def setup(self):
         self.unet = UNet(
@@ -247,7 +301,8 @@ class Precond(nn.Module):
             attn_resolutions=tuple(self.attn_resolutions), label_balance=self.label_balance,
             concat_balance=self.concat_balance, channels_per_head=self.channels_per_head,
             dropout=self.dropout, res_balance=self.res_balance, attn_balance=self.attn_balance,
-            clip_act=self.clip_act, dtype=self.dtype)
+            clip_act=self.clip_act, dtype=self.dtype, mp_learned_layers=self.mp_learned_layers,
+            group_norm=self.group_norm, mp_fixed_layers=self.mp_fixed_layers)
         self.logvar_fourier = MPFourier(self.logvar_channels)
         self.logvar_linear = MPConv(self.logvar_channels, 1, (), jnp.float32)
 

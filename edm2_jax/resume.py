@@ -22,6 +22,10 @@ RESUME_FIELDS = ("network", "loss", "optim", "ema", "batch_size", "seed", "data.
 # ... except these prefixes: they change no array of the train state (optim.make_optimizer
 # keeps the state's structure whatever grad_clip is).
 CHANGEABLE_ON_RESUME = ("optim.",)
+# Fields added after runs existed: a config.json without one recorded this value (the
+# ablation switches at config G, docs/ablation.md).
+ADDED_FIELDS = {"network.mp_learned_layers": True, "network.group_norm": False,
+                "network.mp_fixed_layers": True, "optim.forced_wn": True}
 
 
 def _lookup(d: dict, dotted: str):
@@ -45,8 +49,9 @@ def config_differences(saved: dict, current: dict) -> tuple[list[str], list[str]
         a, b = _normalise_json(_lookup(saved, field)), _normalise_json(_lookup(current, field))
         if isinstance(a, dict) and isinstance(b, dict):
             for k in sorted(set(a) | set(b)):
-                if a.get(k) != b.get(k):
-                    diffs.append((f"{field}.{k}", a.get(k), b.get(k)))
+                va = a.get(k, ADDED_FIELDS.get(f"{field}.{k}"))
+                if va != b.get(k):
+                    diffs.append((f"{field}.{k}", va, b.get(k)))
         elif a != b:
             diffs.append((field, a, b))
     lines = [(f, f"{f}: checkpoint {a!r} vs now {b!r}") for f, a, b in diffs]

@@ -651,6 +651,23 @@ def _shapes(tree) -> dict:
 # Logs
 
 
+def read_stats(workdir: str) -> list[dict]:
+    """The records of `WORKDIR/stats.jsonl` in order (`StatsLogger`'s lines); a last line
+    cut short by a killed run is skipped. Raises FileNotFoundError naming the file."""
+    path = os.path.join(workdir, "stats.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist: {workdir} is not a training run "
+                                f"(or has not logged a status line yet)")
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
 class StatsLogger:
     """Appends status dicts to `stats.jsonl` and TensorBoard scalars in `tb/`
     (tensorboardX, no TensorFlow needed)."""

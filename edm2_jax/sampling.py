@@ -6,7 +6,8 @@ Space of Diffusion-Based Generative Models" (Algorithm 2, with the optional stoc
 classifier-free guidance and autoguidance (Karras et al. 2024, arXiv:2406.02507, Eq. 1):
 `D_w(x; sigma) = D_g(x; sigma) + w (D_main(x; sigma) - D_g(x; sigma))`.
 
-Randomness is drawn per image from its integer seed (`seed_keys`), so an image depends
+Randomness is drawn per image from its integer seed (`seed_keys`; or, with
+`rng='release'`, as the authors' release draws it, `release_rng.py`), so an image depends
 only on its seed, never on the batch it was generated in or on the device count.
 
     net = precond_from_config(cfg.network); variables = load_network(...)
@@ -219,14 +220,40 @@ def decode_uint8(x: Array) -> Array:
     return jnp.clip(jnp.asarray(x, jnp.float32) * 127.5 + 128, 0, 255).astype(jnp.uint8)
 
 
+def release_seed_draws(seeds: Sequence[int] | Array, shape: Sequence[int], label_dim: int,
+                       num_steps: int = 32, sigma_min: float = 0.002, sigma_max: float = 80.0,
+                       rho: float = 7.0, S_churn: float = 0.0, S_min: float = 0.0,
+                       S_max: float = float("inf"), **_) -> tuple:
+    """The release's per-seed draws (`release_rng.release_draws`) for `edm_sampler`:
+    `(noise [B, *shape] f32, labels [B, label_dim] one-hot or None, churn_table
+    [num_steps, B, *shape] or None)`, the table holding step `i`'s churn noise where
+    the release draws it (`S_churn > 0` and `S_min <= t_i <= S_max`), zeros elsewhere.
+    `seeds` must be concrete (host) values."""
+    from edm2_jax import release_rng
+    t = edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)[:-1].astype(np.float32)
+    draws = np.flatnonzero((S_min <= t) & (t <= S_max)) if S_churn > 0 else np.zeros(0, int)
+    noise, idx, churn = release_rng.release_draws(np.asarray(seeds).tolist(), shape, label_dim,
+                                                  len(draws))
+    labels = None if idx is None else np.eye(label_dim, dtype=np.float32)[idx]
+    table = None
+    if churn is not None:
+        table = np.zeros((num_steps,) + noise.shape, np.float32)
+        table[draws] = churn
+    return noise, labels, table
+
+
 @functools.partial(jax.jit, static_argnames=("net", "guide_net", "guidance", "sampler_kwargs"))
 def _sample_uint8(net, variables, guide_net, guide_variables, seeds, labels, guidance,
-                  sampler_kwargs):
+                  sampler_kwargs, noise=None, churn_table=None):
     kw = dict(sampler_kwargs)
     shape = (net.img_resolution, net.img_resolution, net.img_channels)
     churn = seed_churn_noise(seeds, shape) if kw.get("S_churn", 0) > 0 else None
+    if churn_table is not None:
+        churn = lambda i: churn_table[i]  # noqa: E731
+    if noise is None:
+        noise = seed_noise(seeds, shape)
     denoise = make_denoiser(net, variables, guide_net, guide_variables, guidance)
-    x = edm_sampler(denoise, seed_noise(seeds, shape), labels, churn_noise=churn, **kw)
+    x = edm_sampler(denoise, noise, labels, churn_noise=churn, **kw)
     return decode_uint8(x)
 
 
@@ -235,13 +262,16 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
                   guide_variables: Any = None, guidance: float = 1.0, num_steps: int = 32,
                   sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0,
                   S_churn: float = 0.0, S_min: float = 0.0, S_max: float = float("inf"),
-                  S_noise: float = 1.0) -> Array:
+                  S_noise: float = 1.0, rng: str = "jax") -> Array:
     """Generate one pixel-space image per seed with the (guided) EDM sampler, jitted.
 
-    Noise, churn noise and random labels all come from each seed's own key, so an
-    image is the same whatever batch it is generated in. Decoding is that of images in
-    [-1, 1]: `uint8(clip(x * 127.5 + 128, 0, 255))`; for latent nets use `edm_sampler`
-    and decode the latents yourself.
+    Noise, churn noise and random labels all come from each seed's own stream, so an
+    image is the same whatever batch it is generated in: with `rng='jax'` (default,
+    drawn on the device) a JAX key per seed; with `rng='release'` the release's
+    per-seed torch generator, reproduced in NumPy on the host (`release_seed_draws`;
+    a converted release net then gives the release's image for a seed). Decoding is
+    that of images in [-1, 1]: `uint8(clip(x * 127.5 + 128, 0, 255))`; for latent nets
+    use `edm_sampler` and decode the latents yourself.
 
     Args:
       net, variables: the main `Precond` and its `{'params', 'buffers'}`.
@@ -250,9 +280,27 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
         for every image, or `[B, label_dim]` one-hot; must be None for `label_dim == 0`.
       guide_net, guide_variables, guidance: see `make_denoiser`.
       num_steps ... S_noise: see `edm_sampler`.
+      rng: `'jax'` or `'release'` (then `seeds` must be concrete values, not traced).
     Returns: `[B, H, W, C]` uint8.
-    Raises: ValueError on labels that do not fit the net (the message names the fix).
+    Raises: ValueError on labels that do not fit the net (the message names the fix)
+      or an unknown `rng`.
     """
+    if rng not in ("jax", "release"):
+        raise ValueError(f"rng={rng!r}: use 'jax' (JAX keys per seed) or 'release' (the "
+                         f"release's per-seed torch generator)")
+    noise = churn_table = None
+    if rng == "release":
+        noise, release_labels, churn_table = release_seed_draws(
+            seeds, (net.img_resolution, net.img_resolution, net.img_channels), net.label_dim,
+            num_steps, sigma_min, sigma_max, rho, S_churn, S_min, S_max)
+        if labels is None:
+            labels = release_labels
+        sharding = getattr(seeds, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):  # split as the seeds are
+            noise = jax.device_put(noise, sharding)
+            churn_table = None if churn_table is None else jax.device_put(
+                churn_table, jax.sharding.NamedSharding(
+                    sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec)))
     seeds = _seed_array(seeds)
     batch = seeds.shape[0]
     if net.label_dim == 0:
@@ -279,7 +327,7 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
     elif guide_net is None or guide_variables is None:
         raise ValueError(f"guidance={guidance} needs guide_net and guide_variables")
     return _sample_uint8(net, variables, guide_net, guide_variables, _seed_array(seeds),
-                         labels, float(guidance), sampler_kwargs)
+                         labels, float(guidance), sampler_kwargs, noise, churn_table)
 
 
 def save_image_grid(images: np.ndarray, path: str, rows: int, cols: int) -> None:

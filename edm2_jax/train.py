@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from edm2_jax import data as data_lib
 from edm2_jax import ema as ema_lib
-from edm2_jax import configs, evaluate, integrity
+from edm2_jax import configs, diagnostics, evaluate, integrity
 from edm2_jax import loss as loss_lib
 from edm2_jax import optim as optim_lib
 from edm2_jax import preemption, resume, rundir, sampling
@@ -106,6 +106,7 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
     batch_size = int(config.batch_size)
     lc = config.loss
     sigma_rels = tuple(config.ema.sigma_rels)
+    forced_wn = bool(config.optim.get("forced_wn", True))  # False: config D and before
     ema_kw = dict(sigma_rels=sigma_rels, trad_halflife_kimg=float(config.ema.trad_halflife_kimg),
                   trad_rampup_ratio=config.ema.trad_rampup_ratio)
 
@@ -123,7 +124,7 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
         rng, k_sigma, k_noise, k_drop = jax.random.split(state["rng"], 4)
         rnd_normal = jax.random.normal(k_sigma, (batch_size,), jnp.float32)
         noise_unit = jax.random.normal(k_noise, images.shape, jnp.float32)
-        params = force_normalize(state["params"])
+        params = force_normalize(state["params"]) if forced_wn else state["params"]
         buffers = state["buffers"]
 
         if num_accum == 1:
@@ -417,7 +418,8 @@ def save_sample_grid(config: ml_collections.ConfigDict, net: Precond, variables:
     if net.label_dim:
         labels = jax.nn.one_hot(np.arange(rows * cols) % net.label_dim, net.label_dim)
     imgs = sampling.sample_images(net, variables, seeds, labels,
-                                  num_steps=int(config.sample.num_steps))
+                                  num_steps=int(config.sample.num_steps),
+                                  rng=str(config.sample.get("rng", "jax")))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     sampling.save_image_grid(np.asarray(imgs), path, rows, cols)
 
@@ -530,6 +532,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str,
     sample_key = ema_lib.ema_key(max(config.ema.sigma_rels))
     snapshot_keys = [sample_key] + ([eval_key] if eval_key else [])
     consensus = preemption.StopConsensus(stop, mesh)
+    diag = (diagnostics.Diagnostics(config, net, model.tx, source)
+            if config.get("diagnostics") and config.diagnostics.enabled else None)
+    if diag is not None and step0 == 0:  # the fresh network (every process)
+        res = diag(state)
+        if logger:
+            logger.log(dict(kimg=0.0, step=0, **res))
     metrics_log = StepMetrics(batch_size, workdir, nimg)
     last: dict = {}
     bar = tqdm(total=sched.total_steps, initial=step0, unit="step", disable=not is_main,
@@ -553,6 +561,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str,
                 if logger:
                     logger.log(last)
                 bar.write(_status_line(last))
+                if diag is not None:  # every process; its time counts in the next img/s
+                    res = diag(state)
+                    if logger:
+                        logger.log(dict(kimg=nimg / 1000, step=step, **res))
 
             if step % sched.snapshot_every == 0 or done:
                 metrics_log.flush()

@@ -3,13 +3,19 @@
 # process and jax.distributed.initialize() finds its peers from the TPU metadata.
 #
 #   launch/tpu_pod.sh --tpu=my-v5p-64 --zone=us-east5-a --config=configs/img64.py:m \
-#       --workdir=gs://bucket/runs/img64-m [--repo_dir=edm2-jax] [--dry-run] [-- --config.total_kimg=1000]
+#       --workdir=gs://bucket/runs/img64-m [--repo_dir=edm2-jax] [--skip-install] [--dry-run] \
+#       [-- --config.total_kimg=1000]
+#
+# Install step (skipped with --skip-install, for a VM image that already has it): this
+# checkout's committed tree (git archive HEAD) is copied to every worker, unpacked over
+# ~/REPO_DIR (nothing there is deleted) and installed with `pip install -e` together with jax[tpu] (libtpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=launch/common.sh
 . launch/common.sh
 
-TPU="" ZONE="" PROJECT="" CONFIG="" WORKDIR="" REPO_DIR="edm2-jax"  # relative to the remote home DRY_RUN=0 EXTRA=()
+TPU="" ZONE="" PROJECT="" CONFIG="" WORKDIR="" REPO_DIR="edm2-jax"  # relative to the remote home
+DRY_RUN=0 INSTALL=1 EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tpu=*) TPU="${1#*=}" ;;
@@ -19,6 +25,7 @@ while [ $# -gt 0 ]; do
     --workdir=*) WORKDIR="${1#*=}" ;;
     --repo_dir=*) REPO_DIR="${1#*=}" ;;
     --dry-run) DRY_RUN=1 ;;
+    --skip-install) INSTALL=0 ;;
     --) shift; EXTRA=("$@"); break ;;
     *) die "unknown argument $1 (see the header of $0)" ;;
   esac
@@ -36,4 +43,16 @@ remote="cd $REPO_DIR && python -m edm2_jax.main --config=$CONFIG --workdir=$WORK
 for arg in "${EXTRA[@]}"; do remote+=" $(printf '%q' "$arg")"; done
 project_flag=()
 [ -n "$PROJECT" ] && project_flag=(--project="$PROJECT")
+if [ "$INSTALL" = 1 ]; then
+  git rev-parse --git-dir >/dev/null 2>&1 \
+    || die "the install step copies this git checkout (git archive HEAD); run from one, or pass --skip-install"
+  tarball="${TMPDIR:-/tmp}/edm2-jax-$$.tar.gz"
+  run git archive --format=tar.gz -o "$tarball" HEAD
+  run gcloud compute tpus tpu-vm scp "$tarball" "$TPU:edm2-jax.tar.gz" --zone="$ZONE" \
+    "${project_flag[@]}" --worker=all
+  install="mkdir -p $REPO_DIR && tar xzf edm2-jax.tar.gz -C $REPO_DIR"  # overwrites, deletes nothing
+  install+=" && python -m pip install -q -U 'jax[tpu]' -e ./$REPO_DIR"
+  run gcloud compute tpus tpu-vm ssh "$TPU" --zone="$ZONE" "${project_flag[@]}" --worker=all \
+    --command="$install"
+fi
 run gcloud compute tpus tpu-vm ssh "$TPU" --zone="$ZONE" "${project_flag[@]}" --worker=all --command="$remote"

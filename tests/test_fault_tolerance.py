@@ -293,8 +293,8 @@ def _same_leaves(a, b) -> bool:
 def test_byte_flip_in_newest_checkpoint_never_restores_silently(full_run, tmp_path, capsys,
                                                                 where):
     """16 bytes inverted in one file of checkpoint 4 (array data at several positions,
-    or its metadata): the rerun sets it aside with one line naming it (array data: always,
-    by its checksums) and retrains from checkpoint 2, or, for a byte no reader uses,
+    or its metadata): the rerun sets it aside with one line naming it (bytes the readers
+    use: by its checksums) and retrains from checkpoint 2, or, for a byte no reader uses,
     restores values equal to what was saved; the end state equals the uninterrupted
     run's; checkpoint 2 and the snapshots are unchanged."""
     run = tmp_path / "run"
@@ -309,8 +309,9 @@ def test_byte_flip_in_newest_checkpoint_never_restores_silently(full_run, tmp_pa
     err = capsys.readouterr().err
     assert r["finished"]
     set_aside = (run / "checkpoints" / "4.corrupt").is_dir()
-    if name == "array":
-        assert set_aside, err
+    # A flipped byte that lands in a part of the file no reader uses (Orbax's file layout
+    # varies between runs) is not corruption: the values restored below must then equal
+    # the saved ones, which is the property that matters (never restore wrong values).
     if set_aside:
         assert len([x for x in err.splitlines() if "checkpoint 4 is corrupt" in x]) == 1, err
         assert "moved to checkpoints/4.corrupt" in err

@@ -33,6 +33,17 @@ def test_dry_run_prints_the_command():
             "--workdir=gs://b/r", "--dry-run")
     assert r.returncode == 0, r.stderr
     assert "gcloud compute tpus tpu-vm ssh pod --zone=us-east5-a --worker=all" in r.stdout
+    # The install step, on every worker, before the training command.
+    lines = [line.replace("\\", "") for line in r.stdout.splitlines()]  # printf %q escapes
+    scp = next(i for i, line in enumerate(lines) if "tpu-vm scp" in line)
+    pip = next(i for i, line in enumerate(lines) if "pip install" in line)
+    train = next(i for i, line in enumerate(lines) if "edm2_jax.main" in line)
+    assert "git archive --format=tar.gz" in lines[scp - 1] and "--worker=all" in lines[scp]
+    assert "'jax[tpu]'" in lines[pip] and "-e ./edm2-jax" in lines[pip] and "--worker=all" in lines[pip]
+    assert scp < pip < train
+    r = run("launch/tpu_pod.sh", "--tpu=pod", "--zone=z", "--config=configs/img64.py:m",
+            "--workdir=gs://b/r", "--dry-run", "--skip-install")
+    assert r.returncode == 0 and "pip install" not in r.stdout and "edm2_jax.main" in r.stdout
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -131,9 +131,16 @@ def test_per_tensor_spec_parsing():
 
 
 def test_release_names_give_time_and_width():
-    assert phema.parse_release_name("/x/edm2-img512-xs-0134217-0.050.pkl") == (134217000, 0.05)
-    assert phema.parse_release_name("edm2-img64-s-0008388-0.100") == (8388000, 0.1)
+    # The release names a snapshot by kimg = nimg // 1000 of a multiple of 1024 images:
+    # 0134217 is 128Mi = 134217728 images, 0008388 is 8Mi.
+    assert phema.parse_release_name("/x/edm2-img512-xs-0134217-0.050.pkl") == (128 << 20, 0.05)
+    assert phema.parse_release_name("edm2-img64-s-0008388-0.100") == (8 << 20, 0.1)
+    assert phema.parse_release_name("network-snapshot-0000006-0.050.pkl") == (6144, 0.05)
     assert phema.parse_release_name("network-snapshot.pkl") is None
+    for nimg in range(0, 1 << 20, 1024):
+        assert phema.release_kimg_to_nimg(nimg // 1000) == nimg
+    with pytest.raises(ValueError, match="kimg 42 .*multiple of 1024"):
+        phema.release_kimg_to_nimg(42)  # 41984 -> 41, 43008 -> 43
 
 
 def test_random_walk_error_shrinks_with_snapshot_frequency():
@@ -444,8 +451,11 @@ def test_snapshots_of_another_network_are_refused(tmp_path):
 def test_missing_inputs_are_reported(tmp_path):
     with pytest.raises(FileNotFoundError, match="snapshots/<step>"):
         phema.reconstruct(str(tmp_path), [0.05])
-    (tmp_path / "edm2-img64-s-0008388-0.050.pkl").write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match="import_release_snapshots"):
+    (tmp_path / "edm2-img64-s.pkl").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="not named like the release's snapshots"):
+        phema.reconstruct(str(tmp_path), [0.05])
+    (tmp_path / "edm2-img64-s-0000000-0.050.pkl").write_bytes(b"")  # nimg 0 is no input
+    with pytest.raises(FileNotFoundError, match="network-snapshot-0008388-0.050.pkl"):
         phema.reconstruct(str(tmp_path), [0.05])
     run = tmp_path / "run"
     run.mkdir()
@@ -456,7 +466,8 @@ def test_missing_inputs_are_reported(tmp_path):
 
 def test_reconstruct_from_imported_release_snapshots(tiny_run, tmp_path):
     """Release raw snapshots (`edm2-...-<kimg>-<sigma_rel>.pkl`; here npz state dicts under
-    those names) imported with `convert`, then reconstructed with nimg = 1000 kimg."""
+    those names) imported with `convert`, then reconstructed at the release's times: the
+    multiples of 1024 images that the names' kimg stand for (100 -> 100352)."""
     from edm2_jax import convert
     src = tmp_path / "release"
     src.mkdir()
@@ -470,7 +481,9 @@ def test_reconstruct_from_imported_release_snapshots(tiny_run, tmp_path):
     assert len(nets) == 6
     paths = phema.reconstruct(str(tmp_path / "nets"), [0.075], progress=False)
     assert paths == [str(tmp_path / "nets" / "phema" / "phema-0000300-0.075")]
-    X = phema.solve_weights(np.repeat([1e5, 2e5, 3e5], 2), np.tile(SEEN, 3), 3e5, 0.075)
+    t = [phema.release_kimg_to_nimg(k) for k in (100, 200, 300)]
+    assert t == [100352, 200704, 300032]
+    X = phema.solve_weights(np.repeat(t, 2), np.tile(SEEN, 3), t[-1], 0.075)
     _, v, meta = checkpoint.load_network(paths[0])
     assert_reconstructed(v["params"], _weighted(sel, X[:, 0], SEEN), sel, X[:, 0])
     np.testing.assert_array_equal(_flat(v["buffers"]), _flat(tiny_run["buffers"]))

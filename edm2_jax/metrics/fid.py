@@ -31,7 +31,8 @@ from edm2_jax.metrics import inception
 from edm2_jax.metrics.stats import FeatureStats, frechet_distance
 
 __all__ = ["FeatureStats", "compute_fid", "fid_from_stats", "frechet_distance",
-           "load_ref_stats", "save_ref_stats", "stats_from_images", "stats_from_source"]
+           "load_ref_stats", "save_ref_stats", "stats_from_images", "stats_from_source",
+           "stats_from_source_multi"]
 
 RefStats = Any  # (mu, sigma) | FeatureStats | dict | str | os.PathLike
 
@@ -93,6 +94,21 @@ def stats_from_source(source, params, num_images: int | None = None, batch_size:
     Returns: `FeatureStats`.
     Raises ValueError if the source has fewer than 2 images or fewer than `num_images`.
     """
+    return stats_from_source_multi(source, {"_": (params, feature_fn)}, num_images,
+                                   batch_size, seed)["_"]
+
+
+def stats_from_source_multi(source, extractors: dict[str, tuple[Any, Callable]],
+                            num_images: int | None = None, batch_size: int = 64,
+                            seed: int = 0) -> dict[str, FeatureStats]:
+    """`stats_from_source` for several feature extractors in one pass over the data
+    (the release's `ref` computes FID and FD_DINOv2 statistics together).
+
+    Args: extractors: `{metric: (params, feature_fn)}`, e.g. `{'fid': (inception params,
+      inception.features_uint8), 'fd_dinov2': (net, dinov2.features_uint8)}`; the rest as
+      `stats_from_source`.
+    Returns: `{metric: FeatureStats}`. Raises ValueError as `stats_from_source`.
+    """
     n = len(source)
     idx = np.arange(n)
     if num_images is not None:
@@ -104,12 +120,18 @@ def stats_from_source(source, params, num_images: int | None = None, batch_size:
             idx = np.sort(idx[:num_images])
     if len(idx) < 2:
         raise ValueError(f"reference statistics need at least 2 images, got {len(idx)}")
-
-    def batches():
-        for start in range(0, len(idx), batch_size):
-            yield np.stack([source[int(i)][0] for i in idx[start:start + batch_size]])
-
-    return stats_from_images(batches(), params, feature_fn)
+    stats = {m: FeatureStats() for m in extractors}
+    for start in range(0, len(idx), batch_size):
+        images = np.stack([source[int(i)][0] for i in idx[start:start + batch_size]])
+        if len(images) < batch_size and start > 0:  # pad: one compilation per extractor
+            pad = np.zeros((batch_size - len(images),) + images.shape[1:], images.dtype)
+            padded = np.concatenate([images, pad])
+        else:
+            padded = images
+        for m, (params, feature_fn) in extractors.items():
+            feats = np.asarray(feature_fn(params, padded), np.float64)[:len(images)]
+            stats[m].append(feats)
+    return stats
 
 
 class _ForbiddenGlobal(pickle.UnpicklingError):
@@ -183,39 +205,58 @@ def load_ref_stats(path: str | os.PathLike,
     if isinstance(data, dict) and "mu" in data:
         return _mu_sigma(data, str(path))
     keys = list(data) if isinstance(data, dict) else type(data).__name__
-    raise ValueError(f"{path} has no {metric!r} statistics (found {keys})")
+    raise ValueError(f"{path} has no {metric!r} statistics (found {keys}); compute them with "
+                     f"--mode=ref --metrics={metric} --ref=OUT.pkl, or drop --ref to compute "
+                     f"them from --config's data")
 
 
-def save_ref_stats(path: str | os.PathLike, stats: FeatureStats, metric: str = "fid") -> None:
-    """Write statistics in the release's layout: `.pkl` -> `{'num_images': N, metric:
-    {'mu', 'sigma'}}`, `.npz` -> arrays `mu`, `sigma`. Raises ValueError for another
-    suffix or fewer than 2 images."""
+def save_ref_stats(path: str | os.PathLike, stats: FeatureStats | dict[str, FeatureStats],
+                   metric: str = "fid") -> None:
+    """Write statistics in the release's layout (what its `calculate_metrics.py ref`
+    writes and `load_ref_stats` reads): `.pkl` -> `{'num_images': N, metric: {'mu': float64
+    [D], 'sigma': float64 [D, D]}, ...}`, `.npz` -> arrays `mu`, `sigma` (one metric only).
+
+    Args: stats: one `FeatureStats` (stored under `metric`) or `{metric: FeatureStats}`
+      for several (e.g. `{'fid': ..., 'fd_dinov2': ...}`, the release's `img512.pkl`).
+    Raises ValueError for another suffix, several metrics in an `.npz`, statistics of
+    different image counts, or fewer than 2 images.
+    """
     path = Path(path)
-    mu, sigma = stats.mean_cov()
+    by_metric = dict(stats) if isinstance(stats, dict) else {metric: stats}
+    counts = {m: s.num_items for m, s in by_metric.items()}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"statistics of different image counts {counts} cannot share one file")
+    entries = {m: dict(zip(("mu", "sigma"), s.mean_cov())) for m, s in by_metric.items()}
     if path.suffix.lower() == ".npz":
-        np.savez(path, mu=mu, sigma=sigma)
+        if len(entries) != 1:
+            raise ValueError(f"an .npz holds one metric's mu and sigma; write {sorted(entries)} "
+                             f"to a .pkl instead")
+        np.savez(path, **next(iter(entries.values())))
     elif path.suffix.lower() == ".pkl":
-        with open(path, "wb") as f:
-            pickle.dump({"num_images": stats.num_items, metric: {"mu": mu, "sigma": sigma}}, f)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump({"num_images": next(iter(counts.values())), **entries}, f)
+        os.replace(tmp, path)  # never a half-written reference file
     else:
         raise ValueError(f"save_ref_stats writes .pkl or .npz, got {path}")
 
 
-def _as_mu_sigma(ref: RefStats) -> tuple[np.ndarray, np.ndarray]:
+def _as_mu_sigma(ref: RefStats, metric: str = "fid") -> tuple[np.ndarray, np.ndarray]:
     if isinstance(ref, (str, os.PathLike)):
-        return load_ref_stats(ref)
+        return load_ref_stats(ref, metric)
     if isinstance(ref, FeatureStats):
         return ref.mean_cov()
     if isinstance(ref, dict):
-        return _mu_sigma(ref.get("fid", ref), "reference statistics dict")
+        return _mu_sigma(ref.get(metric, ref), "reference statistics dict")
     mu, sigma = ref
     return np.asarray(mu, np.float64), np.asarray(sigma, np.float64)
 
 
-def fid_from_stats(stats: RefStats, ref: RefStats) -> float:
-    """FID between two sets of statistics, each a `(mu, sigma)` pair, a `FeatureStats`,
-    a stats dict, or a `.pkl` / `.npz` path. Raises ValueError on mismatched shapes."""
-    return frechet_distance(*_as_mu_sigma(stats), *_as_mu_sigma(ref))
+def fid_from_stats(stats: RefStats, ref: RefStats, metric: str = "fid") -> float:
+    """Frechet distance between two sets of statistics, each a `(mu, sigma)` pair, a
+    `FeatureStats`, a stats dict, or a `.pkl` / `.npz` path (its `metric` entry: `fid`,
+    or `fd_dinov2` for FD_DINOv2). Raises ValueError on mismatched shapes."""
+    return frechet_distance(*_as_mu_sigma(stats, metric), *_as_mu_sigma(ref, metric))
 
 
 def compute_fid(gen_images: Iterable, ref: RefStats, params) -> float:

@@ -20,7 +20,8 @@ snapshots' profiles, applied to their weights. Like the authors' release (the ma
 
 Command line (dispatched by main.py):
 `python -m edm2_jax.main --mode=phema --workdir=RUN --sigma_rel=0.05,0.075,0.10
-[--at_kimg=...] [--outdir=...] [--per_tensor='emb=0.10']`.
+[--at_kimg=...] [--outdir=...] [--per_tensor='emb=0.10']`; RUN may also be a release
+run directory (`network-snapshot-<kimg>-<sigma_rel>.pkl`) or downloaded raw snapshots.
 
 This package re-exports the public API of its modules (`phema.reconstruct`,
 `phema.solve_weights`, ...). (No module is named after a function it exports, so that
@@ -28,7 +29,7 @@ This package re-exports the public API of its modules (`phema.reconstruct`,
 """
 from edm2_jax.phema.inputs import (RELEASE_NAME_RE, SnapshotFile, find_snapshots,
                                    import_release_snapshots, input_network,
-                                   parse_release_name)
+                                   parse_release_name, release_kimg_to_nimg)
 from edm2_jax.phema.reconstruction import (PROFILE_ERROR_WARN, main_phema, output_name,
                                         parse_per_tensor, reconstruct)
 from edm2_jax.phema.solver import profile_error, profile_inner_products, solve_weights
@@ -37,5 +38,6 @@ from edm2_jax.phema.sigma_sweep import main_sweep, run_data_config, sweep
 __all__ = ["RELEASE_NAME_RE", "PROFILE_ERROR_WARN", "SnapshotFile", "find_snapshots",
            "import_release_snapshots", "input_network", "main_phema", "main_sweep",
            "output_name", "parse_per_tensor", "parse_release_name", "profile_error",
+           "release_kimg_to_nimg",
            "profile_inner_products", "reconstruct", "run_data_config", "solve_weights",
            "sweep"]

@@ -135,6 +135,18 @@ def _checked_reader(reader, checker, tree_path: tuple, layout) -> Callable:
     return get_leaf
 
 
+def _at_nimg(at_kimg: float, in_nimg: np.ndarray) -> float:
+    """Output time for `--at_kimg`: `1000 at_kimg`, unless no snapshot is at that time and
+    one's name-kimg (`nimg // 1000`) is `at_kimg` (release snapshots sit at multiples
+    of 1024 images): then that snapshot's nimg."""
+    nimg = float(at_kimg) * 1000
+    if float(at_kimg).is_integer() and not np.any(in_nimg == nimg):
+        named = np.unique(in_nimg[in_nimg // 1000 == float(at_kimg)])
+        if len(named) == 1:
+            return float(named[0])
+    return nimg
+
+
 def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None = None,
                 out_dir: str | None = None, batch_outputs: int = 8,
                 per_tensor: Sequence[tuple[str, float]] | str | None = None, *,
@@ -147,7 +159,9 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
       workdir: a training run or a directory of imported release snapshots
         (`inputs.find_snapshots`).
       sigma_rels: wanted widths, each in `(0, ema.SIGMA_REL_MAX]`.
-      at_kimg: time of the outputs in kimg; default the last snapshot's. Snapshots after
+      at_kimg: time of the outputs in kimg; default the last snapshot's. An integer kimg
+        that names a snapshot as file names do (`nimg // 1000`, e.g. 6 for a snapshot at
+        6144 images) means that snapshot's time, as in the release. Snapshots after
         it are not used (nor read).
       out_dir: where outputs go; default `WORKDIR/phema`.
       batch_outputs: outputs accumulated per pass over the snapshots (memory: this many
@@ -189,7 +203,7 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
     inputs = [(fi, j) for fi, f in enumerate(files) for j in range(len(f.sigma_rels))]
     in_nimg = np.array([files[fi].nimg for fi, _ in inputs], np.float64)
     in_sigma = np.array([files[fi].sigma_rels[j] for fi, j in inputs], np.float64)
-    out_nimg = float(in_nimg.max()) if at_kimg is None else float(at_kimg) * 1000
+    out_nimg = float(in_nimg.max()) if at_kimg is None else _at_nimg(at_kimg, in_nimg)
     if at_kimg is not None and not 0 < out_nimg <= float(in_nimg.max()) * (1 + 1e-9):
         raise ValueError(
             f"--at_kimg={at_kimg:g} is outside the snapshots of {workdir} (kimg "
@@ -256,14 +270,14 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
                 f = files[fi]
                 rows = [i for i, (f2, _) in enumerate(inputs) if f2 == fi]
                 rows = [i for i in rows if np.any(X[i, cols] != 0)]
-                tree_keys = streaming.orbax_tree_keys(f.directory)
+                tree_keys = (streaming.orbax_tree_keys(f.directory)
+                             if f.fmt == "orbax" else None)
                 context = streaming.ts_context()  # one per file
                 for i in rows:
                     tree_path = f.tree_paths[inputs[i][1]]
                     if acc is None:  # the layout from the first EMA read
-                        layout = streaming.flat_layout(
-                            ckpt_lib.subtree(ckpt_lib.tree_metadata(f.directory), tree_path),
-                            per_tensor)
+                        layout = streaming.flat_layout(streaming.ema_tree(f, tree_path),
+                                                       per_tensor)
                         acc = _Accumulators(len(batch), layout.size, device)
                     try:
                         reader = streaming.make_reader(f, tree_path, layout, context, tree_keys)

@@ -89,26 +89,33 @@ def main_sweep(workdir: str, sigma_rels: Sequence[float], *, metrics: str = "fid
                num_images: int = 50000, batch_size: int = 64, num_steps: int = 32,
                ref: str | None = None, ref_split: str = "test",
                data_config: dict | None = None, at_kimg: float | None = None,
-               out_dir: str | None = None, per_tensor: str | None = None) -> tuple[str, str]:
+               out_dir: str | None = None, per_tensor: str | None = None,
+               dinov2: str | None = None) -> tuple[str, str]:
     """CLI body of `--mode=phema_sweep`: reconstruct each sigma_rel, generate
     `num_images` from it and measure the first of `metrics` (`cls`: FD in the
-    classifier's features; `fid`: FID against `ref` or the data), then `sweep`'s CSV and
-    plot. Reference data: `data_config` (the `--config`'s data section), else the run's
-    config.json (`run_data_config`). Raises ValueError when there is none (and, for fid,
-    no `ref`). Returns `(csv_path, png_path)`."""
-    metric = metrics.split(",")[0]
-    key = {"cls": "fd_cls", "fid": evaluate.fid_name(num_images)}[metric]
+    classifier's features; `fid`: FID, `fd_dinov2`: FD_DINOv2 (weights file `dinov2`),
+    each against `ref` or the data), then `sweep`'s CSV and plot. Reference data:
+    `data_config` (the `--config`'s data section), else the run's config.json
+    (`run_data_config`). Raises ValueError for an unknown metric or when there is no
+    reference data (and, for fid / fd_dinov2, no `ref`). Returns `(csv_path, png_path)`."""
+    metric = metrics.split(",")[0].strip()
+    if metric not in evaluate.METRICS:
+        raise ValueError(f"--metrics={metric}: the sweep measures one of "
+                         f"{', '.join(evaluate.METRICS)}")
+    key = "fd_cls" if metric == "cls" else evaluate.metric_key(metric, num_images)
+    has_ref = metric in evaluate.FD_METRICS and ref
     data_config = data_config if data_config is not None else run_data_config(workdir)
-    if data_config is None and not (metric == "fid" and ref):
+    if data_config is None and not has_ref:
         raise ValueError(f"--metrics={metric} needs reference data: pass --config "
-                         f"(its data section){' or --ref' if metric == 'fid' else ''}; "
+                         f"(its data section)"
+                         f"{' or --ref' if metric in evaluate.FD_METRICS else ''}; "
                          f"{workdir} has no config.json with a data section")
-    # References (Inception stats / classifier features) once for the whole sweep.
+    # References (Inception / DINOv2 stats, classifier features) once for the whole sweep.
     suite = evaluate.Metrics([metric], num_images, ref=ref, data_config=data_config,
-                             ref_split=ref_split)
+                             ref_split=ref_split, dinov2=dinov2)
 
     def metric_fn(net_path: str) -> float:
-        imgs = evaluate.net_images(net_path, num_images, batch_size, num_steps=num_steps)
+        imgs = evaluate.net_images(net_path, range(num_images), batch_size, num_steps=num_steps)
         return suite(np.concatenate(list(imgs)))[key]
 
     csv_path, png = sweep(workdir, sigma_rels, metric_fn, at_kimg=at_kimg, out_dir=out_dir,

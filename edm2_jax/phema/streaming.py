@@ -4,11 +4,13 @@ Owns:
   * `FlatLayout`: where each tensor of a params tree sits in the flat float32 output
     vectors (grouped by per-tensor sigma_rel), and the fixed-size chunks (`_CHUNK`) an
     EMA is copied in;
-  * the readers of one snapshot EMA: `_TensorStoreReader` opens each tensor's array
+  * the readers of one snapshot EMA (`ema_tree` gives its tensors' shapes):
+    `_TensorStoreReader` opens each tensor's array
     straight from its TensorStore (zarr in OCDBT, or Orbax's per-array layout) and reads
     them in layout order with a bounded prefetch (`_PREFETCH`); `_EmaReader`, the
-    fallback, reads through Orbax's restore in about `_PARTS` parts; `make_reader` checks
-    the EMA's tensors against the layout and picks one;
+    fallback, reads through Orbax's restore in about `_PARTS` parts; `_PickleReader`
+    serves a release network pickle, read whole; `make_reader` checks the EMA's tensors
+    against the layout and picks one;
   * glibc memory tuning while reading (`mmap_large_allocations`,
     `release_free_memory`): Orbax/TensorStore decode with many threads, and glibc keeps
     what they free in per-thread arenas.
@@ -35,7 +37,7 @@ import tensorstore as ts
 from absl import logging
 
 from edm2_jax import checkpoint as ckpt_lib
-from edm2_jax.phema.inputs import SnapshotFile
+from edm2_jax.phema.inputs import SnapshotFile, release_pickle_variables
 
 # Elements per accumulation call (8 MiB). The outputs are flat float32 vectors, each
 # per-tensor group a contiguous range; a snapshot EMA is copied in chunk by chunk, so one
@@ -265,6 +267,31 @@ class _TensorStoreReader:
         return arr
 
 
+def ema_tree(f: SnapshotFile, tree_path: tuple) -> Any:
+    """The EMA at `tree_path` of snapshot `f` as a tree whose leaves have `.shape`: Orbax
+    array metadata, or (a release pickle, held in memory anyway) the arrays."""
+    if f.fmt == "pickle":
+        return ckpt_lib.subtree(release_pickle_variables(f.directory)[1], tree_path)
+    return ckpt_lib.subtree(ckpt_lib.tree_metadata(f.directory), tree_path)
+
+
+class _PickleReader:
+    """`get_leaf(n)` of the EMA at `tree_path` of a release network pickle, read whole
+    (as the release does; `inputs.release_pickle_variables`). Raises `StructureError`
+    when its tensors differ from `layout`'s."""
+
+    def __init__(self, path: str, tree_path: tuple, layout: FlatLayout):
+        tree = ckpt_lib.subtree(release_pickle_variables(path)[1], tree_path)
+        keys = ckpt_lib.key_paths(tree)
+        shapes = [tuple(x.shape) for x in jax.tree.leaves(tree)]
+        if keys != list(layout.keys) or shapes != list(layout.shapes):
+            raise StructureError("other tensor names or shapes")
+        self.leaves = jax.tree.leaves(tree)
+
+    def __call__(self, n: int) -> np.ndarray:
+        return self.leaves[n]
+
+
 _warned_fallback = False
 
 
@@ -273,9 +300,11 @@ def make_reader(f: SnapshotFile, tree_path: tuple, layout: FlatLayout, context,
     """A reader (`get_leaf`) of the EMA at `tree_path` in snapshot `f` after checking that
     it has `layout`'s tensors (else `StructureError`): a `_TensorStoreReader`, or the
     Orbax `_EmaReader` (slower, more memory) when the arrays cannot be opened directly
-    (an Orbax layout not known here; warns once). `tree_keys`: `orbax_tree_keys(f)`;
-    `context`: `ts_context()`."""
+    (an Orbax layout not known here; warns once); a `_PickleReader` for a release pickle.
+    `tree_keys`: `orbax_tree_keys(f)`; `context`: `ts_context()`."""
     global _warned_fallback
+    if f.fmt == "pickle":
+        return _PickleReader(f.directory, tree_path, layout)
     if tree_keys is not None:
         n = len(tree_path)
         keys = sorted(k[n:] for k in tree_keys[0] if k[:n] == tree_path)

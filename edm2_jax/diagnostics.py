@@ -1,0 +1,286 @@
+"""Training-dynamics diagnostics: the magnitudes the paper analyses (Sec. 2, Figures 2-3).
+
+    python -m edm2_jax.main --config=configs/ablation.py:c --workdir=runs/abl-c \
+        --config.diagnostics.enabled=True
+    python -m edm2_jax.diagnostics runs/abl-c          # -> runs/abl-c/diagnostics.png
+
+With `config.diagnostics.enabled`, the training loop calls `Diagnostics` at step 0 and at
+every status line, off the training step: one separately jitted forward and backward pass
+on a fixed probe batch (`probe_images` training images, each noised at every sigma of
+`diagnostics.sigmas` with fixed noise). It logs, as `diag/...` scalars in stats.jsonl and
+TensorBoard:
+
+    diag/act/s<sigma>/<block>   RMS of each encoder/decoder block's output (Fig. 2 top),
+                                at each sigma of `act_sigmas`
+    diag/wrms/<layer>           RMS of each layer's stored weight, per output unit then
+                                averaged: ||w_i|| / sqrt(fan_in) (Fig. 2 bottom); exactly 1
+                                up to eps before each step under forced weight norm
+    diag/efflr/<layer>          effective learning rate ||dw|| / ||w|| of the update Adam
+                                takes from this state on the probe batch's gradient, at
+                                the weights the step uses (force-normalised with forced_wn)
+    diag/gain/<path>            each learned scalar gain (out_gain, emb_gain; config G)
+    diag/loss/s<sigma>          EDM2 loss (per element, with logvar) at each sigma
+    diag/logvar/s<sigma>        the learned uncertainty logvar(sigma)
+    diag/time_s                 wall time of the call
+
+Blocks and layers are named by their parameter path (`enc_16x16_block0`,
+`unet/dec_8x8_in0/conv_res1`), i.e. by side, resolution and depth as Figure 2 groups them.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from edm2_jax import data as data_lib
+from edm2_jax import loss as loss_lib
+from edm2_jax import rundir
+from edm2_jax.mp import force_normalize
+from edm2_jax.networks import Block
+
+Array = jax.Array
+
+
+def sigma_tag(sigma: float) -> str:
+    """The key fragment of a noise level, e.g. 's0.1', 's10'."""
+    return f"s{float(sigma):g}"
+
+
+def _is_block_call(module, method_name) -> bool:
+    return isinstance(module, Block) and method_name == "__call__"
+
+
+def _weight_leaves(params: Any) -> dict[str, Array]:
+    """`{'unet/enc_8x8_block0/conv_res0': weight}` for every learned weight (rank >= 2)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
+        if names[-1] == "weight" and leaf.ndim >= 2:
+            out["/".join(names[:-1])] = leaf
+    return out
+
+
+def weight_rms(weight: Array) -> Array:
+    """Mean over output units (last axis) of `||w_i|| / sqrt(fan_in)`, float32 scalar:
+    1 for a weight under forced weight normalisation (Eq. 66, up to its 1e-4 eps)."""
+    w = weight.astype(jnp.float32)
+    fan_in = math.prod(w.shape[:-1])
+    norms = jnp.sqrt(jnp.sum(jnp.square(w), axis=tuple(range(w.ndim - 1))))
+    return jnp.mean(norms) / math.sqrt(fan_in)
+
+
+def probe_batch(source: data_lib.Source, num_images: int, sigmas, seed: int = 0) -> dict:
+    """The fixed probe batch: `num_images` training images (the data stream of seed
+    `seed`, so the same for every run on the data) and unit Gaussian noise, fixed per
+    (sigma, image). Returns host arrays `{'image': f32 [P, H, W, C], 'label': f32 [P, L],
+    'noise': f32 [S, P, H, W, C]}` with `S = len(sigmas)`."""
+    it = data_lib.make_iterator(source, global_batch=num_images, seed=seed, num_workers=0)
+    batch = next(it)
+    it.close()
+    noise = np.random.default_rng(seed).standard_normal(
+        (len(sigmas),) + batch["image"].shape).astype(np.float32)
+    return {"image": batch["image"], "label": batch["label"], "noise": noise}
+
+
+def make_diagnostics_fn(net: Any, tx: Any, *, sigmas, act_sigmas, batch_size: int,
+                        sigma_data: float = 0.5, forced_wn: bool = True):
+    """`fn(params, buffers, opt_state, step, probe) -> {key: f32 scalar}` (not jitted): the
+    `diag/*` scalars of the module docstring for a train state. `tx` is the training
+    optimiser (`optim.make_optimizer`); its update is taken at `nimg = step * batch_size`
+    and discarded."""
+    sigmas = tuple(float(s) for s in sigmas)
+    act_idx = [sigmas.index(float(s)) for s in act_sigmas]
+
+    def fn(params, buffers, opt_state, step, probe):
+        used = force_normalize(params) if forced_wn else params
+        S, P = probe["noise"].shape[:2]
+        y = jnp.broadcast_to(probe["image"], (S,) + probe["image"].shape).reshape(
+            (S * P,) + probe["image"].shape[1:])
+        sigma = jnp.repeat(jnp.asarray(sigmas, jnp.float32), P)
+        labels = None
+        if net.label_dim:
+            labels = jnp.tile(probe["label"], (S, 1))
+        x = y + probe["noise"].reshape(y.shape) * sigma[:, None, None, None]
+
+        def objective(p):
+            (D, logvar), inter = net.apply(
+                {"params": p, "buffers": buffers}, x, sigma, labels, train=False,
+                return_logvar=True, capture_intermediates=_is_block_call,
+                mutable=["intermediates"])
+            lv = logvar[:, None, None, None]
+            per_elem = (loss_lib.loss_weight(sigma[:, None, None, None], sigma_data)
+                        / jnp.exp(lv) * jnp.square(D - y) + lv)
+            return jnp.sum(per_elem) / (S * P), (per_elem, logvar, inter["intermediates"])
+
+        (_, (per_elem, logvar, inter)), grads = jax.value_and_grad(objective, has_aux=True)(used)
+        updates, _ = tx.update(grads, opt_state, used, nimg=step.astype(jnp.float32) * batch_size)
+
+        out = {}
+        loss_s = jnp.mean(per_elem.reshape(S, -1), axis=1)
+        logvar_s = jnp.mean(logvar.reshape(S, P), axis=1)
+        for i, s in enumerate(sigmas):
+            out[f"diag/loss/{sigma_tag(s)}"] = loss_s[i]
+            out[f"diag/logvar/{sigma_tag(s)}"] = logvar_s[i]
+        for name, calls in inter["unet"].items():  # 'enc_16x16_block0', 'dec_8x8_in0', ...
+            a = calls["__call__"][0].astype(jnp.float32).reshape(S, -1)
+            rms = jnp.sqrt(jnp.mean(jnp.square(a), axis=1))
+            for i in act_idx:
+                out[f"diag/act/{sigma_tag(sigmas[i])}/{name}"] = rms[i]
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+            if leaf.ndim == 0:  # the learned gains (out_gain, emb_gain) of config G
+                out["diag/gain/" + "/".join(str(getattr(k, "key", k)) for k in path)] = leaf
+        stored, used_w, upd = (_weight_leaves(t) for t in (params, used, updates))
+        for layer, w in stored.items():
+            out[f"diag/wrms/{layer}"] = weight_rms(w)
+            out[f"diag/efflr/{layer}"] = (jnp.linalg.norm(upd[layer].ravel())
+                                          / jnp.linalg.norm(used_w[layer].ravel()))
+        return out
+
+    return fn
+
+
+class Diagnostics:
+    """`config.diagnostics` for a training run: the probe batch (on the devices) and the
+    jitted diagnostics function. Call `diag(state) -> {key: float}` on every process (the
+    state may be sharded); only the main process need log the result."""
+
+    def __init__(self, config: Any, net: Any, tx: Any, source: data_lib.Source):
+        d = config.diagnostics
+        self.probe = jax.device_put(probe_batch(source, int(d.probe_images), d.sigmas,
+                                                int(d.seed)))
+        self.fn = jax.jit(make_diagnostics_fn(
+            net, tx, sigmas=d.sigmas, act_sigmas=d.act_sigmas,
+            batch_size=int(config.batch_size), sigma_data=float(config.loss.sigma_data),
+            forced_wn=bool(config.optim.get("forced_wn", True))))
+
+    def __call__(self, state: dict) -> dict:
+        t = time.time()
+        out = self.fn(state["params"], state["buffers"], state["opt_state"], state["step"],
+                      self.probe)
+        out = {k: float(v) for k, v in jax.device_get(out).items()}
+        out["diag/time_s"] = time.time() - t
+        return out
+
+
+# --------------------------------------------------------------------------------------
+# Plots (Figure 2/3 style) from a run's stats.jsonl
+
+_BLOCK = re.compile(r"(enc|dec)_(\d+)x\d+_(\w+)")
+
+
+def _series(records: list[dict], prefix: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    keys = sorted({k for r in records for k in r if k.startswith(prefix)})
+    out = {}
+    for k in keys:
+        pts = [(r["kimg"], r[k]) for r in records if k in r]
+        out[k[len(prefix):]] = (np.array([p[0] for p in pts]), np.array([p[1] for p in pts]))
+    return out
+
+
+def _resolution_colors(names):
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (optional heavy import)
+    res = sorted({int(m.group(2)) for n in names if (m := _BLOCK.search(n))}, reverse=True)
+    cmap = plt.get_cmap("viridis")
+    return {r: cmap(i / max(1, len(res) - 1)) for i, r in enumerate(res)}
+
+
+def plot_run(workdir: str, out: str | None = None, act_sigma: float | None = None,
+             title: str | None = None) -> str:
+    """Draw a run's diagnostics to a PNG (default `WORKDIR/diagnostics.png`): activation
+    RMS of the encoder and decoder blocks vs kimg (one line per block, coloured by
+    resolution; Figure 2 top), the stored weights' RMS
+    (Figure 2 bottom) and effective learning rates vs kimg (Figure 3), and the loss and
+    logvar vs sigma at each logged time (lighter = later). Returns the path. Raises
+    FileNotFoundError / ValueError when the run logged no diagnostics, naming the flag."""
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    records = [r for r in rundir.read_stats(workdir) if any(k.startswith("diag/") for k in r)]
+    if not records:
+        raise ValueError(f"{workdir}/stats.jsonl holds no diagnostics; train with "
+                         f"--config.diagnostics.enabled=True")
+    acts = _series(records, "diag/act/")
+    tags = sorted({k.split("/")[0] for k in acts}, key=lambda t: float(t[1:]))
+    tag = sigma_tag(act_sigma) if act_sigma is not None else tags[len(tags) // 2]
+    if tag not in tags:
+        raise ValueError(f"no activations logged at sigma {act_sigma}; logged: "
+                         f"{[float(t[1:]) for t in tags]}")
+    colors = _resolution_colors(acts)
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
+
+    def lines(ax, series, side, ylabel, what, log=False):
+        for name, (x, y) in series.items():
+            m = _BLOCK.search(name)
+            if not m or m.group(1) != side:
+                continue
+            if log:  # e.g. the effective learning rate at step 0 (ramp-up: lr = 0)
+                x, y = x[y > 0], y[y > 0]
+            ax.plot(x, y, color=colors.get(int(m.group(2)), "gray"), lw=1.2,
+                    alpha=0.9, label=f"{int(m.group(2))}x{int(m.group(2))}")
+        handles, labels = ax.get_legend_handles_labels()
+        uniq = dict(zip(labels, handles))
+        ax.legend(uniq.values(), uniq.keys(), fontsize=7, title="resolution", title_fontsize=7)
+        ax.set(xlabel="kimg", ylabel=ylabel, title=f"{what}, {'encoder' if side == 'enc' else 'decoder'}")
+        if log:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+
+    act = {k.split("/", 1)[1]: v for k, v in acts.items() if k.startswith(tag + "/")}
+    lines(axes[0, 0], act, "enc", "activation RMS", f"activations (sigma={tag[1:]})")
+    lines(axes[0, 1], act, "dec", "activation RMS", f"activations (sigma={tag[1:]})")
+    wrms = _series(records, "diag/wrms/")
+    lines(axes[1, 0], wrms, "enc", "weight RMS ||w_i||/sqrt(fan_in)", "stored weights")
+    lines(axes[1, 1], wrms, "dec", "weight RMS ||w_i||/sqrt(fan_in)", "stored weights")
+    eff = _series(records, "diag/efflr/")
+    lines(axes[0, 2], eff, "enc", "||dw|| / ||w||", "effective learning rate", log=True)
+    lines(axes[1, 2], eff, "dec", "||dw|| / ||w||", "effective learning rate", log=True)
+
+    cmap = plt.get_cmap("plasma")
+    for ax, prefix, ylabel in ((axes[0, 3], "diag/loss/", "loss (per element)"),
+                               (axes[1, 3], "diag/logvar/", "logvar(sigma)")):
+        for i, r in enumerate(records):
+            pts = sorted((float(k[len(prefix) + 1:]), v) for k, v in r.items()
+                         if k.startswith(prefix))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".",
+                    color=cmap(0.85 * i / max(1, len(records) - 1)),
+                    label=f"{r['kimg']:g} kimg" if i in (0, len(records) - 1) else None)
+        ax.set(xscale="log", xlabel="sigma", ylabel=ylabel, title=f"{ylabel} vs sigma")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title or os.path.basename(os.path.abspath(workdir)))
+    fig.tight_layout()
+    out = out or os.path.join(workdir, "diagnostics.png")
+    fig.savefig(out, dpi=64)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m edm2_jax.diagnostics",
+                                description="Plot a run's training-dynamics diagnostics.")
+    p.add_argument("workdir", help="a training run trained with --config.diagnostics.enabled=True")
+    p.add_argument("--out", default=None, help="PNG path (default WORKDIR/diagnostics.png)")
+    p.add_argument("--act_sigma", type=float, default=None,
+                   help="the sigma of the activation panels (default: the middle one logged)")
+    p.add_argument("--title", default=None)
+    args = p.parse_args(argv)
+    try:
+        path = plot_run(args.workdir, args.out, args.act_sigma, args.title)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
