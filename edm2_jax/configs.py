@@ -44,10 +44,13 @@ def base_config() -> ml_collections.ConfigDict:
     # Data: source in {'fashion_mnist', 'tfds', 'folder'} (folder = dir or zip of PNGs).
     # resolution 0 = the data's own; tfds images of another size are fitted by `transform`
     # ('center-crop-dhariwal' = ImageNet-64 as in the release, 'center-crop', 'none').
+    # encoder (vae.ENCODERS): 'none' = pixels in [-1, 1]; 'sd-vae' = the release's
+    # pre-encoded SD-VAE latents (a folder/zip of .npy, data/latents.py), decoded with
+    # --vae=PATH when generating.
     c.data = ml_collections.ConfigDict(dict(
         source="fashion_mnist", path="", name="", split="train", data_dir="",
         use_labels=True, num_workers=2,
-        resolution=0, transform="center-crop-dhariwal", xflip=False))
+        resolution=0, transform="center-crop-dhariwal", xflip=False, encoder="none"))
 
     c.batch_size = 2048          # global batch (images per optimiser step)
     c.batch_per_device = 0       # micro-batch per device; 0 = no gradient accumulation

@@ -4,14 +4,23 @@
     python -m edm2_jax.main --mode=generate --net=nets/img64-s --seeds=0-49999 --subdirs \
         --guide=nets/img64-xs --guidance=1.4 --outdir=out
     python -m edm2_jax.main --mode=generate --net=runs/fmnist --seeds=0-99 --grid=out/grid.png
+    python -m edm2_jax.main --mode=generate --net=nets/img512-s --vae=sd-vae-ft-mse/ \
+        --seeds=0-63 --outdir=out       # latent net: decoded to 512x512 RGB PNGs
 
 `--net` may be a network checkpoint (written by `--mode=convert` or post-hoc EMA), a
 training run directory (its latest checkpoint; `--ema=0.100` picks the power EMA,
 `--ema=online` the raw weights, default the largest sigma_rel), or one EMA snapshot
 directory of a run (`RUN/snapshots/<step>`).
 
+A latent network (SD-VAE latents: `network.json` meta or the run's `data.encoder` says
+'sd-vae', or a 4-channel net, as every img512 net of the release; `vae.encoder_of`) needs
+`--vae=PATH`, the SD VAE whose decoder turns its samples into RGB (`vae.load_vae`,
+decoding in batches of `SDVAE.batch_size` per device); a pixel-space net refuses one.
+Both are checked from the metadata before any weights are read.
+
 Owns `load_net` (a network and its variables from any of those; reading them is
-`checkpoint.py`'s and `rundir.py`'s) and `load_guide`, `generate_images` (seeds to images, split over
+`checkpoint.py`'s and `rundir.py`'s), `net_encoder` and `check_vae` (which decoder a net's
+samples need), `load_guide`, `generate_images` (seeds to images, split over
 processes and devices) and the CLI body `main_generate`.
 """
 from __future__ import annotations
@@ -28,6 +37,7 @@ from tqdm import tqdm
 
 from edm2_jax import checkpoint as ckpt_lib
 from edm2_jax import rundir
+from edm2_jax import vae as vae_lib
 from edm2_jax.networks import Precond, precond_from_config
 from edm2_jax.sampling import sample_images, save_image_grid
 
@@ -93,6 +103,44 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
         f"(config.json + checkpoints/), nor an EMA snapshot (RUN/snapshots/<step>)")
 
 
+def net_encoder(path: str) -> str:
+    """The encoder ('none' or 'sd-vae', `vae.ENCODERS`) of the network at `path` (any
+    kind `load_net` reads), from its metadata only: network.json, or the run's
+    config.json (`vae.encoder_of`). Raises what reading them raises; a path of no known
+    kind gives 'none' (`load_net` then names the problem)."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if ckpt_lib.is_network_checkpoint(path):
+        cfg, meta = ckpt_lib.read_network_json(path)
+        return vae_lib.encoder_of(cfg, meta)
+    snap = re.fullmatch(rf"(.*)/{rundir.SNAPSHOTS}/(\d+)/?", path)
+    config = rundir.read_config(snap.group(1) if snap else path)
+    if config is None or "network" not in config:
+        return "none"
+    return vae_lib.encoder_of(config["network"], data_config=config.get("data"))
+
+
+def check_vae(net_path: str, vae_path: str | None,
+              guide_path: str | None = None) -> vae_lib.SDVAE | None:
+    """The SD VAE that decodes the samples of the network at `net_path`, or None for a
+    pixel-space net. Raises ValueError when a latent net comes without `--vae`, a
+    pixel-space net with one, or the guide's space differs from the net's; the errors
+    of `vae.load_vae` for a bad VAE file. Reads metadata and the VAE only."""
+    encoder = net_encoder(net_path)
+    if guide_path and net_encoder(guide_path) != encoder:
+        raise ValueError(f"--guide={guide_path} works in encoder {net_encoder(guide_path)!r} "
+                         f"space but --net={net_path} in {encoder!r}; guide a net with one "
+                         f"trained on the same data")
+    if encoder == "sd-vae" and not vae_path:
+        raise ValueError(f"{net_path} is a latent network (SD-VAE latents): its samples are "
+                         f"decoded by the SD VAE; pass --vae=PATH (the "
+                         f"diffusion_pytorch_model.safetensors or folder of "
+                         f"{vae_lib.SD_VAE_URL})")
+    if encoder == "none" and vae_path:
+        raise ValueError(f"--vae={vae_path} given, but {net_path} is a pixel-space network "
+                         f"(encoder 'none'): its samples are images already; drop --vae")
+    return vae_lib.load_vae(vae_path) if encoder == "sd-vae" else None
+
+
 def load_guide(guide_path: str | None, guide_ema: str | None, guidance: float
                ) -> tuple[Precond, dict] | None:
     """`(net, variables)` of the guide network for `guidance` (`load_net`), or None
@@ -114,12 +162,15 @@ def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outd
                     num_steps: int = 32, sigma_min: float = 0.002, sigma_max: float = 80.0,
                     rho: float = 7.0, S_churn: float = 0.0, S_min: float = 0.0,
                     S_max: float = float("inf"), S_noise: float = 1.0, rng: str = "jax",
-                    progress: bool = True, all_processes: bool = True
+                    progress: bool = True, all_processes: bool = True,
+                    vae: vae_lib.SDVAE | None = None
                     ) -> Iterable[tuple[np.ndarray, np.ndarray]]:
     """Yield `(seeds [b], images uint8 [b, H, W, C])` batches; write `seed%06d.png` files
     to `outdir` (in `outdir/000000/`, `outdir/001000/`, ... with `subdirs`) if given.
     Sampler settings (`num_steps` ... `S_noise`), guidance and the per-seed random
-    stream `rng` ('jax' or the release's, 'release'): `sampling.sample_images`.
+    stream `rng` ('jax' or the release's, 'release'): `sampling.sample_images`. With
+    `vae` (a latent net, `check_vae`), the samples are decoded to RGB uint8
+    `[b, 8H, 8W, 3]` by `vae.decode`, split over the same devices.
 
     Each process of a multi-host job takes every `process_count`-th batch (with
     `all_processes=False` the calling process takes them all); within a batch the seeds
@@ -142,7 +193,9 @@ def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outd
             net, variables, seeds_dev, class_idx, guide_net=guide_net, guide_variables=guide_vars,
             guidance=guidance, num_steps=num_steps, sigma_min=sigma_min, sigma_max=sigma_max,
             rho=rho, S_churn=S_churn, S_min=S_min, S_max=S_max, S_noise=S_noise,
-            rng=rng))[:len(b)]
+            rng=rng, raw=vae is not None))[:len(b)]
+        if vae is not None:
+            imgs = vae.decode(imgs, sharding=sharding)
         if outdir:
             for seed, img in zip(b, imgs):
                 d = os.path.join(outdir, f"{seed - seed % MAX_SEEDS_PER_DIR:06d}") if subdirs else outdir
@@ -157,21 +210,24 @@ def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outd
 def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | None = None,
                   batch_size: int = 64, class_idx: int | None = None, subdirs: bool = False,
                   guide_path: str | None = None, guide_ema: str | None = None,
-                  guidance: float = 1.0, grid: str | None = None, **sampler_kw) -> None:
-    """CLI body of `--mode=generate` (see module doc). `sampler_kw`: `num_steps`,
-    `sigma_min`, `sigma_max`, `rho`, `S_churn`, `S_min`, `S_max`, `S_noise`, `rng` of
-    `generate_images`."""
+                  guidance: float = 1.0, grid: str | None = None, vae_path: str | None = None,
+                  **sampler_kw) -> None:
+    """CLI body of `--mode=generate` (see module doc). `vae_path`: `--vae`, checked
+    first (`check_vae`). `sampler_kw`: `num_steps`, `sigma_min`, `sigma_max`, `rho`,
+    `S_churn`, `S_min`, `S_max`, `S_noise`, `rng` of `generate_images`."""
     seed_list = parse_seeds(seeds)
     if not outdir and not grid:
         raise ValueError("--mode=generate needs --outdir=DIR and/or --grid=FILE.png")
+    vae = check_vae(net_path, vae_path, guide_path)
     net, variables, desc = load_net(net_path, ema)
-    print(f"Generating {len(seed_list)} images from {desc}")
+    print(f"Generating {len(seed_list)} images from {desc}"
+          + (f", decoded by the SD VAE {vae.path}" if vae else ""))
     guide = load_guide(guide_path, guide_ema, guidance)
     t = time.time()
     all_imgs = []
     for _, imgs in generate_images(net, variables, seed_list, outdir=outdir, batch_size=batch_size,
                                    class_idx=class_idx, subdirs=subdirs, guide=guide,
-                                   guidance=guidance, **sampler_kw):
+                                   guidance=guidance, vae=vae, **sampler_kw):
         if grid:
             all_imgs.append(imgs)
     dt = time.time() - t

@@ -18,7 +18,8 @@ Modes:
            `--num_images`, write a CSV and plot, name the best; reference data: `--config`,
            else the run's config.json.
   generate images for `--seeds` from `--net` (network checkpoint, run dir or EMA snapshot)
-           into `--outdir` and/or a `--grid` PNG; `--guide`/`--guidance` for (auto)guidance.
+           into `--outdir` and/or a `--grid` PNG; `--guide`/`--guidance` for (auto)guidance;
+           a latent (img512) net's samples are decoded by the SD VAE of `--vae=PATH`.
 Config fields are overridden with `--config.field=value`, e.g. `--config.total_kimg=100`.
 
 Owns the flags and their dispatch to each mode's function (`train.train_and_evaluate`,
@@ -78,6 +79,8 @@ flags.DEFINE_string("grid", None, "generate: also write all images as one grid P
 flags.DEFINE_integer("class_idx", None, "generate: class for every image (default random per seed).")
 flags.DEFINE_integer("batch", 64, "generate: images per batch (split over devices).")
 flags.DEFINE_integer("steps", 32, "generate: sampler steps N (2N-1 network evaluations).")
+flags.DEFINE_string("vae", None, "generate: the SD VAE that decodes a latent (img512) net's "
+                    "samples: its diffusion_pytorch_model.safetensors / .bin or diffusers folder.")
 flags.DEFINE_string("guide", None, "generate/eval: guide network (unconditional for CFG, smaller/earlier for autoguidance).")
 flags.DEFINE_string("guide_ema", None, "generate: which EMA of the guide run.")
 flags.DEFINE_float("guidance", 1.0, "generate/eval: guidance weight w in D_g + w (D - D_g).")
@@ -230,7 +233,7 @@ def _dispatch():
             FLAGS.net, FLAGS.seeds, FLAGS.outdir, ema=FLAGS.ema, batch_size=FLAGS.batch,
             class_idx=FLAGS.class_idx, subdirs=FLAGS.subdirs, guide_path=FLAGS.guide,
             guide_ema=FLAGS.guide_ema, guidance=FLAGS.guidance, grid=FLAGS.grid,
-            **_sampler_flags())
+            vae_path=FLAGS.vae, **_sampler_flags())
     elif FLAGS.mode == "export":
         if not FLAGS.net:
             raise app.UsageError("--mode=export needs --net=PATH and --dst=FILE.pkl")

@@ -242,9 +242,10 @@ def release_seed_draws(seeds: Sequence[int] | Array, shape: Sequence[int], label
     return noise, labels, table
 
 
-@functools.partial(jax.jit, static_argnames=("net", "guide_net", "guidance", "sampler_kwargs"))
-def _sample_uint8(net, variables, guide_net, guide_variables, seeds, labels, guidance,
-                  sampler_kwargs, noise=None, churn_table=None):
+@functools.partial(jax.jit, static_argnames=("net", "guide_net", "guidance", "sampler_kwargs",
+                                             "raw"))
+def _sample(net, variables, guide_net, guide_variables, seeds, labels, guidance,
+            sampler_kwargs, noise=None, churn_table=None, raw=False):
     kw = dict(sampler_kwargs)
     shape = (net.img_resolution, net.img_resolution, net.img_channels)
     churn = seed_churn_noise(seeds, shape) if kw.get("S_churn", 0) > 0 else None
@@ -254,7 +255,7 @@ def _sample_uint8(net, variables, guide_net, guide_variables, seeds, labels, gui
         noise = seed_noise(seeds, shape)
     denoise = make_denoiser(net, variables, guide_net, guide_variables, guidance)
     x = edm_sampler(denoise, noise, labels, churn_noise=churn, **kw)
-    return decode_uint8(x)
+    return x if raw else decode_uint8(x)
 
 
 def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
@@ -262,7 +263,7 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
                   guide_variables: Any = None, guidance: float = 1.0, num_steps: int = 32,
                   sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0,
                   S_churn: float = 0.0, S_min: float = 0.0, S_max: float = float("inf"),
-                  S_noise: float = 1.0, rng: str = "jax") -> Array:
+                  S_noise: float = 1.0, rng: str = "jax", raw: bool = False) -> Array:
     """Generate one pixel-space image per seed with the (guided) EDM sampler, jitted.
 
     Noise, churn noise and random labels all come from each seed's own stream, so an
@@ -270,8 +271,8 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
     drawn on the device) a JAX key per seed; with `rng='release'` the release's
     per-seed torch generator, reproduced in NumPy on the host (`release_seed_draws`;
     a converted release net then gives the release's image for a seed). Decoding is
-    that of images in [-1, 1]: `uint8(clip(x * 127.5 + 128, 0, 255))`; for latent nets
-    use `edm_sampler` and decode the latents yourself.
+    that of images in [-1, 1]: `uint8(clip(x * 127.5 + 128, 0, 255))`; `raw=True`
+    returns the sampler's float32 output instead (latent nets: `vae.SDVAE.decode` it).
 
     Args:
       net, variables: the main `Precond` and its `{'params', 'buffers'}`.
@@ -281,7 +282,7 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
       guide_net, guide_variables, guidance: see `make_denoiser`.
       num_steps ... S_noise: see `edm_sampler`.
       rng: `'jax'` or `'release'` (then `seeds` must be concrete values, not traced).
-    Returns: `[B, H, W, C]` uint8.
+    Returns: `[B, H, W, C]` uint8 (float32 with `raw`).
     Raises: ValueError on labels that do not fit the net (the message names the fix)
       or an unknown `rng`.
     """
@@ -326,8 +327,8 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
         guide_net = guide_variables = None
     elif guide_net is None or guide_variables is None:
         raise ValueError(f"guidance={guidance} needs guide_net and guide_variables")
-    return _sample_uint8(net, variables, guide_net, guide_variables, _seed_array(seeds),
-                         labels, float(guidance), sampler_kwargs, noise, churn_table)
+    return _sample(net, variables, guide_net, guide_variables, _seed_array(seeds), labels,
+                   float(guidance), sampler_kwargs, noise, churn_table, bool(raw))
 
 
 def save_image_grid(images: np.ndarray, path: str, rows: int, cols: int) -> None:

@@ -15,7 +15,10 @@ Sources (`cfg.data.source`):
                    dataset-fashion-mnist) or `data.path`; 28x28 padded to 32x32, 10 classes.
   'tfds'           `TFDSSource` via `tfds.data_source(data.name, split=data.split,
                    data_dir=data.data_dir)`; optional dependency tensorflow-datasets.
-  'folder'         `ImageFolder`: directory or zip in the EDM2 release's layout (`data.path`).
+  'folder'         `ImageFolder`: directory or zip in the EDM2 release's layout (`data.path`);
+                   with `data.encoder='sd-vae'`, `LatentFolder`: the release's pre-encoded
+                   SD-VAE latents (`.npy`, dataset_tool.py encode), drawn per step into the
+                   network's 4 channels by the pipeline (batch 'image' then holds latents).
 """
 from __future__ import annotations
 
@@ -25,8 +28,10 @@ from edm2_jax.data.base import (NO_LABEL, Source, XFlip, center_crop, center_cro
                                 check_transform, describe, network_kwargs)
 from edm2_jax.data.fashion_mnist import FashionMNIST
 from edm2_jax.data.image_folder import ImageFolder
+from edm2_jax.data.latents import LatentFolder
 from edm2_jax.data.pipeline import StreamOrder, epoch_permutation, make_iterator
 from edm2_jax.data.tfds_source import TFDSSource, open_tfds
+from edm2_jax.vae import check_encoder
 
 SOURCES = ("fashion_mnist", "tfds", "folder")
 
@@ -34,14 +39,22 @@ SOURCES = ("fashion_mnist", "tfds", "folder")
 def make_source(data_config: Any) -> Source:
     """Open the source described by `config.data` (an ml_collections.ConfigDict or dict with
     the fields of `configs.base_config().data`: source, path, name, split, data_dir,
-    use_labels, num_workers, resolution, transform, xflip; missing fields take defaults).
+    use_labels, num_workers, resolution, transform, xflip, encoder; missing fields take
+    defaults).
 
-    Raises ValueError for an unknown source or a resolution the source cannot give, plus the
-    errors of the chosen source (missing files, bad images, missing labels, missing
+    Raises ValueError for an unknown source or encoder, latents asked of a source other
+    than 'folder', or a resolution the source cannot give, plus the errors of the chosen
+    source (missing files, bad images or latents, missing labels, missing
     tensorflow-datasets), each naming the fix.
     """
     get = data_config.get
     kind = get("source", "fashion_mnist")
+    encoder = check_encoder(get("encoder", "none") or "none")
+    if encoder == "sd-vae" and kind != "folder":
+        raise ValueError(f"data.encoder='sd-vae' reads pre-encoded SD-VAE latents from a folder "
+                         f"or zip of .npy files (data.source='folder', data.path=...), not "
+                         f"data.source={kind!r}; encode the images first (the release's "
+                         f"dataset_tool.py encode)")
     use_labels = bool(get("use_labels", True))
     resolution = int(get("resolution", 0) or 0)
     transform = check_transform(get("transform", "center-crop-dhariwal"))
@@ -56,12 +69,13 @@ def make_source(data_config: Any) -> Source:
                            data_dir=get("data_dir", ""), use_labels=use_labels,
                            resolution=resolution, transform=transform)
     elif kind == "folder":
-        source = ImageFolder(get("path", ""), use_labels=use_labels, resolution=resolution)
+        folder = LatentFolder if encoder == "sd-vae" else ImageFolder
+        source = folder(get("path", ""), use_labels=use_labels, resolution=resolution)
     else:
         raise ValueError(f"unknown data.source {kind!r}; valid: {list(SOURCES)}")
     return XFlip(source) if get("xflip", False) else source
 
 
-__all__ = ["NO_LABEL", "SOURCES", "FashionMNIST", "ImageFolder", "Source", "StreamOrder",
-           "TFDSSource", "XFlip", "center_crop", "center_crop_dhariwal", "describe",
+__all__ = ["NO_LABEL", "SOURCES", "FashionMNIST", "ImageFolder", "LatentFolder", "Source",
+           "StreamOrder", "TFDSSource", "XFlip", "center_crop", "center_crop_dhariwal", "describe",
            "epoch_permutation", "make_iterator", "make_source", "network_kwargs", "open_tfds"]

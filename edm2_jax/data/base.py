@@ -10,6 +10,11 @@ A *source* is a random-access sequence of labelled images (the same contract as 
     source.label_dim           -> number of classes L; 0 = unconditional (labels are then -1)
     source.num_images          -> N
     source.name                -> short human-readable name for logs
+    source.encoder             -> optional: 'none' (default, pixels) or 'sd-vae' (latents)
+
+A latent source (`encoder == 'sd-vae'`, `latents.LatentFolder`) returns float32 raw
+latents `[R, R, 8]` instead of uint8 pixels; its `num_channels` is the 4 channels the
+network sees (`vae.encode_latents`, drawn by the batch pipeline).
 
 Sources validate what they can when they are opened (file lists, image sizes, labels)
 so that a bad dataset fails before the first training step; per-image decoding errors
@@ -72,6 +77,7 @@ class XFlip:
         self.name = f"{source.name}+xflip"
         self.resolution, self.num_channels = source.resolution, source.num_channels
         self.label_dim = source.label_dim
+        self.encoder = getattr(source, "encoder", "none")
 
     def __len__(self) -> int:
         return 2 * len(self.source)

@@ -65,6 +65,9 @@ class ImageFolder:
     malformed labels); every message names the file and the fix.
     """
 
+    EXTENSIONS = IMAGE_EXTENSIONS  # the files this source reads; others are ignored
+    encoder = "none"               # pixels (vae.ENCODERS); the latent sources say 'sd-vae'
+
     def __init__(self, path: str, *, use_labels: bool = True, resolution: int = 0):
         if not path:
             raise ValueError("data.source='folder' needs data.path: a directory or .zip of images "
@@ -86,9 +89,9 @@ class ImageFolder:
             raise ValueError(f"data.path {self.path} must be a directory or a .zip archive")
         else:
             raise FileNotFoundError(f"data.path {self.path} does not exist")
-        self.fnames = sorted(f for f in all_files if f.lower().endswith(IMAGE_EXTENSIONS))
+        self.fnames = sorted(f for f in all_files if f.lower().endswith(self.EXTENSIONS))
         if not self.fnames:
-            raise ValueError(f"no {'/'.join(IMAGE_EXTENSIONS)} images found in {self.path}")
+            raise ValueError(self._nothing_found(all_files))
         self.name = os.path.splitext(os.path.basename(self.path))[0]
 
         self._check_headers()
@@ -102,6 +105,13 @@ class ImageFolder:
             self.label_dim = int(self.labels.max()) + 1
         else:
             self.labels, self.label_dim = None, 0
+
+    def _nothing_found(self, all_files: list[str]) -> str:
+        msg = f"no {'/'.join(IMAGE_EXTENSIONS)} images found in {self.path}"
+        if any(f.lower().endswith(".npy") for f in all_files):
+            msg += ("; it holds .npy latents (dataset_tool.py encode): set "
+                    "data.encoder='sd-vae' to train on them")
+        return msg
 
     # --- file access --------------------------------------------------------------------
 
@@ -186,9 +196,12 @@ class ImageFolder:
             raise ValueError(f"data.use_labels=True but {self.path} has no dataset.json; {fix}")
         try:
             labels = json.loads(self._read("dataset.json").decode("utf-8"))["labels"]
-            table = {str(name): value for name, value in labels}
+            table = None if labels is None else {str(name): value for name, value in labels}
         except Exception as e:
             raise ValueError(f"cannot parse {where} ({type(e).__name__}: {e}); {fix}") from e
+        if table is None:  # what the release writes when any image lacks a label
+            raise ValueError(f'{where} says {{"labels": null}}: {self.path} is unlabelled; '
+                             f'set data.use_labels=False to train unconditionally')
         out = np.empty(len(self.fnames), np.int64)
         for k, fname in enumerate(self.fnames):
             if fname not in table:
