@@ -333,16 +333,23 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
 
 def save_image_grid(images: np.ndarray, path: str, rows: int, cols: int) -> None:
     """Tile `images` uint8 `[N, H, W, C]` (C = 1 or 3) row-major into a `rows x cols`
-    PNG/JPEG grid at `path` with Pillow; empty cells stay black.
+    PNG/JPEG grid at `path` with Pillow; empty cells stay black. C = 4 (SD-VAE latents,
+    e.g. a latent run's training grids, which have no VAE to decode them) is shown as a
+    grey-scale preview, each image as its 4 channels in a 2x2 mosaic (`--mode=generate
+    --vae=PATH` decodes them to RGB).
 
     Raises: ValueError on a wrong dtype/shape or when `N > rows * cols`.
     """
     import PIL.Image
 
     images = np.asarray(images)
-    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3):
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3, 4):
         raise ValueError(f"images must be uint8 [N, H, W, 1 or 3], got {images.dtype} "
                          f"{images.shape}; decode with sample_images first")
+    if images.shape[-1] == 4:
+        n, h, w, _ = images.shape
+        images = images.reshape(n, h, w, 2, 2).transpose(0, 3, 1, 4, 2).reshape(
+            n, 2 * h, 2 * w, 1)
     n, h, w, c = images.shape
     if n > rows * cols:
         raise ValueError(f"{n} images do not fit a {rows}x{cols} grid; raise rows or cols")

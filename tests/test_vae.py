@@ -486,3 +486,15 @@ def test_generate_decodes_latent_net_samples_to_rgb_pngs(tmp_path):
     diff = np.abs(img.astype(int) - V.load_vae(tmp_path / "vae").decode(x)[0])
     assert diff.max() <= 1 and (diff > 0).mean() < 0.01 and img.std() > 5
     assert PIL.Image.open(tmp_path / "grid.png").size == (128, 128)
+
+
+def test_latent_sample_grid_is_a_channel_mosaic(tmp_path):
+    """A latent run's training grid (no VAE at hand) shows each latent's 4 channels as
+    a 2x2 grey-scale mosaic: channel 0 top left, 1 top right, 2 bottom left, 3 bottom
+    right; training no longer stops at its first snapshot."""
+    from edm2_jax.sampling import save_image_grid
+    x = np.zeros((2, 3, 3, 4), np.uint8) + np.array([0, 100, 200, 255], np.uint8)
+    save_image_grid(x, str(tmp_path / "g.png"), 1, 2)
+    g = np.asarray(PIL.Image.open(tmp_path / "g.png"))
+    assert g.shape == (6, 12)
+    assert (g[0, 0], g[0, 3], g[3, 0], g[3, 3], g[5, 11]) == (0, 100, 200, 255, 255)
