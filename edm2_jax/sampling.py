@@ -344,7 +344,7 @@ def save_image_grid(images: np.ndarray, path: str, rows: int, cols: int) -> None
 
     images = np.asarray(images)
     if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3, 4):
-        raise ValueError(f"images must be uint8 [N, H, W, 1 or 3], got {images.dtype} "
+        raise ValueError(f"images must be uint8 [N, H, W, 1, 3 or 4], got {images.dtype} "
                          f"{images.shape}; decode with sample_images first")
     if images.shape[-1] == 4:
         n, h, w, _ = images.shape
