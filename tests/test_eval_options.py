@@ -4,6 +4,8 @@ the command line.
 """
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import PIL.Image
@@ -13,9 +15,7 @@ from edm2_jax import checkpoint, evaluate, generate
 from edm2_jax import main as main_lib
 from edm2_jax.networks import init_variables, precond_from_config
 from edm2_jax.sampling import sample_images
-from tests.release_oracle import release, release_modules_forgotten  # noqa: F401 (fixture)
-
-pytestmark = pytest.mark.usefixtures("release_modules_forgotten")
+from tests.testdata import golden
 
 NET = dict(img_resolution=8, img_channels=1, label_dim=3, model_channels=8, channel_mult=(1,),
            num_blocks=1, attn_resolutions=())
@@ -92,18 +92,19 @@ def test_eval_seeds_and_num_images_must_agree(tmp_path):
 
 def test_image_folder_subset_is_the_releases(tmp_path):
     """The files `--images` evaluates are those the release's `calculate_metrics.py`
-    (`ImageFolderDataset(max_size=N, random_seed=seed)`) selects."""
-    torch, _ = release()
-    from training import dataset
+    (`ImageFolderDataset(max_size=N, random_seed=seed)`) selects: golden lists recorded
+    from it on the same 26-file folder (`tests/data/release_interop/folder_subset.json`)."""
+    gold = json.loads(golden("release_interop/folder_subset.json").read_text())
     for d in ("a", "b"):
         (tmp_path / d).mkdir()
     names = [f"{d}/{i:03d}.png" for d in ("a", "b") for i in range(13)]
+    assert gold["folder"] == names
     for i, n in enumerate(names):
         PIL.Image.fromarray(np.full((4, 4, 3), i, np.uint8)).save(tmp_path / n)
-    for num, seed in ((26, 0), (5, 0), (5, 7), (20, 2**31 + 7)):
-        theirs = dataset.ImageFolderDataset(path=str(tmp_path), max_size=num, random_seed=seed)
-        want = [str(tmp_path / theirs._image_fnames[i]) for i in theirs._raw_idx]
-        assert evaluate.folder_subset(str(tmp_path), num, seed) == want
+    assert [(s["num"], s["seed"]) for s in gold["subsets"]] == [(26, 0), (5, 0), (5, 7), (20, 2**31 + 7)]
+    for s in gold["subsets"]:
+        want = [str(tmp_path / f) for f in s["files"]]
+        assert evaluate.folder_subset(str(tmp_path), s["num"], s["seed"]) == want
     assert evaluate.folder_subset(str(tmp_path), 5, 0) != evaluate.folder_subset(str(tmp_path), 5, 1)
     first = np.concatenate(list(evaluate.folder_images(str(tmp_path), 5, 2, seed=7)))
     want = [int(n.split("/")[1][:3]) + 13 * (n.split("/")[0] == "b")
