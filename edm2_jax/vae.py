@@ -4,8 +4,9 @@ The paper's ImageNet-512 models (Sec. 5) run in the latent space of Stability's
 `stabilityai/sd-vae-ft-mse`, the KL autoencoder of Rombach et al. 2022 ("High-Resolution
 Image Synthesis with Latent Diffusion Models", Sec. 3 and App. G) as diffusers'
 `AutoencoderKL` holds it. This module is that network in Flax linen, NHWC, written from
-the architecture: diffusers dropped its Flax models (`FlaxAutoencoderKL` was deprecated in
-0.35 and is gone from 0.40 on), so no maintained JAX implementation installs from PyPI.
+the architecture: diffusers deprecated its Flax models in 2025 (announced for removal in
+0.40) and its current release (0.42.1, checked) has no `FlaxAutoencoderKL`; an older
+diffusers pinned for an unmaintained class was not worth a dependency.
 Parity with diffusers' PyTorch `AutoencoderKL` is tested on random weights
 (tests/test_vae.py).
 
