@@ -36,7 +36,7 @@ import PIL.Image
 from tqdm import tqdm
 
 from edm2_jax import checkpoint as ckpt_lib
-from edm2_jax import rundir
+from edm2_jax import paths, rundir
 from edm2_jax import vae as vae_lib
 from edm2_jax.networks import Precond, precond_from_config
 from edm2_jax.sampling import sample_images, save_image_grid
@@ -64,7 +64,7 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
 
     Raises FileNotFoundError naming what was looked for, KeyError for an unknown EMA.
     """
-    path = os.path.abspath(os.path.expanduser(path))
+    path = paths.normalize(path)  # local or gs://
     if ckpt_lib.is_network_checkpoint(path) and rundir.is_run(path):
         raise ValueError(f"{path} is both a training run and a network checkpoint "
                          f"(network.json + variables/, e.g. from --mode=convert into the run); "
@@ -108,7 +108,7 @@ def net_encoder(path: str) -> str:
     kind `load_net` reads), from its metadata only: network.json, or the run's
     config.json (`vae.encoder_of`). Raises what reading them raises; a path of no known
     kind gives 'none' (`load_net` then names the problem)."""
-    path = os.path.abspath(os.path.expanduser(path))
+    path = paths.normalize(path)
     if ckpt_lib.is_network_checkpoint(path):
         cfg, meta = ckpt_lib.read_network_json(path)
         return vae_lib.encoder_of(cfg, meta)
@@ -199,9 +199,10 @@ def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outd
         if outdir:
             for seed, img in zip(b, imgs):
                 d = os.path.join(outdir, f"{seed - seed % MAX_SEEDS_PER_DIR:06d}") if subdirs else outdir
-                os.makedirs(d, exist_ok=True)
-                PIL.Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(
-                    os.path.join(d, f"{seed:06d}.png"))
+                paths.makedirs(d)  # outdir may be gs:// (paths.py)
+                with paths.open(os.path.join(d, f"{seed:06d}.png"), "wb") as f:
+                    PIL.Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img).save(
+                        f, format="PNG")
         bar.update(len(b))
         yield np.asarray(b), imgs
     bar.close()
