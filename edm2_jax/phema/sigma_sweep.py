@@ -15,6 +15,7 @@ import numpy as np
 
 from edm2_jax import checkpoint as ckpt_lib
 from edm2_jax import evaluate, rundir
+from edm2_jax import paths as paths_lib
 from edm2_jax.phema.reconstruction import reconstruct
 
 
@@ -48,7 +49,7 @@ def sweep(workdir: str, sigma_rels: Sequence[float], metric_fn: Callable[[str], 
         print(f"  sigma_rel {s:.3f}  {metric_name} {value:.6g}")
     base = os.path.join(os.path.dirname(paths[0]),
                         f"sweep-{int(rows[0]['kimg']):07d}-{metric_name}")
-    with open(base + ".csv", "w", newline="") as f:
+    with paths_lib.open(base + ".csv", "w") as f:  # local or gs://
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
@@ -81,7 +82,8 @@ def _plot(rows: list[dict], metric_name: str, path: str) -> None:
     ax.set_title(f"post-hoc EMA sweep at kimg {rows[0]['kimg']:g}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with paths_lib.open(path, "wb") as f:
+        fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
 
 
