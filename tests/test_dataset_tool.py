@@ -1,0 +1,220 @@
+"""dataset_tool convert / encode: the release's layout, transforms, latents, errors."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import PIL.Image
+import pytest
+
+from edm2_jax import dataset_tool as DT
+from edm2_jax import vae as V
+from edm2_jax.data.image_folder import ImageFolder
+from edm2_jax.data.latents import LatentFolder
+
+TINY = V.VAEConfig(block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _save_tiny_vae(path, config=TINY, seed=0) -> str:
+    """A random-weight AutoencoderKL of `config` saved as diffusers' safetensors (torch
+    names and layouts), with a config.json for the norm groups."""
+    safetensors = pytest.importorskip("safetensors.numpy")
+    params = V.AutoencoderKL(config).init(jax.random.PRNGKey(seed),
+                                          jnp.zeros((1, 2, 2, 3)))["params"]
+    rng = np.random.default_rng(seed)
+    sd = {}
+    for kp, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        key = "/".join(k.key for k in kp)
+        a = np.asarray(leaf, np.float32)
+        a = a + 0.1 * rng.standard_normal(a.shape).astype(np.float32)  # non-trivial norms/biases
+        if key.endswith("kernel"):
+            a = a.transpose(3, 2, 0, 1) if a.ndim == 4 else a.T
+        sd[V._torch_name(key)] = np.ascontiguousarray(a)
+    os.makedirs(path, exist_ok=True)
+    safetensors.save_file(sd, os.path.join(path, "diffusion_pytorch_model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"block_out_channels": list(config.block_out_channels),
+                   "norm_num_groups": config.norm_num_groups}, f)
+    return str(path)
+
+
+def _img(seed, h=8, w=8):
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _source_folder(root, sizes=(8, 8)) -> dict:
+    """cats/a.png, cats/b.png, dogs/c.png (+ a .txt to ignore); returns {rel: img}."""
+    imgs = {"cats/a.png": _img(1, *sizes), "cats/b.png": _img(2, *sizes),
+            "dogs/c.png": _img(3, *sizes)}
+    for rel, a in imgs.items():
+        os.makedirs(os.path.join(root, os.path.dirname(rel)), exist_ok=True)
+        PIL.Image.fromarray(a).save(os.path.join(root, rel))
+    with open(os.path.join(root, "notes.txt"), "w") as f:
+        f.write("not an image")
+    return imgs
+
+
+def _release_spec_zip(path, imgs_labels) -> None:
+    """A data set built by hand to the release's spec: stored zip, uncompressed PNGs at
+    00000/img%08d.png, dataset.json {"labels": [[name, label], ...]}."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as z:
+        labels = []
+        for i, (img, label) in enumerate(imgs_labels):
+            name = f"00000/img{i:08d}.png"
+            b = io.BytesIO()
+            PIL.Image.fromarray(img).save(b, format="png", compress_level=0)
+            z.writestr(name, b.getvalue())
+            labels.append([name, label])
+        z.writestr("dataset.json", json.dumps({"labels": labels}))
+
+
+def test_convert_folder_with_subfolder_labels_matches_the_release_layout(tmp_path):
+    imgs = _source_folder(tmp_path / "src")
+    n = DT.convert(str(tmp_path / "src"), str(tmp_path / "out.zip"), quiet=True)
+    assert n == 3
+    with zipfile.ZipFile(tmp_path / "out.zip") as z:
+        assert sorted(z.namelist()) == ["00000/img00000000.png", "00000/img00000001.png",
+                                        "00000/img00000002.png", "dataset.json"]
+        assert all(i.compress_type == zipfile.ZIP_STORED for i in z.infolist())
+        meta = json.loads(z.read("dataset.json"))
+    assert meta == {"labels": [["00000/img00000000.png", 0], ["00000/img00000001.png", 0],
+                               ["00000/img00000002.png", 1]]}
+    # our reader, and a file built by hand to the release's spec, agree
+    _release_spec_zip(tmp_path / "spec.zip", [(imgs["cats/a.png"], 0), (imgs["cats/b.png"], 0),
+                                              (imgs["dogs/c.png"], 1)])
+    ours, spec = ImageFolder(str(tmp_path / "out.zip")), ImageFolder(str(tmp_path / "spec.zip"))
+    assert ours.fnames == spec.fnames and ours.label_dim == spec.label_dim == 2
+    for i in range(3):
+        (a, la), (b, lb) = ours[i], spec[i]
+        np.testing.assert_array_equal(a, b)
+        assert la == lb
+    np.testing.assert_array_equal(ours[2][0].reshape(8, 8, 3), imgs["dogs/c.png"])
+    # and the other way: the hand-built release file converts to the same (zip source,
+    # its dataset.json labels), into a folder
+    DT.convert(str(tmp_path / "spec.zip"), str(tmp_path / "again"), quiet=True)
+    again = ImageFolder(str(tmp_path / "again"))
+    assert [again[i][1] for i in range(3)] == [0, 0, 1]
+    np.testing.assert_array_equal(again[1][0], spec[1][0])
+
+
+def test_unlabelled_is_null_and_resolution_resizes(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(2):
+        PIL.Image.fromarray(_img(i, 10, 10)).save(src / f"{i}.png")
+    DT.convert(str(src), str(tmp_path / "o.zip"), resolution="8x8", quiet=True)
+    with zipfile.ZipFile(tmp_path / "o.zip") as z:
+        assert json.loads(z.read("dataset.json")) == {"labels": None}
+    f = ImageFolder(str(tmp_path / "o.zip"), use_labels=False)
+    assert f.resolution == 8 and len(f) == 2
+    want = np.array(PIL.Image.fromarray(_img(0, 10, 10)).resize((8, 8), PIL.Image.LANCZOS))
+    np.testing.assert_array_equal(f[0][0].reshape(8, 8, 3), want)
+
+
+def test_center_crop_dhariwal_against_the_formula():
+    """A 40x18 (WxH) image to 8: halve (18 >= 16) with a box filter to 20x9, bicubic to
+    round(20 * 8/9) x 8 = 18x8, then the central 8 columns: 5..12."""
+    img = np.random.default_rng(0).integers(0, 256, (18, 40, 3), dtype=np.uint8)
+    half = PIL.Image.fromarray(img).resize((20, 9), PIL.Image.Resampling.BOX)
+    small = np.array(half.resize((18, 8), PIL.Image.Resampling.BICUBIC))
+    np.testing.assert_array_equal(DT.center_crop_dhariwal(img, 8), small[:, 5:13])
+    out = DT.make_transform("center-crop-dhariwal", (8, 8))(img)
+    assert out.shape == (8, 8, 3)
+    with pytest.raises(DT.DatasetToolError, match="square --resolution"):
+        DT.make_transform("center-crop-dhariwal", (8, 4))
+    with pytest.raises(DT.DatasetToolError, match="needs --resolution"):
+        DT.make_transform("center-crop-wide", None)
+    wide = DT.make_transform("center-crop-wide", (8, 4))(img)
+    assert wide.shape == (8, 8, 3) and not wide[:2].any() and not wide[6:].any()
+
+
+def test_bad_inputs_name_the_fix(tmp_path):
+    with pytest.raises(DT.DatasetToolError, match="does not exist"):
+        DT.convert(str(tmp_path / "nope"), str(tmp_path / "o.zip"), quiet=True)
+    with pytest.raises(DT.DatasetToolError, match="--resolution=12y5"):
+        DT.convert(str(tmp_path), str(tmp_path / "o.zip"), resolution="12y5", quiet=True)
+    src = tmp_path / "src"
+    src.mkdir()
+    PIL.Image.fromarray(_img(0, 12, 12)).save(src / "a.png")
+    (src / "b.png").write_bytes(b"\x89PNG garbage")
+    with pytest.raises(DT.DatasetToolError, match=r"cannot read image .*b\.png"):
+        DT.convert(str(src), str(tmp_path / "o.zip"), resolution="8x8", quiet=True)
+    (src / "b.png").unlink()
+    with pytest.raises(DT.DatasetToolError, match="power of two"):
+        DT.convert(str(src), str(tmp_path / "o2.zip"), quiet=True)
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+    with pytest.raises(DT.DatasetToolError, match="not empty"):
+        DT.convert(str(src), str(full), resolution="8x8", quiet=True)
+    r = subprocess.run([sys.executable, "-m", "edm2_jax.dataset_tool", "convert",
+                        f"--source={tmp_path / 'nope'}", f"--dest={tmp_path / 'o.zip'}"],
+                       capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 1 and r.stderr.startswith("error: --source=") and "Traceback" not in r.stderr
+
+
+def test_fashion_mnist_source(tmp_path):
+    from edm2_jax.data.fashion_mnist import DEFAULT_PATH
+    if not os.path.isdir(DEFAULT_PATH):
+        pytest.skip("Fashion-MNIST files not installed")
+    DT.convert("fashion_mnist", str(tmp_path / "fm.zip"), resolution="16x16", max_images=5,
+               quiet=True)
+    f = ImageFolder(str(tmp_path / "fm.zip"))
+    assert len(f) == 5 and f.resolution == 16 and f[0][0].shape[-1] == 3
+
+
+@pytest.mark.parametrize("batch", [2, 8])
+def test_encode_writes_release_latents_equal_to_vae_encode(tmp_path, batch):
+    """3 labelled 16x16 images -> 3 .npy [8, 8, 8] (the tiny VAE downsamples 2x) that
+    LatentFolder reads, equal to vae.encode_pixels of the same pixels; batch 2 (a padded
+    last batch) and 8 (one padded batch) give the same values."""
+    vae_dir = _save_tiny_vae(tmp_path / "vae")
+    _source_folder(tmp_path / "src", sizes=(16, 16))
+    DT.convert(str(tmp_path / "src"), str(tmp_path / "img.zip"), quiet=True)
+    n = DT.encode(str(tmp_path / "img.zip"), str(tmp_path / "lat.zip"), vae_dir, batch=batch,
+                  quiet=True)
+    assert n == 3
+    with zipfile.ZipFile(tmp_path / "lat.zip") as z:
+        names = sorted(z.namelist())
+        assert names == ["00000/img-mean-std-00000000.npy", "00000/img-mean-std-00000001.npy",
+                         "00000/img-mean-std-00000002.npy", "dataset.json"]
+        arr = np.load(io.BytesIO(z.read(names[1])))
+        assert json.loads(z.read("dataset.json"))["labels"][2] == [names[2], 1]
+    assert arr.shape == (8, 8, 8) and arr.dtype == np.float32
+    lat = LatentFolder(str(tmp_path / "lat.zip"))
+    assert len(lat) == 3 and lat.label_dim == 2 and [lat[i][1] for i in range(3)] == [0, 0, 1]
+    imgs = ImageFolder(str(tmp_path / "img.zip"))
+    pixels = np.stack([imgs[i][0].reshape(16, 16, 3) for i in range(3)])
+    want = V.load_vae(vae_dir).encode_pixels(pixels)
+    got = np.stack([lat[i][0] for i in range(3)])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(arr.transpose(1, 2, 0), want[1], rtol=1e-5, atol=1e-6)
+    assert np.all(got[..., 4:] > 0)  # std
+
+
+def test_encode_unlabelled_and_bad_inputs(tmp_path):
+    vae_dir = _save_tiny_vae(tmp_path / "vae")
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(2):
+        PIL.Image.fromarray(_img(i, 16, 16)).save(src / f"{i}.png")
+    DT.encode(str(src), str(tmp_path / "lat"), vae_dir, batch=4, quiet=True)
+    assert json.loads((tmp_path / "lat" / "dataset.json").read_text()) == {"labels": None}
+    assert LatentFolder(str(tmp_path / "lat"), use_labels=False).resolution == 8
+    with pytest.raises(FileNotFoundError, match="--vae"):
+        DT.encode(str(src), str(tmp_path / "x.zip"), str(tmp_path / "novae"), quiet=True)
+    assert not (tmp_path / "x.zip").exists()
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    PIL.Image.fromarray(_img(0, 15, 15)).save(odd / "a.png")
+    with pytest.raises(DT.DatasetToolError, match="multiples of 2"):
+        DT.encode(str(odd), str(tmp_path / "y.zip"), vae_dir, quiet=True)
