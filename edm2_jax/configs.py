@@ -95,7 +95,8 @@ def base_config() -> ml_collections.ConfigDict:
     # TensorBoard as eval/<metric>.
     c.eval = ml_collections.ConfigDict(dict(
         metrics="", num_images=1000, sigma_rel=0.0, num_steps=32, batch_size=100, seed=0,
-        ref_split="test", classifier_epochs=3, classifier_batch_size=128, dinov2=""))
+        ref_split="test", classifier_epochs=3, classifier_batch_size=128, dinov2="",
+        vae=""))
     return c
 
 

@@ -25,6 +25,13 @@ biased upward and is never to be compared with FID-50k), `fd_dinov2` (FD_DINOv2,
 Frechet distance in DINOv2 ViT-L/14 features, `metrics.dinov2`; `fd_dinov2{N}` likewise;
 needs the weights file, `--dinov2=PATH`), `cls` (`fd_cls`, `kid_cls`, `precision_cls`,
 `recall_cls` in the classifier's penultimate features; never FID).
+
+Latent (img512) networks: their samples are decoded to RGB by the SD VAE (`--vae=PATH`,
+`config.eval.vae` during training; `generate.check_vae`: a latent net without it fails
+before anything heavy, naming `--vae`) and measured as uint8 RGB. Reference data from a
+latent data set (no `--ref`) are the VAE's decodes of each stored latent's mean
+(`DecodedSource`): reconstructions, not the original pixels; for the paper's figures give
+`--ref` (statistics of the real images, `--mode=ref --images=...`).
 """
 from __future__ import annotations
 
@@ -71,10 +78,11 @@ def folder_images(path: str, num_images: int, batch_size: int = 64,
 
 def net_images(net_path: str, seeds: Sequence[int], batch_size: int = 64,
                ema: str | None = None, num_steps: int = 32, guide_path: str | None = None,
-               guide_ema: str | None = None, guidance: float = 1.0,
+               guide_ema: str | None = None, guidance: float = 1.0, vae: Any = None,
                **gen_kw) -> Iterator[np.ndarray]:
     """uint8 NHWC batches of the images `net_path` generates for `seeds` (guided by
-    `guide_path` with weight `guidance`; `generate.load_guide`); `gen_kw`: the other
+    `guide_path` with weight `guidance`; `generate.load_guide`), decoded to RGB by `vae`
+    (an `SDVAE`, for a latent net; `generate.check_vae`); `gen_kw`: the other
     arguments of `generate.generate_images` (class_idx, sampler settings)."""
     from edm2_jax import generate
     net, variables, desc = generate.load_net(net_path, ema)
@@ -82,7 +90,7 @@ def net_images(net_path: str, seeds: Sequence[int], batch_size: int = 64,
     print(f"Generating {len(seeds)} images from {desc}")
     for _, imgs in generate.generate_images(net, variables, list(seeds), batch_size=batch_size,
                                             num_steps=num_steps, guide=guide, guidance=guidance,
-                                            **gen_kw):
+                                            vae=vae, **gen_kw):
         yield imgs
 
 
@@ -113,6 +121,39 @@ def feature_extractor(metric: str, dinov2: str | None = None):
     return dinov2_lib.load_dinov2(dinov2), dinov2_lib.features_uint8
 
 
+class DecodedSource:
+    """A latent data `Source` (`LatentFolder`) seen as uint8 RGB images: item `i` is the
+    SD VAE's decode of its stored mean (`encode_latents(raw, noise=0)`), with its label;
+    the reference images of metrics on a latent data set (reconstructions, not the
+    original pixels). Decodes `chunk` items at a time and keeps the last chunk."""
+
+    def __init__(self, source: Any, vae: Any, chunk: int = 64):
+        self.source, self.vae, self.chunk = source, vae, int(chunk)
+        self.name = f"{getattr(source, 'name', 'latents')} (VAE-decoded)"
+        self.label_dim = getattr(source, "label_dim", 0)
+        self._cache: tuple[int, np.ndarray, list] | None = None
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    @property
+    def num_images(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        from edm2_jax import vae as vae_lib
+        if not 0 <= i < len(self):
+            raise IndexError(f"index {i} out of range for {self.name} with {len(self)} items")
+        a = i - i % self.chunk
+        if self._cache is None or self._cache[0] != a:
+            items = [self.source[j] for j in range(a, min(a + self.chunk, len(self)))]
+            raw = np.stack([x for x, _ in items]).astype(np.float32)
+            x = vae_lib.encode_latents(raw, np.zeros(raw.shape[:-1] + (vae_lib.LATENT_CHANNELS,),
+                                                     np.float32))
+            self._cache = (a, self.vae.decode(x), [lab for _, lab in items])
+        return self._cache[1][i - a], self._cache[2][i - a]
+
+
 class Metrics:
     """The metrics `names` (`fid`, `cls`) of sets of `num_images` generated images, with
     the reference side (Inception statistics, or the classifier and its features of the
@@ -132,6 +173,8 @@ class Metrics:
       ref_split: the reference split (`test` by default; `train` for a dataset floor).
       classifier_config: `metrics.classifier.TrainConfig` (None = its defaults).
       log: print progress of the one-off preparation.
+      vae: an `SDVAE`; reference data from a latent data set are decoded by it
+        (`DecodedSource`). Required for reference data of a latent data set.
     Raises ValueError for an unknown metric name, when reference data is missing or the
     reference file lacks a metric's entry; FileNotFoundError without the DINOv2 weights.
     """
@@ -139,7 +182,8 @@ class Metrics:
     def __init__(self, names: Sequence[str], num_images: int, *, ref: str | None = None,
                  data_config: Any = None, ref_split: str = "test",
                  classifier_config: Any = None, log: bool = True,
-                 dinov2: str | None = None):
+                 dinov2: str | None = None, vae: Any = None):
+        self.vae = vae
         self.names = [n.strip() for n in names if n.strip()]
         unknown = sorted(set(self.names) - set(METRICS))
         if unknown:
@@ -177,7 +221,14 @@ class Metrics:
         if self._data_config is None:
             raise ValueError("this metric needs reference data: pass --config (its data "
                              "section) or --ref")
-        return data_lib.make_source(dict(dict(self._data_config), split=split))
+        src = data_lib.make_source(dict(dict(self._data_config), split=split))
+        if getattr(src, "encoder", "none") == "sd-vae":
+            if self.vae is None:
+                raise ValueError(f"the reference data {src.path} are SD-VAE latents: decoding "
+                                 f"them needs the VAE (--vae=PATH, or config.eval.vae during "
+                                 f"training), or give --ref statistics of the real images")
+            return DecodedSource(src, self.vae)
+        return src
 
     def __call__(self, images: np.ndarray) -> dict:
         """Metrics of uint8 `[num_images, H, W, C]` images: a flat dict of floats with
@@ -205,7 +256,8 @@ class Metrics:
 
 def evaluate(images: Iterator[np.ndarray], num_images: int, metrics: list[str], *,
              ref: str | None = None, data_config: Any = None, ref_split: str = "test",
-             classifier_config: Any = None, dinov2: str | None = None) -> dict:
+             classifier_config: Any = None, dinov2: str | None = None,
+             vae: Any = None) -> dict:
     """Compute `metrics` over `images` (uint8 NHWC batches, `num_images` in all).
 
     `fid` / `fd_dinov2` need `ref` (a reference .pkl/.npz) or `data_config` (reference
@@ -217,7 +269,7 @@ def evaluate(images: Iterator[np.ndarray], num_images: int, metrics: list[str], 
     Raises ValueError for an unknown metric or fewer than `num_images` images.
     """
     suite = Metrics(metrics, num_images, ref=ref, data_config=data_config, ref_split=ref_split,
-                    classifier_config=classifier_config, dinov2=dinov2)
+                    classifier_config=classifier_config, dinov2=dinov2, vae=vae)
     results: dict = {"num_images": num_images, **suite.info}
     t = time.time()
     gen = np.concatenate(list(images))[:num_images]
@@ -237,7 +289,9 @@ class TrainingEval:
     'fd_dinov2'), `dinov2` (the DINOv2 weights file of 'fd_dinov2'), `num_images`,
     `sigma_rel` (the power EMA to evaluate, 0 = the largest tracked), `num_steps` (Heun
     steps), `batch_size`, `seed` (first seed; the same seeds at every snapshot),
-    `ref_split`, `classifier_epochs`, `classifier_batch_size`.
+    `ref_split`, `classifier_epochs`, `classifier_batch_size`, `vae` (the SD VAE that
+    decodes a latent run's samples and reference latents to RGB before measuring;
+    required when `data.encoder='sd-vae'`, refused otherwise).
 
     Construction prepares the references (and trains the classifier once if it is not
     cached), so a config error or a missing dataset fails before the first step.
@@ -265,27 +319,46 @@ class TrainingEval:
         if self.num_images < 4:
             raise ValueError(f"eval.num_images={self.num_images}: need at least 4 images")
         self.ema_key = self.ema_key_of(config)
+        self.vae = self.vae_of(config)
         t = time.time()
         clf_config = cls_lib.TrainConfig(epochs=int(e.classifier_epochs),
                                          batch_size=int(e.classifier_batch_size))
         self.metrics = Metrics(str(e.metrics).split(","), self.num_images,
                                data_config=config.data, ref_split=str(e.ref_split),
                                classifier_config=clf_config, log=log,
-                               dinov2=str(e.get("dinov2", "")) or None)
+                               dinov2=str(e.get("dinov2", "")) or None, vae=self.vae)
         if log:
             print(f"Evaluation during training: {self.metrics.names} of {self.num_images} "
                   f"images of EMA sigma_rel={self.ema_key} ({self.num_steps} steps) at every "
                   f"snapshot, vs the {e.ref_split} split [set up in {time.time() - t:.1f} s]")
 
+    @staticmethod
+    def vae_of(config: Any) -> Any:
+        """The `SDVAE` of `config.eval.vae` for a latent run (`data.encoder='sd-vae'`),
+        None for a pixel-space run. Raises ValueError when a latent run has none or a
+        pixel-space run has one; `vae.load_vae`'s errors for a bad file."""
+        from edm2_jax import vae as vae_lib
+        path = str(config.eval.get("vae", "") or "")
+        latent = str(config.data.get("encoder", "none") or "none") == "sd-vae"
+        if latent and not path:
+            raise ValueError(f"eval.metrics={config.eval.metrics!r} on a latent run "
+                             f"(data.encoder='sd-vae'): its samples must be decoded to RGB "
+                             f"before measuring; set --config.eval.vae=PATH (the SD VAE, as "
+                             f"--vae; {vae_lib.SD_VAE_URL}) or --config.eval.metrics=''")
+        if path and not latent:
+            raise ValueError(f"eval.vae={path} given, but the run is in pixel space "
+                             f"(data.encoder='none'); drop --config.eval.vae")
+        return vae_lib.load_vae(path) if latent else None
+
     def __call__(self, net: Any, variables: dict) -> dict:
-        """Generate and measure; returns `{'eval/<metric>': float, ...}` including
+        """Generate (and decode, for a latent run) and measure; returns `{'eval/<metric>': float, ...}` including
         `eval/time_s` (generation and metrics)."""
         from edm2_jax import generate
         t = time.time()
         seeds = list(range(self.seed, self.seed + self.num_images))
         imgs = np.concatenate([b for _, b in generate.generate_images(
             net, variables, seeds, batch_size=self.batch_size, num_steps=self.num_steps,
-            progress=False, all_processes=False)])
+            progress=False, all_processes=False, vae=self.vae)])
         res = self.metrics(imgs)
         out = {f"eval/{k}": float(v) for k, v in res.items() if not k.startswith("time_")}
         out["eval/time_s"] = time.time() - t
@@ -306,21 +379,57 @@ def source_images(data_config: Any, split: str, num_images: int, seed: int = 0,
         yield np.stack([src[j][0] for j in idx[i:i + batch_size]])
 
 
+def _is_latent_data(data_config: Any) -> bool:
+    return bool(data_config) and str(dict(data_config).get("encoder") or "none") == "sd-vae"
+
+
+def _vae_for_data(vae_path: str | None, data_config: Any) -> Any:
+    """Without a `--net`: the VAE that decodes latent reference / split data, or None.
+    Raises ValueError for `--vae` with pixel data (nothing to decode)."""
+    from edm2_jax import vae as vae_lib
+    if not vae_path:
+        return None
+    if not _is_latent_data(data_config):
+        raise ValueError(f"--vae={vae_path} decodes a latent net's samples or latent data, "
+                         f"but there is neither here (no --net, and the --config data are "
+                         f"pixels); drop --vae")
+    return vae_lib.load_vae(vae_path)
+
+
+def _decoded_batches(data_config: Any, split: str, num_images: int, vae: Any,
+                     batch_size: int) -> Iterator[np.ndarray]:
+    """`source_images` of a latent data set, decoded to RGB (`DecodedSource`)."""
+    from edm2_jax import data as data_lib
+    src = DecodedSource(data_lib.make_source(dict(data_config, split=split)), vae, batch_size)
+    if len(src) < num_images:
+        raise ValueError(f"{src.name} has {len(src)} images, fewer than --num_images={num_images}")
+    idx = np.sort(np.random.RandomState(0).choice(len(src), num_images, replace=False))
+    for i in range(0, num_images, batch_size):
+        yield np.stack([src[j][0] for j in idx[i:i + batch_size]])
+
+
 def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int | None,
               metrics: str, ref: str | None, data_config: Any, ema: str | None = None,
               batch_size: int = 64, num_steps: int = 32, out_json: str | None = None,
               ref_split: str = "test", data_split_images: str | None = None,
               classifier_config: Any = None, seeds: str | Sequence[int] | None = None,
-              subset_seed: int = 0, dinov2: str | None = None, **gen_kw) -> dict:
+              subset_seed: int = 0, dinov2: str | None = None, vae_path: str | None = None,
+              **gen_kw) -> dict:
     """CLI body of `--mode=eval` (see module doc). Prints and returns the results.
 
     `seeds` (`'0-49999'` or ints; default `0 .. num_images - 1`) are the seeds a `--net`
     generates; `num_images` None means `len(seeds)`. `subset_seed` picks the random
-    subset of an `--images` folder (`folder_subset`). `gen_kw`: `net_images`'s (guide_path,
-    guide_ema, guidance, class_idx, sampler settings). Raises ValueError when `seeds`
-    and `num_images` disagree."""
+    subset of an `--images` folder (`folder_subset`). `vae_path`: `--vae`, the SD VAE that
+    decodes a latent net's samples (checked first, `generate.check_vae`) and latent
+    reference data. `gen_kw`: `net_images`'s (guide_path, guide_ema, guidance, class_idx,
+    sampler settings). Raises ValueError when `seeds` and `num_images` disagree, for a
+    latent net without `--vae` or a pixel-space net with one."""
     from edm2_jax import generate
     names = [m.strip() for m in metrics.split(",") if m.strip()]
+    if net_path:  # before anything heavy: a latent net needs --vae, an RGB net refuses it
+        vae = generate.check_vae(net_path, vae_path, gen_kw.get("guide_path"))
+    else:
+        vae = _vae_for_data(vae_path, data_config)
     if seeds is not None:
         seeds = generate.parse_seeds(seeds) if isinstance(seeds, str) else list(seeds)
         if not net_path:
@@ -351,9 +460,12 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int |
         imgs = folder_images(images_dir, num_images, batch_size, seed=subset_seed)
     else:
         imgs = net_images(net_path, seeds or range(num_images), batch_size, ema=ema,
-                          num_steps=num_steps, **gen_kw)
+                          num_steps=num_steps, vae=vae, **gen_kw)
+    if data_split_images and vae is not None:
+        imgs = (b for b in _decoded_batches(data_config, data_split_images, num_images, vae,
+                                            batch_size))
     res = evaluate(imgs, num_images, names, ref=ref, data_config=data_config, ref_split=ref_split,
-                   classifier_config=classifier_config, dinov2=dinov2)
+                   classifier_config=classifier_config, dinov2=dinov2, vae=vae)
     print(json.dumps(res, indent=2))
     if out_json:
         with open(out_json, "a") as f:

@@ -79,7 +79,7 @@ flags.DEFINE_string("grid", None, "generate: also write all images as one grid P
 flags.DEFINE_integer("class_idx", None, "generate: class for every image (default random per seed).")
 flags.DEFINE_integer("batch", 64, "generate: images per batch (split over devices).")
 flags.DEFINE_integer("steps", 32, "generate: sampler steps N (2N-1 network evaluations).")
-flags.DEFINE_string("vae", None, "generate: the SD VAE that decodes a latent (img512) net's "
+flags.DEFINE_string("vae", None, "generate, eval, phema_sweep: the SD VAE that decodes a latent (img512) net's "
                     "samples: its diffusion_pytorch_model.safetensors / .bin or diffusers folder.")
 flags.DEFINE_string("guide", None, "generate/eval: guide network (unconditional for CFG, smaller/earlier for autoguidance).")
 flags.DEFINE_string("guide_ema", None, "generate: which EMA of the guide run.")
@@ -248,7 +248,7 @@ def _dispatch():
             ema=FLAGS.ema, batch_size=FLAGS.batch, out_json=FLAGS.out_json,
             class_idx=FLAGS.class_idx, seeds=seeds, subset_seed=FLAGS.subset_seed,
             guide_path=FLAGS.guide, guide_ema=FLAGS.guide_ema, guidance=FLAGS.guidance,
-            dinov2=FLAGS.dinov2, **_sampler_flags())
+            dinov2=FLAGS.dinov2, vae_path=FLAGS.vae, **_sampler_flags())
     elif FLAGS.mode == "ref":
         if not FLAGS.ref:
             raise app.UsageError("--mode=ref needs --ref=OUT.pkl (where to write the statistics)")
@@ -267,7 +267,8 @@ def _dispatch():
             FLAGS.workdir, _sigma_rels(), metrics=FLAGS.metrics, num_images=FLAGS.num_images,
             batch_size=FLAGS.batch, num_steps=FLAGS.steps, ref=FLAGS.ref,
             ref_split=FLAGS.ref_split, data_config=_data_config(), at_kimg=FLAGS.at_kimg,
-            out_dir=FLAGS.outdir, per_tensor=FLAGS.per_tensor, dinov2=FLAGS.dinov2)
+            out_dir=FLAGS.outdir, per_tensor=FLAGS.per_tensor, dinov2=FLAGS.dinov2,
+            vae_path=FLAGS.vae)
     elif FLAGS.mode == "convert":
         if not FLAGS.src:
             raise app.UsageError("--mode=convert needs --src=FILE")

@@ -218,3 +218,96 @@ def test_encode_unlabelled_and_bad_inputs(tmp_path):
     PIL.Image.fromarray(_img(0, 15, 15)).save(odd / "a.png")
     with pytest.raises(DT.DatasetToolError, match="multiples of 2"):
         DT.encode(str(odd), str(tmp_path / "y.zip"), vae_dir, quiet=True)
+
+
+# ------------------------------------------------------- decoding before measuring (eval)
+
+def _fake_features(seen):
+    """A cheap feature extractor standing in for Inception: per-channel means of uint8
+    RGB images; records the shapes and dtypes it was given."""
+    def fn(params, images):
+        images = np.asarray(images)
+        seen.append((images.shape, images.dtype))
+        return images.reshape(len(images), -1, images.shape[-1]).mean(1)
+    return fn
+
+
+def _latent_setup(tmp_path, n=8):
+    from tests.test_vae import NET, _save_net
+    vae_dir = _save_tiny_vae(tmp_path / "vae")
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(n):
+        PIL.Image.fromarray(_img(10 + i, 16, 16)).save(src / f"{i}.png")
+    DT.encode(str(src), str(tmp_path / "lat.zip"), vae_dir, batch=n, quiet=True)
+    data = dict(source="folder", path=str(tmp_path / "lat.zip"), encoder="sd-vae",
+                use_labels=False)
+    return vae_dir, _save_net(tmp_path / "net", NET), data
+
+
+def test_eval_decodes_a_latent_net_and_latent_reference_data(tmp_path, monkeypatch):
+    """--mode=eval of a latent net (8x8x4) with --vae: generated latents and the latent
+    reference data both reach the metric as uint8 RGB 16x16 (the tiny VAE's 2x), and the
+    metric is finite; without --vae it fails naming --vae before any metric is set up."""
+    from edm2_jax import evaluate
+    vae_dir, net, data = _latent_setup(tmp_path)
+    seen = []
+    calls = []
+    monkeypatch.setattr(evaluate, "feature_extractor",
+                        lambda m, d=None: calls.append(m) or (None, _fake_features(seen)))
+    with pytest.raises(ValueError, match=r"latent network.*pass --vae=PATH"):
+        evaluate.main_eval(images_dir=None, net_path=net, num_images=8, metrics="fid",
+                           ref=None, data_config=data)
+    assert calls == []
+    res = evaluate.main_eval(images_dir=None, net_path=net, num_images=8, metrics="fid",
+                             ref=None, data_config=data, vae_path=vae_dir, num_steps=2,
+                             batch_size=4)
+    assert np.isfinite(res["fid8"]) and res["fid8"] >= 0
+    assert seen and all(s[1:] == (16, 16, 3) and d == np.uint8 for s, d in seen)
+    # the reference side: the VAE's decodes of the stored means
+    src = evaluate.DecodedSource(LatentFolder(data["path"], use_labels=False),
+                                 V.load_vae(vae_dir), chunk=3)
+    raw = LatentFolder(data["path"], use_labels=False)[4][0][None]
+    want = V.load_vae(vae_dir).decode(V.encode_latents(raw, np.zeros((1, 8, 8, 4), np.float32)))
+    np.testing.assert_array_equal(src[4][0], want[0])
+    assert len(src) == 8 and src[4][1] == -1
+
+
+def test_training_eval_and_sweep_need_the_vae_for_latent_runs(tmp_path):
+    import ml_collections
+    from edm2_jax import evaluate
+    from edm2_jax.phema import sigma_sweep
+    from tests.test_vae import NET
+    vae_dir = _save_tiny_vae(tmp_path / "vae")
+    c = ml_collections.ConfigDict(dict(eval=dict(metrics="fid", vae=""),
+                                       data=dict(encoder="sd-vae")))
+    with pytest.raises(ValueError, match=r"config.eval.vae=PATH"):
+        evaluate.TrainingEval.vae_of(c)
+    c.eval.vae = vae_dir
+    assert evaluate.TrainingEval.vae_of(c).config == TINY
+    c.data.encoder = "none"
+    with pytest.raises(ValueError, match="drop --config.eval.vae"):
+        evaluate.TrainingEval.vae_of(c)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"network": NET, "data": {"encoder": "sd-vae"}}))
+    with pytest.raises(ValueError, match="pass --vae=PATH"):
+        sigma_sweep.main_sweep(str(run), [0.05], metrics="fid", num_images=4, ref="x.pkl")
+
+
+def test_training_eval_decodes_a_latent_run(tmp_path, monkeypatch):
+    """Evaluation during training (config.eval.*) of a latent run: samples and reference
+    latents decoded by config.eval.vae, a finite metric under eval/."""
+    from edm2_jax import configs, evaluate, generate
+    vae_dir, net_path, data = _latent_setup(tmp_path)
+    seen = []
+    monkeypatch.setattr(evaluate, "feature_extractor",
+                        lambda m, d=None: (None, _fake_features(seen)))
+    c = configs.base_config()
+    c.data.update(data)
+    c.eval.update(dict(metrics="fid", num_images=4, num_steps=2, batch_size=4, vae=vae_dir))
+    ev = evaluate.TrainingEval(c, log=False)
+    net, variables, _ = generate.load_net(net_path)
+    out = ev(net, variables)
+    assert np.isfinite(out["eval/fid4"])
+    assert seen and all(s[1:] == (16, 16, 3) and d == np.uint8 for s, d in seen)

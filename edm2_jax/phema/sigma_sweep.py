@@ -92,13 +92,15 @@ def main_sweep(workdir: str, sigma_rels: Sequence[float], *, metrics: str = "fid
                ref: str | None = None, ref_split: str = "test",
                data_config: dict | None = None, at_kimg: float | None = None,
                out_dir: str | None = None, per_tensor: str | None = None,
-               dinov2: str | None = None) -> tuple[str, str]:
+               dinov2: str | None = None, vae_path: str | None = None) -> tuple[str, str]:
     """CLI body of `--mode=phema_sweep`: reconstruct each sigma_rel, generate
     `num_images` from it and measure the first of `metrics` (`cls`: FD in the
     classifier's features; `fid`: FID, `fd_dinov2`: FD_DINOv2 (weights file `dinov2`),
     each against `ref` or the data), then `sweep`'s CSV and plot. Reference data:
     `data_config` (the `--config`'s data section), else the run's config.json
-    (`run_data_config`). Raises ValueError for an unknown metric or when there is no
+    (`run_data_config`). `vae_path` (`--vae`): the SD VAE that decodes a latent run's
+    samples (and latent reference data) to RGB before measuring; a latent run without it
+    (or a pixel-space run with it) fails before any reconstruction. Raises ValueError for an unknown metric or when there is no
     reference data (and, for fid / fd_dinov2, no `ref`). Returns `(csv_path, png_path)`."""
     metric = metrics.split(",")[0].strip()
     if metric not in evaluate.METRICS:
@@ -112,12 +114,15 @@ def main_sweep(workdir: str, sigma_rels: Sequence[float], *, metrics: str = "fid
                          f"(its data section)"
                          f"{' or --ref' if metric in evaluate.FD_METRICS else ''}; "
                          f"{workdir} has no config.json with a data section")
+    from edm2_jax import generate
+    vae = generate.check_vae(workdir, vae_path)  # latent run: --vae, before anything heavy
     # References (Inception / DINOv2 stats, classifier features) once for the whole sweep.
     suite = evaluate.Metrics([metric], num_images, ref=ref, data_config=data_config,
-                             ref_split=ref_split, dinov2=dinov2)
+                             ref_split=ref_split, dinov2=dinov2, vae=vae)
 
     def metric_fn(net_path: str) -> float:
-        imgs = evaluate.net_images(net_path, range(num_images), batch_size, num_steps=num_steps)
+        imgs = evaluate.net_images(net_path, range(num_images), batch_size, num_steps=num_steps,
+                                   vae=vae)
         return suite(np.concatenate(list(imgs)))[key]
 
     csv_path, png = sweep(workdir, sigma_rels, metric_fn, at_kimg=at_kimg, out_dir=out_dir,
