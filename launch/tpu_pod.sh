@@ -8,7 +8,9 @@
 #
 # Install step (skipped with --skip-install, for a VM image that already has it): this
 # checkout's committed tree (git archive HEAD) is copied to every worker, unpacked over
-# ~/REPO_DIR (nothing there is deleted) and installed with `pip install -e` together with jax[tpu] (libtpu).
+# ~/REPO_DIR (nothing there is deleted) and installed with `pip install -e` together with jax[tpu] (libtpu),
+# with the `gcs` extra (gcsfs) for a gs:// workdir. An image for --skip-install needs the same:
+# `pip install 'jax[tpu]' -e 'REPO_DIR[gcs]'`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=launch/common.sh
@@ -51,7 +53,9 @@ if [ "$INSTALL" = 1 ]; then
   run gcloud compute tpus tpu-vm scp "$tarball" "$TPU:edm2-jax.tar.gz" --zone="$ZONE" \
     "${project_flag[@]}" --worker=all
   install="mkdir -p $REPO_DIR && tar xzf edm2-jax.tar.gz -C $REPO_DIR"  # overwrites, deletes nothing
-  install+=" && python -m pip install -q -U 'jax[tpu]' -e ./$REPO_DIR"
+  extras=""  # gs:// workdirs need gcsfs (edm2_jax/paths.py): the package's gcs extra
+  case "$WORKDIR" in gs://*) extras="'[gcs]'" ;; esac
+  install+=" && python -m pip install -q -U 'jax[tpu]' -e ./$REPO_DIR$extras"
   run gcloud compute tpus tpu-vm ssh "$TPU" --zone="$ZONE" "${project_flag[@]}" --worker=all \
     --command="$install"
 fi

@@ -40,6 +40,7 @@ def test_dry_run_prints_the_command():
     train = next(i for i, line in enumerate(lines) if "edm2_jax.main" in line)
     assert "git archive --format=tar.gz" in lines[scp - 1] and "--worker=all" in lines[scp]
     assert "'jax[tpu]'" in lines[pip] and "-e ./edm2-jax" in lines[pip] and "--worker=all" in lines[pip]
+    assert "edm2-jax'[gcs]'" in lines[pip]  # gcsfs for the gs:// workdir (paths.py)
     assert scp < pip < train
     r = run("launch/tpu_pod.sh", "--tpu=pod", "--zone=z", "--config=configs/img64.py:m",
             "--workdir=gs://b/r", "--dry-run", "--skip-install")
