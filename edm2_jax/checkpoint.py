@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from edm2_jax import integrity
+from edm2_jax import integrity, paths
 
 NETWORK_JSON = "network.json"
 VARIABLES = "variables"
@@ -117,13 +117,13 @@ def save_network(path: str, variables: dict, net_config: dict, meta: dict | None
     about one parameter copy (what post-hoc EMA uses for its outputs).
 
     Refuses to overwrite an existing network checkpoint (raises FileExistsError).
-    Returns the absolute path.
+    Returns the absolute path (or the URL: `path` may be `gs://...`, `paths.py`).
     """
-    path = os.path.abspath(os.path.expanduser(path))
-    if os.path.exists(os.path.join(path, VARIABLES)):
+    path = paths.normalize(path)
+    if paths.exists(os.path.join(path, VARIABLES)):
         raise FileExistsError(f"{path} already holds a network checkpoint; choose another "
                               f"--workdir or delete it first")
-    os.makedirs(path, exist_ok=True)
+    paths.makedirs(path)
     variables = jax.tree_util.tree_map(np.asarray, dict(variables))
     registry = ocp.type_handlers.create_type_handler_registry(
         (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
@@ -136,15 +136,14 @@ def save_network(path: str, variables: dict, net_config: dict, meta: dict | None
                                        f"{', '.join(record['nonfinite'][:4])}")
     ckptr.save(os.path.join(path, VARIABLES), args=ocp.args.PyTreeSave(variables))
     # network.json last and atomically: a directory without it is no network checkpoint.
-    with open(os.path.join(path, NETWORK_JSON + ".tmp"), "w") as f:
-        json.dump({"network": _to_jsonable(dict(net_config)), "meta": _to_jsonable(meta or {}),
-                   "integrity": record}, f, indent=2)
-    os.replace(os.path.join(path, NETWORK_JSON + ".tmp"), os.path.join(path, NETWORK_JSON))
+    paths.write_text_atomic(os.path.join(path, NETWORK_JSON), json.dumps(
+        {"network": _to_jsonable(dict(net_config)), "meta": _to_jsonable(meta or {}),
+         "integrity": record}, indent=2))
     return path
 
 
 def is_network_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, NETWORK_JSON)) and os.path.isdir(
+    return paths.isfile(os.path.join(path, NETWORK_JSON)) and paths.isdir(
         os.path.join(path, VARIABLES))
 
 
@@ -156,8 +155,7 @@ def variables_dir(path: str) -> str:
 def _network_json(path: str) -> dict:
     file = os.path.join(path, NETWORK_JSON)
     try:
-        with open(file) as f:
-            info = json.load(f)
+        info = json.loads(paths.read_text(file))
         if not isinstance(info.get("network"), dict):
             raise ValueError("no 'network' section")
     except (ValueError, UnicodeDecodeError, AttributeError) as e:
@@ -191,7 +189,7 @@ def load_network(path: str) -> tuple[dict, dict, dict]:
     checksums recorded in network.json and for NaN/inf. Raises FileNotFoundError naming
     the path when it is not a network checkpoint, IntegrityError when it is corrupt.
     """
-    path = os.path.abspath(os.path.expanduser(path))
+    path = paths.normalize(path)
     if not is_network_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a network checkpoint (expected network.json and "
                                 f"variables/ written by `--mode=convert` or post-hoc EMA)")

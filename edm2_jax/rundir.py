@@ -12,6 +12,7 @@
     WORKDIR/tb/                  the same as TensorBoard scalars
     WORKDIR/samples/<tag>.png    sample grids (`samples_path`)
     WORKDIR/train.lock           the running trainer's host and pid (`RunLock`)
+                                 (advisory on gs://: `RunLock`)
     <step>/_CHECKPOINT_METADATA  Orbax's per-step JSON; `custom_metadata.integrity` holds
                                  the step's integrity record (`integrity.digest_tree`:
                                  a checksum per array, NaN/inf, parameter RMS)
@@ -28,6 +29,11 @@ Orbax writes into a temporary directory and renames it when complete, so a run k
 mid-save never sees a half-written checkpoint; `restore_latest` and `step_dirs` only list
 finalised ones. The integrity record is part of that rename (Orbax's step metadata), so
 a checkpoint and its checksums appear together.
+
+WORKDIR may be a `gs://` URL: every access goes through `paths.py` (etils epath) and
+Orbax/TensorStore. There, `train.lock` is advisory (`RunLock`), `stats.jsonl` is
+rewritten whole at each line and `tb/` copied from a local directory (`StatsLogger`),
+and setting a checkpoint aside is a copy and a delete (`paths.rename`).
 """
 from __future__ import annotations
 
@@ -46,7 +52,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from edm2_jax import checkpoint as ckpt_lib
-from edm2_jax import integrity
+from edm2_jax import integrity, paths
 from edm2_jax.checkpoint import restore_numpy  # noqa: F401 (part of this module's API)
 
 CONFIG_JSON = "config.json"
@@ -85,14 +91,14 @@ def samples_path(workdir: str, tag: str) -> str:
 
 def is_run(path: str) -> bool:
     """Whether `path` is a training run directory (config.json and checkpoints/)."""
-    return os.path.isfile(config_path(path)) and os.path.isdir(os.path.join(path, CHECKPOINTS))
+    return paths.isfile(config_path(path)) and paths.isdir(os.path.join(path, CHECKPOINTS))
 
 
 def step_dirs(root: str) -> list[str]:
     """The finalised step directories `root/<step>` (e.g. of `WORKDIR/checkpoints`),
     newest first; [] when `root` does not exist. Orbax's temporary and set-aside
     (`<step>.corrupt`) directories are not steps."""
-    steps = [int(n) for n in os.listdir(root) if n.isdigit()] if os.path.isdir(root) else []
+    steps = [int(n) for n in paths.listdir(root) if n.isdigit()]
     return [os.path.join(root, str(s)) for s in sorted(steps, reverse=True)]
 
 
@@ -101,22 +107,16 @@ def step_dirs(root: str) -> list[str]:
 
 
 def write_config(workdir: str, config: dict) -> None:
-    """Write the run's config (a JSON-able dict), atomically."""
-    path = config_path(workdir)
-    with open(path + ".tmp", "w") as f:
-        json.dump(config, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    """Write the run's config (a JSON-able dict), atomically (`paths.write_text_atomic`)."""
+    paths.write_text_atomic(config_path(workdir), json.dumps(config, indent=2))
 
 
 def read_config(workdir: str) -> dict | None:
     """The run's config.json as a dict, or None when there is none."""
-    path = config_path(os.path.abspath(os.path.expanduser(workdir)))
-    if not os.path.isfile(path):
+    path = config_path(paths.normalize(workdir))
+    if not paths.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    return json.loads(paths.read_text(path))
 
 
 def network_config(workdir: str) -> dict:
@@ -144,14 +144,46 @@ class RunLock:
     the holder's host, pid and start time. The OS releases it when the process ends in
     any way (kill -9 included), so a stale lock never blocks. Local and NFSv4 disks;
     taken by process 0, its outcome shared with the others. Raises RunLockedError naming
-    the holder and what to do."""
+    the holder and what to do.
+
+    On a URL workdir (`gs://`) there is no file lock: one writer is NOT enforced there.
+    `train.lock` is then an advisory object (host, pid, start time) written at the start
+    and deleted at the end; a lock object found at the start (another trainer, or one
+    that was killed before deleting it) is named in a warning on stderr and replaced,
+    and training goes on. (GCS could refuse a second writer with a create-if-absent
+    precondition, but a killed trainer's object would then block every restart, and the
+    local emulator the tests use ignores preconditions, so it could not be tested.)"""
 
     def __init__(self, workdir: str):
         self.workdir = workdir
         self.path = os.path.join(workdir, LOCK)
         self.fd: int | None = None
+        self.url_lock = False
+
+    def _holder_record(self) -> str:
+        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                           "since": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+    def _enter_url(self) -> "RunLock":
+        if jax.process_index() == 0:
+            if paths.exists(self.path):
+                try:
+                    holder = json.loads(paths.read_text(self.path) or "{}")
+                except ValueError:
+                    holder = {}
+                print(f"warning: {self.path} exists (host {holder.get('host', '?')}, pid "
+                      f"{holder.get('pid', '?')}, since {holder.get('since', '?')}): another "
+                      f"trainer may be writing to this run, or one was killed before it "
+                      f"removed the lock. One writer is not enforced on {self.workdir} "
+                      f"(object storage has no file locks); make sure no other trainer "
+                      f"runs.", file=sys.stderr, flush=True)
+            paths.Path(self.path).write_text(self._holder_record())
+            self.url_lock = True
+        return self
 
     def __enter__(self) -> "RunLock":
+        if paths.is_url(self.workdir):
+            return self._enter_url()
         holder = None
         if jax.process_index() == 0:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -165,8 +197,7 @@ class RunLock:
                 os.close(fd)
             else:
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                          "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+                os.pwrite(fd, self._holder_record().encode(), 0)
                 self.fd = fd
         if jax.process_count() > 1:
             locked = multihost_utils.broadcast_one_to_all(holder is not None)
@@ -181,6 +212,12 @@ class RunLock:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.url_lock:
+            self.url_lock = False
+            try:
+                paths.Path(self.path).unlink()
+            except FileNotFoundError:
+                pass
         if self.fd is not None:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
@@ -196,11 +233,10 @@ def step_record(step_dir: str) -> dict | None:
     `_CHECKPOINT_METADATA`, written atomically with the arrays), or None for one saved
     before records existed. Raises IntegrityError when that file is unreadable."""
     path = os.path.join(step_dir, STEP_METADATA)
-    if not os.path.isfile(path):
+    if not paths.isfile(path):
         return None
     try:
-        with open(path) as f:
-            md = json.load(f)
+        md = json.loads(paths.read_text(path))
         record = (md.get("custom_metadata") or {}).get("integrity")
         if record is not None and not isinstance(record.get("digests"), dict):
             raise ValueError("no digests")
@@ -253,13 +289,13 @@ def run_buffers(workdir: str) -> dict:
     Raises FileNotFoundError when neither has them, IntegrityError when corrupt."""
     fix = "Move that directory aside (e.g. to <step>.corrupt) and retry."
     for d in step_dirs(os.path.join(workdir, SNAPSHOTS)):
-        if os.path.isdir(os.path.join(d, "buffers")):
+        if paths.isdir(os.path.join(d, "buffers")):
             buffers = restore_numpy(os.path.join(d, "buffers"))
             _check_host(buffers, step_record(d), f"snapshot {d}", fix, prefix="buffers/")
             return buffers
     for d in step_dirs(os.path.join(workdir, CHECKPOINTS)):
         item = os.path.join(d, STATE_ITEM)
-        if os.path.isdir(item) and "buffers" in ckpt_lib.tree_metadata(item):
+        if paths.isdir(item) and "buffers" in ckpt_lib.tree_metadata(item):
             buffers = ckpt_lib.restore_partial(item, [("buffers",)])[0]
             _check_host(buffers, step_record(d), f"checkpoint {d}", fix, prefix="buffers/")
             return buffers
@@ -274,10 +310,10 @@ def discard_outputs(workdir: str) -> str:
     `WORKDIR/discarded-<time>/` (`--config.start_over`); returns that directory."""
     dst = os.path.join(workdir, "discarded-" + time.strftime("%Y%m%d-%H%M%S"))
     if jax.process_index() == 0:
-        os.makedirs(dst)
+        paths.makedirs(dst)
         for name in (CHECKPOINTS, SNAPSHOTS, "samples", "stats.jsonl", "tb"):
-            if os.path.exists(os.path.join(workdir, name)):
-                os.replace(os.path.join(workdir, name), os.path.join(dst, name))
+            if paths.exists(os.path.join(workdir, name)):
+                paths.rename(os.path.join(workdir, name), os.path.join(dst, name))
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("discard outputs")
     return dst
@@ -362,7 +398,9 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
 
 
 def _disk(path: str) -> str:
-    """`mount point (X GiB free of Y GiB)` of the disk holding `path`."""
+    """`mount point (X GiB free of Y GiB)` of the disk holding `path` (a URL: itself)."""
+    if paths.is_url(path):
+        return path
     p = os.path.abspath(path)
     while not os.path.exists(p):
         p = os.path.dirname(p)
@@ -537,9 +575,8 @@ class TrainCheckpoints:
                 f"checkpoint {step} in {self.workdir}/checkpoints does not match the "
                 f"current model/optimiser config (differing (path, shape): {diff}). Use a "
                 f"new --workdir or the config the run was started with.")
-        aside = sorted(n for n in os.listdir(os.path.join(self.workdir, CHECKPOINTS))
-                       if ".corrupt" in n) if os.path.isdir(
-                           os.path.join(self.workdir, CHECKPOINTS)) else []
+        aside = [n for n in paths.listdir(os.path.join(self.workdir, CHECKPOINTS))
+                 if ".corrupt" in n]
         if errors or aside:
             raise NoCheckpointError(
                 f"the run in {self.workdir} has checkpoints but none restores (set aside: "
@@ -576,10 +613,10 @@ class TrainCheckpoints:
         `message` and where it went."""
         path = os.path.join(self.workdir, root, str(step))
         dst, n = f"{path}.{why}", 1
-        while os.path.exists(dst):
+        while paths.exists(dst):
             dst, n = f"{path}.{why}{n}", n + 1
-        if jax.process_index() == 0 and os.path.isdir(path):
-            os.replace(path, dst)
+        if jax.process_index() == 0 and paths.isdir(path):
+            paths.rename(path, dst)
         if message and jax.process_index() == 0:
             print(f"{message}; moved to {os.path.relpath(dst, self.workdir)}, trying the "
                   f"previous one", file=sys.stderr, flush=True)
@@ -655,11 +692,11 @@ def read_stats(workdir: str) -> list[dict]:
     """The records of `WORKDIR/stats.jsonl` in order (`StatsLogger`'s lines); a last line
     cut short by a killed run is skipped. Raises FileNotFoundError naming the file."""
     path = os.path.join(workdir, "stats.jsonl")
-    if not os.path.isfile(path):
+    if not paths.isfile(path):
         raise FileNotFoundError(f"{path} does not exist: {workdir} is not a training run "
                                 f"(or has not logged a status line yet)")
     records = []
-    with open(path) as f:
+    with paths.open(path) as f:
         for line in f:
             try:
                 records.append(json.loads(line))
@@ -670,24 +707,55 @@ def read_stats(workdir: str) -> list[dict]:
 
 class StatsLogger:
     """Appends status dicts to `stats.jsonl` and TensorBoard scalars in `tb/`
-    (tensorboardX, no TensorFlow needed)."""
+    (tensorboardX, no TensorFlow needed).
+
+    On a URL workdir (`gs://`, objects cannot be appended to): `stats.jsonl` is
+    rewritten whole at every `log` (its earlier lines read once at the start), and the
+    TensorBoard event files are written to a local temporary directory and copied to
+    `WORKDIR/tb/` after every `log` (tensorboardX's own GCS writer is not used)."""
 
     def __init__(self, workdir: str):
         # tensorboardX is required, but costs ~1.6 s to import (protobuf): paid by the
         # training process that logs, not by everything that reads a run (generate, phema).
         from tensorboardX import SummaryWriter
-        self.f = open(os.path.join(workdir, "stats.jsonl"), "a")
-        self.tb = SummaryWriter(os.path.join(workdir, "tb"))
+        self.path = os.path.join(workdir, "stats.jsonl")
+        self.tb_dir = os.path.join(workdir, "tb")
+        self.url = paths.is_url(workdir)
+        if self.url:
+            import tempfile
+            self.lines = paths.read_text(self.path) if paths.isfile(self.path) else ""
+            if self.lines and not self.lines.endswith("\n"):  # a killed run's last line
+                self.lines = self.lines[:self.lines.rfind("\n") + 1]
+            self.local_tb = tempfile.mkdtemp(prefix="edm2_jax_tb_")
+            self.f = None
+            self.tb = SummaryWriter(self.local_tb)
+        else:
+            self.f = open(self.path, "a")
+            self.tb = SummaryWriter(self.tb_dir)
 
     def log(self, stats: dict) -> None:
-        self.f.write(json.dumps(stats) + "\n")
-        self.f.flush()
+        if self.url:
+            self.lines += json.dumps(stats) + "\n"
+            paths.Path(self.path).write_text(self.lines)
+        else:
+            self.f.write(json.dumps(stats) + "\n")
+            self.f.flush()
         step = int(round(stats["kimg"] * 1000))
         for k, v in stats.items():
             if isinstance(v, (int, float)) and k not in ("kimg",):
                 self.tb.add_scalar(k, v, step)
         self.tb.flush()
+        if self.url:
+            self._upload_tb()
+
+    def _upload_tb(self) -> None:
+        for name in os.listdir(self.local_tb):
+            paths.copy_file(os.path.join(self.local_tb, name), os.path.join(self.tb_dir, name))
 
     def close(self) -> None:
-        self.f.close()
         self.tb.close()
+        if self.url:
+            self._upload_tb()
+            shutil.rmtree(self.local_tb, ignore_errors=True)
+        else:
+            self.f.close()

@@ -27,6 +27,7 @@ import dataclasses
 import math
 import os
 import resource
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -42,7 +43,7 @@ from edm2_jax import ema as ema_lib
 from edm2_jax import configs, diagnostics, evaluate, integrity
 from edm2_jax import loss as loss_lib
 from edm2_jax import optim as optim_lib
-from edm2_jax import preemption, resume, rundir, sampling
+from edm2_jax import paths, preemption, resume, rundir, sampling
 from edm2_jax import sharding as shard_lib
 from edm2_jax.mp import force_normalize
 from edm2_jax.networks import Precond, init_variables, precond_from_config
@@ -425,6 +426,12 @@ def save_sample_grid(config: ml_collections.ConfigDict, net: Precond, variables:
     imgs = sampling.sample_images(net, variables, seeds, labels,
                                   num_steps=int(config.sample.num_steps),
                                   rng=str(config.sample.get("rng", "jax")))
+    if paths.is_url(path):  # PIL writes local files: write one, then copy it
+        with tempfile.TemporaryDirectory() as tmp:
+            local = os.path.join(tmp, os.path.basename(path))
+            sampling.save_image_grid(np.asarray(imgs), local, rows, cols)
+            paths.copy_file(local, path)
+        return
     os.makedirs(os.path.dirname(path), exist_ok=True)
     sampling.save_image_grid(np.asarray(imgs), path, rows, cols)
 
@@ -480,8 +487,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     # First, since jax.distributed installs its own SIGTERM handler (its preemption
     # notifier), which ours must replace.
     shard_lib.maybe_initialize_distributed()
-    workdir = os.path.abspath(os.path.expanduser(workdir))
-    os.makedirs(workdir, exist_ok=True)
+    workdir = paths.normalize(workdir)  # a local path or a gs:// URL (paths.py)
+    paths.makedirs(workdir)
     with rundir.RunLock(workdir), preemption.StopRequest() as stop:
         return _train(config, workdir, stop)
 

@@ -47,7 +47,7 @@ from tqdm import tqdm
 from edm2_jax import checkpoint as ckpt_lib
 from edm2_jax import convert
 from edm2_jax import ema as ema_lib
-from edm2_jax import integrity, rundir
+from edm2_jax import integrity, paths, rundir
 
 # Release snapshot names: `edm2-img512-xs-0134217-0.050.pkl` -> kimg 134217, sigma_rel 0.050.
 RELEASE_NAME_RE = re.compile(r"-(\d+)-(\d*\.\d+)(?:\.[A-Za-z0-9]+)?$")
@@ -111,10 +111,10 @@ def release_pickle_variables(path: str) -> tuple[dict, dict]:
 def _release_pickles(workdir: str) -> list[SnapshotFile]:
     """The release network pickles in `workdir` (`RELEASE_PICKLE_RE`), nimg 0 left out."""
     files = []
-    for name in sorted(os.listdir(workdir)):
+    for name in paths.listdir(workdir):
         path = os.path.join(workdir, name)
         m = RELEASE_PICKLE_RE.fullmatch(name)
-        if m is None or not os.path.isfile(path):
+        if m is None or not paths.isfile(path):
             continue
         nimg = release_kimg_to_nimg(int(m.group(2)))
         if nimg > 0:
@@ -154,9 +154,9 @@ def find_snapshots(workdir: str) -> tuple[str, list[SnapshotFile]]:
     sorted by nimg (then sigma_rel); snapshots at nimg 0 are left out. Raises
     FileNotFoundError naming the layouts when there are none.
     """
-    workdir = os.path.abspath(os.path.expanduser(workdir))
+    workdir = paths.normalize(workdir)  # local or gs:// (paths.py)
     snap_dir = os.path.join(workdir, rundir.SNAPSHOTS)
-    if os.path.isdir(snap_dir) and os.listdir(snap_dir):
+    if paths.listdir(snap_dir):
         files = []
         for step, meta in rundir.list_snapshots(workdir):
             by_key = {ema_lib.ema_key(s): float(s) for s in meta["sigma_rels"]}
@@ -169,8 +169,8 @@ def find_snapshots(workdir: str) -> tuple[str, list[SnapshotFile]]:
         if files:
             return "run", sorted(files, key=lambda f: f.nimg)
     files = []
-    if os.path.isdir(workdir):
-        for name in sorted(os.listdir(workdir)):
+    if paths.isdir(workdir):
+        for name in paths.listdir(workdir):
             f = _network_input(os.path.join(workdir, name))
             if f is not None and f.nimg > 0:
                 files.append(f)
@@ -180,7 +180,7 @@ def find_snapshots(workdir: str) -> tuple[str, list[SnapshotFile]]:
         if files:
             return "pickles", sorted(files, key=lambda f: (f.nimg, f.sigma_rels))
     hint = ""
-    if glob.glob(os.path.join(workdir, "*.pkl")):
+    if any(n.endswith(".pkl") and not n.startswith(".") for n in paths.listdir(workdir)):
         hint = (" Its .pkl files are not named like the release's snapshots "
                 "'<prefix>-<kimg>-<sigma_rel>.pkl' after nimg 0.")
     raise FileNotFoundError(

@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from edm2_jax import checkpoint as ckpt_lib
 from edm2_jax import ema as ema_lib
+from edm2_jax import paths as paths_lib
 from edm2_jax.phema import streaming
 from edm2_jax.phema.inputs import find_snapshots, input_checker, input_network
 from edm2_jax.phema.solver import gammas, profile_error, solve_weights
@@ -180,7 +181,7 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
     ValueErrors of `solve_weights` / `parse_per_tensor`.
     """
     streaming.quiet_orbax()
-    workdir = os.path.abspath(os.path.expanduser(workdir))
+    workdir = paths_lib.normalize(workdir)  # local or gs://
     sigma_rels = [float(s) for s in np.atleast_1d(sigma_rels)]
     if not sigma_rels:
         raise ValueError("reconstruct needs at least one sigma_rel")
@@ -224,7 +225,7 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
                 f"bracket it", stacklevel=2)
     net_config, buffers = input_network(kind, workdir, files)
 
-    out_dir = os.path.abspath(os.path.expanduser(out_dir or os.path.join(workdir, "phema")))
+    out_dir = paths_lib.normalize(out_dir or os.path.join(workdir, "phema"))
     names = [output_name(out_nimg, s, per_tensor) for s in sigma_rels]
     if len(set(names)) != len(names):
         raise ValueError(f"sigma_rels {sigma_rels} give clashing output names {names}; pass "

@@ -37,6 +37,7 @@ import tensorstore as ts
 from absl import logging
 
 from edm2_jax import checkpoint as ckpt_lib
+from edm2_jax import paths
 from edm2_jax.phema.inputs import SnapshotFile, release_pickle_variables
 
 # Elements per accumulation call (8 MiB). The outputs are flat float32 vectors, each
@@ -193,8 +194,7 @@ def orbax_tree_keys(directory: str) -> tuple[list[tuple[str, ...]], bool] | None
     `metadata()` also opens every array, and keeps ~2.6 MB of memory per call for good:
     0.6 parameter copies of img512-xxs over 32 snapshot files.)"""
     try:
-        with open(os.path.join(directory, "_METADATA")) as f:
-            meta = json.load(f)
+        meta = json.loads(paths.read_text(os.path.join(directory, "_METADATA")))
         keys = [tuple(str(k["key"]) for k in v["key_metadata"])
                 for v in meta["tree_metadata"].values()]
         return keys, bool(meta.get("use_zarr3", False))
@@ -206,10 +206,13 @@ def _orbax_array_spec(directory: str, name: str, use_zarr3: bool) -> dict:
     """TensorStore spec of the array Orbax stored as `name` ('.'-joined key path) in the
     PyTree checkpoint `directory`: zarr (v2, or v3 if `use_zarr3`) in its OCDBT
     key-value store (`manifest.ocdbt`) or, without one, in the sub-directory `name`."""
-    directory = os.path.abspath(directory)
-    if os.path.isfile(os.path.join(directory, "manifest.ocdbt")):
-        kvstore = {"driver": "ocdbt", "base": "file://" + directory + "/", "path": name + "/",
+    directory = paths.normalize(directory)
+    url = directory if paths.is_url(directory) else "file://" + directory  # gs:// as is
+    if paths.isfile(os.path.join(directory, "manifest.ocdbt")):
+        kvstore = {"driver": "ocdbt", "base": url + "/", "path": name + "/",
                    "cache_pool": "cache_pool#ocdbt"}
+    elif paths.is_url(directory):
+        kvstore = os.path.join(directory, name) + "/"
     else:
         kvstore = {"driver": "file", "path": os.path.join(directory, name) + "/"}
     return {"driver": "zarr3" if use_zarr3 else "zarr", "kvstore": kvstore}
