@@ -673,10 +673,10 @@ def _count(tree: Mapping) -> int:
 
 
 def _convert(src: str, workdir: str, net_overrides: Mapping | None):
-    from edm2_jax import rundir
+    from edm2_jax import paths, rundir
     from edm2_jax.checkpoint import save_network
 
-    if rundir.is_run(workdir) or os.path.isdir(os.path.join(workdir, rundir.CHECKPOINTS)):
+    if rundir.is_run(workdir) or paths.isdir(os.path.join(workdir, rundir.CHECKPOINTS)):
         raise FileExistsError(
             f"{workdir} is a training run directory; a network converted into it would "
             f"stand in for the run (--mode=generate --net={workdir}). Choose another "

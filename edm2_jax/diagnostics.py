@@ -42,7 +42,7 @@ import numpy as np
 
 from edm2_jax import data as data_lib
 from edm2_jax import loss as loss_lib
-from edm2_jax import rundir
+from edm2_jax import paths, rundir
 from edm2_jax.mp import force_normalize
 from edm2_jax.networks import Block
 
@@ -256,10 +256,11 @@ def plot_run(workdir: str, out: str | None = None, act_sigma: float | None = Non
         ax.set(xscale="log", xlabel="sigma", ylabel=ylabel, title=f"{ylabel} vs sigma")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.suptitle(title or os.path.basename(os.path.abspath(workdir)))
+    fig.suptitle(title or os.path.basename(paths.normalize(workdir)))
     fig.tight_layout()
     out = out or os.path.join(workdir, "diagnostics.png")
-    fig.savefig(out, dpi=64)
+    with paths.open(out, "wb") as f:  # local or gs://
+        fig.savefig(f, dpi=64, format="png")
     plt.close(fig)
     return out
 

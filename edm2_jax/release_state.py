@@ -194,13 +194,13 @@ def import_training_state(src: str, workdir: str, config) -> int:
     `train.setup_data` returns). `--mode=train` with the same config continues from there. Raises
     FileExistsError when `workdir` already has checkpoints (nothing is overwritten) and
     what `read_training_state` / `train_state_from_release` raise."""
-    from edm2_jax import integrity, resume, rundir
+    from edm2_jax import integrity, paths, resume, rundir
 
     if rundir.is_run(workdir) or rundir.step_dirs(os.path.join(workdir, rundir.CHECKPOINTS)):
         raise FileExistsError(f"{workdir} already holds a run; convert the training state "
                               f"into a new --workdir")
     step, state = train_state_from_release(read_training_state(src), config)
-    os.makedirs(workdir, exist_ok=True)
+    paths.makedirs(workdir)  # local or gs://
     current = resume.check_config(workdir, config)
     managers = rundir.TrainCheckpoints(workdir, keep=int(config.keep_checkpoints))
     managers.reference_rms = {"params": integrity.rms(state["params"])}
