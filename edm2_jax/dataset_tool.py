@@ -1,6 +1,6 @@
 """Make training data sets in the EDM2 release's formats: `convert` (images) and `encode` (latents).
 
-    python -m edm2_jax.dataset_tool convert --source=DIR|ZIP|fashion_mnist[:test] \
+    python -m edm2_jax.dataset_tool convert --source=DIR|ZIP|fashion_mnist[:test]|tfds:NAME[:SPLIT] \
         --dest=OUT.zip|OUTDIR [--resolution=WxH] \
         [--transform=center-crop|center-crop-dhariwal|center-crop-wide] [--max-images=N]
     python -m edm2_jax.dataset_tool encode --source=IMAGES.zip|DIR --dest=LATENTS.zip|DIR \
@@ -22,6 +22,10 @@ reads; converted to RGB), taken in sorted path order. Labels come from the sourc
 = label) when there are at least two; otherwise there are none. `fashion_mnist` (or
 `fashion_mnist:test`) reads the offline Fashion-MNIST files (`data.FashionMNIST`: 28x28
 grey-scale zero-padded to 32x32), written as RGB with their class labels.
+`tfds:NAME[:SPLIT]` (e.g. `tfds:imagenet2012:train`) reads a tensorflow-datasets data set
+prepared beforehand in `--tfds-dir` (`tfds.data_source`: array_record files, nothing
+downloaded; `pip install tensorflow-datasets array_record`), images at their own sizes
+(then `--transform`) with their labels.
 
 Transforms (as the release's): none: resize to `--resolution` with Lanczos when given;
 `center-crop`: the central square, resized (Lanczos); `center-crop-dhariwal` (ADM's
@@ -112,8 +116,44 @@ def _labels_from_folders(fnames: list[str]) -> dict[str, int]:
     return {f: index[t] for f, t in top.items()} if len(index) > 1 else {}
 
 
-def open_source(source: str, max_images: int | None = None) -> tuple[int, Iterator[Entry]]:
+def _tfds_data_source(name: str, split: str, data_dir: str):
+    """`tfds.data_source(name, split, data_dir)`, prepared beforehand (array_record);
+    nothing is downloaded. Errors name the pip or `tfds build` command."""
+    from edm2_jax.data.tfds_source import PIP_HINT
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError:
+        raise DatasetToolError(f"--source=tfds:... needs tensorflow-datasets (not TensorFlow): "
+                               f"`{PIP_HINT}`") from None
+    try:
+        return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
+    except Exception as e:  # tfds raises many kinds for a data set that is not prepared
+        raise DatasetToolError(f"cannot open tfds data set {name!r} split {split!r} in "
+                               f"--tfds-dir={data_dir or '(default)'} ({e}); prepare it once: "
+                               f"`tfds build {name} --data_dir=DIR --file_format=array_record`"
+                               ) from None
+
+
+def open_source(source: str, max_images: int | None = None,
+                tfds_dir: str = "") -> tuple[int, Iterator[Entry]]:
     """(number of images, iterator of `Entry`) for `--source` (module docstring)."""
+    if source.startswith("tfds:"):
+        parts = source.split(":")
+        if len(parts) not in (2, 3) or not parts[1]:
+            raise DatasetToolError(f"--source={source}: expected tfds:NAME or tfds:NAME:SPLIT, "
+                                   f"e.g. tfds:imagenet2012:train")
+        ds = _tfds_data_source(parts[1], parts[2] if len(parts) == 3 else "train", tfds_dir)
+        n = len(ds) if max_images is None else min(len(ds), max_images)
+
+        def tfds_iter():
+            for i in range(n):
+                ex = ds[i]
+                img = np.asarray(ex["image"], np.uint8)
+                if img.ndim == 2 or img.shape[-1] == 1:
+                    img = np.repeat(img.reshape(img.shape[:2] + (1,)), 3, axis=-1)
+                label = ex.get("label") if hasattr(ex, "get") else None
+                yield Entry(img, None if label is None else int(label), f"{source}[{i}]")
+        return n, tfds_iter()
     if source.split(":")[0] == FASHION_MNIST:
         from edm2_jax.data.fashion_mnist import FashionMNIST
         split = source.split(":", 1)[1] if ":" in source else "train"
@@ -287,11 +327,11 @@ def _progress(total: int, quiet: bool):
 
 def convert(source: str, dest: str, resolution: str | tuple[int, int] | None = None,
             transform: str | None = None, max_images: int | None = None,
-            quiet: bool = False) -> int:
+            quiet: bool = False, tfds_dir: str = "") -> int:
     """Images -> PNG data set (module docstring). Returns the number of images written."""
     res = parse_resolution(resolution) if isinstance(resolution, (str, type(None))) else resolution
     tf = make_transform(transform, res)
-    n, entries = open_source(source, max_images)
+    n, entries = open_source(source, max_images, tfds_dir)
     out = Dest(dest)
     labels, size, idx = [], None, 0
     try:
@@ -392,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("convert", help="images -> zip/folder of PNGs + dataset.json")
     c.add_argument("--source", required=True,
-                   help=f"folder or .zip of images, or {FASHION_MNIST}[:test]")
+                   help=f"folder or .zip of images, {FASHION_MNIST}[:test], or tfds:NAME[:SPLIT]")
+    c.add_argument("--tfds-dir", default="", help="tfds:...: the prepared data_dir")
     c.add_argument("--dest", required=True, help="output .zip or (empty) folder")
     c.add_argument("--resolution", help="output WxH, e.g. 64x64")
     c.add_argument("--transform",
@@ -409,10 +450,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         if a.command == "convert":
-            n = convert(a.source, a.dest, a.resolution, a.transform, a.max_images, a.quiet)
+            n = convert(a.source, a.dest, a.resolution, a.transform, a.max_images, a.quiet,
+                        a.tfds_dir)
         else:
             n = encode(a.source, a.dest, a.vae, a.batch, a.max_images, a.quiet)
-    except (ValueError, FileNotFoundError, ImportError) as err:
+    except (ValueError, FileNotFoundError, ImportError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"wrote {n} {'images' if a.command == 'convert' else 'latents'} to {a.dest}")

@@ -311,3 +311,31 @@ def test_training_eval_decodes_a_latent_run(tmp_path, monkeypatch):
     out = ev(net, variables)
     assert np.isfinite(out["eval/fid4"])
     assert seen and all(s[1:] == (16, 16, 3) and d == np.uint8 for s, d in seen)
+
+
+def test_tfds_source(tmp_path, monkeypatch):
+    """tfds:NAME:SPLIT reads `tfds.data_source` (a fake module here) at the images' own
+    sizes, grey repeated to RGB, then --transform; without the package, one error naming
+    the pip command."""
+    import types
+    imgs = [np.random.default_rng(i).integers(0, 256, (12 + i, 10, 1), dtype=np.uint8)
+            for i in range(3)]
+    asked = {}
+
+    def data_source(name, **kw):
+        asked.update(kw, name=name)
+        return [{"image": im, "label": i % 2} for i, im in enumerate(imgs)]
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets",
+                        types.SimpleNamespace(data_source=data_source))
+    DT.convert("tfds:mnist:test", str(tmp_path / "t.zip"), resolution="8x8",
+               transform="center-crop-dhariwal", quiet=True, tfds_dir="/data/tfds")
+    assert asked == dict(name="mnist", split="test", data_dir="/data/tfds", download=False)
+    f = ImageFolder(str(tmp_path / "t.zip"))
+    assert len(f) == 3 and [f[i][1] for i in range(3)] == [0, 1, 0]
+    want = DT.center_crop_dhariwal(np.repeat(imgs[2], 3, axis=-1), 8)
+    np.testing.assert_array_equal(f[2][0].reshape(8, 8, 3), want)
+    with pytest.raises(DT.DatasetToolError, match="tfds:NAME:SPLIT"):
+        DT.convert("tfds:", str(tmp_path / "u.zip"), quiet=True)
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # import fails
+    with pytest.raises(DT.DatasetToolError, match="pip install tensorflow-datasets"):
+        DT.convert("tfds:mnist", str(tmp_path / "v.zip"), quiet=True)
