@@ -461,6 +461,9 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int |
     else:
         imgs = net_images(net_path, seeds or range(num_images), batch_size, ema=ema,
                           num_steps=num_steps, vae=vae, **gen_kw)
+    if data_split_images and vae is None and _is_latent_data(data_config):
+        raise ValueError(f"--data_split_images={data_split_images}: the --config data are "
+                         f"SD-VAE latents; pass --vae=PATH to decode them to RGB")
     if data_split_images and vae is not None:
         imgs = (b for b in _decoded_batches(data_config, data_split_images, num_images, vae,
                                             batch_size))
@@ -509,6 +512,10 @@ def main_ref(*, dest: str, images_dir: str | None, data_config: Any, split: str,
     elif data_config is not None:
         from edm2_jax import data as data_lib
         source = data_lib.make_source(dict(dict(data_config), split=split))
+        if getattr(source, "encoder", "none") == "sd-vae":
+            raise ValueError(f"{source.path} holds SD-VAE latents; reference statistics are of "
+                             f"the real RGB images: give --images=the PNG data set they were "
+                             f"encoded from (dataset_tool convert's output)")
     else:
         raise ValueError("--mode=ref needs the dataset: --images=DIR|ZIP or --config")
     stats = fid.stats_from_source_multi(source, extractors, num_images=num_images,

@@ -339,3 +339,24 @@ def test_tfds_source(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # import fails
     with pytest.raises(DT.DatasetToolError, match="pip install tensorflow-datasets"):
         DT.convert("tfds:mnist", str(tmp_path / "v.zip"), quiet=True)
+
+
+def test_latent_data_without_vae_and_ref_of_latents_are_refused(tmp_path):
+    from edm2_jax import evaluate
+    vae_dir = _save_tiny_vae(tmp_path / "vae")
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(2):
+        PIL.Image.fromarray(_img(i, 16, 16)).save(src / f"{i}.png")
+    DT.encode(str(src), str(tmp_path / "lat.zip"), vae_dir, quiet=True)
+    data = dict(source="folder", path=str(tmp_path / "lat.zip"), encoder="sd-vae",
+                use_labels=False)
+    with pytest.raises(ValueError, match="pass --vae=PATH to decode"):
+        evaluate.main_eval(images_dir=None, net_path=None, num_images=2, metrics="fid",
+                           ref=None, data_config=data, data_split_images="train")
+    with pytest.raises(ValueError, match="give --images=the PNG data set"):
+        evaluate.main_ref(dest=str(tmp_path / "r.pkl"), images_dir=None, data_config=data,
+                          split="train", metrics="fid", batch_size=2)
+    with pytest.raises(ValueError, match="drop --vae"):
+        evaluate.main_eval(images_dir=str(src), net_path=None, num_images=2, metrics="fid",
+                           ref=None, data_config=None, vae_path=vae_dir)
