@@ -60,6 +60,7 @@ CHECKPOINTS = "checkpoints"
 SNAPSHOTS = "snapshots"
 STATE_ITEM = "default"  # the item of a state checkpoint (Orbax's name for a single item)
 LOCK = "train.lock"
+COMMIT_SUCCESS = "commit_success.txt"  # Orbax's mark of a complete step on object storage
 STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's per-step JSON; ours under custom_metadata
 # A checkpoint is healthy when finite and its params' RMS is within this factor of the
 # run's initial RMS (forced weight normalisation keeps it near 1; a diverging run's grows
@@ -97,9 +98,14 @@ def is_run(path: str) -> bool:
 def step_dirs(root: str) -> list[str]:
     """The finalised step directories `root/<step>` (e.g. of `WORKDIR/checkpoints`),
     newest first; [] when `root` does not exist. Orbax's temporary and set-aside
-    (`<step>.corrupt`) directories are not steps."""
+    (`<step>.corrupt`) directories are not steps. On object storage (`gs://`) Orbax
+    writes into `<step>/` itself and marks it complete with `commit_success.txt`
+    (its `CommitFileTemporaryPath`): only steps with that object are listed."""
     steps = [int(n) for n in paths.listdir(root) if n.isdigit()]
-    return [os.path.join(root, str(s)) for s in sorted(steps, reverse=True)]
+    dirs = [os.path.join(root, str(s)) for s in sorted(steps, reverse=True)]
+    if paths.is_url(root):
+        dirs = [d for d in dirs if paths.isfile(os.path.join(d, COMMIT_SUCCESS))]
+    return dirs
 
 
 # --------------------------------------------------------------------------------------

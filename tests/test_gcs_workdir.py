@@ -129,11 +129,12 @@ def test_paths_on_gcs(gcs):
     assert rundir.read_config(d) == {"a": 1}
     assert fs.exists(f"{BUCKET}/paths/config.json")
     assert not fs.exists(f"{BUCKET}/paths/config.json.tmp")
-    for n in ("3/x", "3/sub/y", "12/z"):
+    for n in ("3/x", "3/sub/y", "12/z", "12/commit_success.txt", "3/commit_success.txt",
+              "15/x"):  # 15: an unfinished save (Orbax's commit file missing)
         paths.Path(f"{d}/checkpoints/{n}").write_text(n)
     assert rundir.step_dirs(f"{d}/checkpoints") == [f"{d}/checkpoints/12", f"{d}/checkpoints/3"]
     paths.rename(f"{d}/checkpoints/3", f"{d}/checkpoints/3.corrupt")
-    assert paths.listdir(f"{d}/checkpoints") == ["12", "3.corrupt"]
+    assert paths.listdir(f"{d}/checkpoints") == ["12", "15", "3.corrupt"]
     assert paths.read_text(f"{d}/checkpoints/3.corrupt/sub/y") == "3/sub/y"
 
 
