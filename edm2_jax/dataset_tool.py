@@ -5,6 +5,8 @@
         [--transform=center-crop|center-crop-dhariwal|center-crop-wide] [--max-images=N]
     python -m edm2_jax.dataset_tool encode --source=IMAGES.zip|DIR --dest=LATENTS.zip|DIR \
         --vae=PATH [--batch=N] [--max-images=N]
+    python -m edm2_jax.dataset_tool decode --source=LATENTS.zip|DIR --dest=IMAGES.zip|DIR \
+        --vae=PATH [--batch=N] [--max-images=N] [--seed=S | --mean]
 
 Formats (what the release's `dataset_tool.py` writes and reads, so that either project
 reads the other's files; `data.ImageFolder` / `data.LatentFolder` read them here):
@@ -34,6 +36,10 @@ at least twice the target, resize the short side to the target (bicubic, sizes r
 take the central square; `center-crop-wide`: crop the height to `W * h / w`, resize to
 WxH, paste into the middle rows of a black WxW canvas (images smaller than that are
 skipped). Outputs must be square, power-of-two sized and all the same size.
+
+`decode` (as the release's): each stored latent drawn once, `mean + N(0, 1) * std` (NumPy
+`default_rng(seed)`, or the mean alone with `--mean`), scaled as in training, decoded by
+the VAE to uint8 RGB and written as `convert` writes PNGs, with the labels.
 
 Errors (`DatasetToolError`, printed as one `error:` line, exit status 1) name the file or
 flag at fault and the fix: a missing source, an unreadable image, a bad `--resolution`,
@@ -426,6 +432,52 @@ def encode(source: str, dest: str, vae_path: str, batch: int = 8,
     return idx
 
 
+def decode(source: str, dest: str, vae_path: str, batch: int = 8,
+           max_images: int | None = None, seed: int = 0, mean: bool = False,
+           quiet: bool = False) -> int:
+    """Latent data set -> PNG data set with the SD VAE of `vae_path` (module docstring).
+    Returns the number of images written."""
+    from edm2_jax import vae as vae_lib
+    from edm2_jax.data.latents import LatentFolder
+    if batch < 1:
+        raise DatasetToolError(f"--batch={batch}: must be at least 1")
+    vae = dataclasses.replace(vae_lib.load_vae(vae_path), batch_size=batch)
+    try:
+        lat = LatentFolder(source, use_labels=True)
+    except ValueError as e:
+        if "label" not in str(e):
+            raise
+        lat = LatentFolder(source, use_labels=False)
+    n = len(lat) if max_images is None else min(len(lat), max_images)
+    rng = np.random.default_rng(seed)
+    out = Dest(dest)
+    labels = []
+    try:
+        with _progress(n, quiet) as bar:
+            for a in range(0, n, batch):
+                items = [lat[i] for i in range(a, min(a + batch, n))]
+                raw = np.stack([x for x, _ in items]).astype(np.float32)
+                m = len(raw)
+                if m < batch:
+                    raw = np.concatenate([raw, np.repeat(raw[-1:], batch - m, axis=0)])
+                noise = (np.zeros if mean else lambda shape: rng.standard_normal(shape,
+                                                                                np.float32))(
+                    raw.shape[:-1] + (vae_lib.LATENT_CHANNELS,))
+                imgs = vae.decode(vae_lib.encode_latents(raw, noise))[:m]
+                for i, (img, (_, label)) in enumerate(zip(imgs, items)):
+                    fname = archive_name(a + i)
+                    buf = io.BytesIO()
+                    PIL.Image.fromarray(img).save(buf, format="png", compress_level=0,
+                                                  optimize=False)
+                    out.write(fname, buf.getvalue())
+                    labels.append([fname, int(label)] if lat.label_dim else None)
+                bar.update(m)
+        out.write("dataset.json", _dataset_json(labels))
+    finally:
+        out.close()
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m edm2_jax.dataset_tool",
                                 description="Make data sets in the EDM2 release's formats.")
@@ -447,17 +499,28 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--batch", type=int, default=8, help="images per VAE call")
     e.add_argument("--max-images", type=int)
     e.add_argument("--quiet", action="store_true", help="no progress bar")
+    d = sub.add_parser("decode", help="latents (.npy) -> zip/folder of PNGs, with the VAE")
+    d.add_argument("--source", required=True, help="folder or .zip of latents")
+    d.add_argument("--dest", required=True, help="output .zip or (empty) folder")
+    d.add_argument("--vae", required=True, help="SD VAE weights (diffusers file or folder)")
+    d.add_argument("--batch", type=int, default=8, help="latents per VAE call")
+    d.add_argument("--max-images", type=int)
+    d.add_argument("--seed", type=int, default=0, help="seed of the mean + N(0,1) * std draw")
+    d.add_argument("--mean", action="store_true", help="decode the means (no draw)")
+    d.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     try:
         if a.command == "convert":
             n = convert(a.source, a.dest, a.resolution, a.transform, a.max_images, a.quiet,
                         a.tfds_dir)
-        else:
+        elif a.command == "encode":
             n = encode(a.source, a.dest, a.vae, a.batch, a.max_images, a.quiet)
+        else:
+            n = decode(a.source, a.dest, a.vae, a.batch, a.max_images, a.seed, a.mean, a.quiet)
     except (ValueError, FileNotFoundError, ImportError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print(f"wrote {n} {'images' if a.command == 'convert' else 'latents'} to {a.dest}")
+    print(f"wrote {n} {'latents' if a.command == 'encode' else 'images'} to {a.dest}")
     return 0
 
 

@@ -360,3 +360,26 @@ def test_latent_data_without_vae_and_ref_of_latents_are_refused(tmp_path):
     with pytest.raises(ValueError, match="drop --vae"):
         evaluate.main_eval(images_dir=str(src), net_path=None, num_images=2, metrics="fid",
                            ref=None, data_config=None, vae_path=vae_dir)
+
+
+def test_decode_writes_the_vae_decodes_as_pngs(tmp_path):
+    """decode --mean: each PNG is vae.decode of the stored mean (scaled), labels kept;
+    a draw (--seed) differs from the mean and is reproducible."""
+    vae_dir = _save_tiny_vae(tmp_path / "vae")
+    _source_folder(tmp_path / "src", sizes=(16, 16))
+    DT.encode(str(tmp_path / "src"), str(tmp_path / "lat.zip"), vae_dir, batch=2, quiet=True)
+    n = DT.decode(str(tmp_path / "lat.zip"), str(tmp_path / "dec.zip"), vae_dir, batch=2,
+                  mean=True, quiet=True)
+    assert n == 3
+    dec = ImageFolder(str(tmp_path / "dec.zip"))
+    assert dec.fnames[0] == "00000/img00000000.png" and [dec[i][1] for i in range(3)] == [0, 0, 1]
+    raw = np.stack([LatentFolder(str(tmp_path / "lat.zip"))[i][0] for i in range(3)])
+    vae = V.load_vae(vae_dir)
+    want = vae.decode(V.encode_latents(raw, np.zeros((3, 8, 8, 4), np.float32)))
+    got = np.stack([dec[i][0].reshape(16, 16, 3) for i in range(3)])
+    assert np.abs(got.astype(int) - want).max() <= 1
+    DT.decode(str(tmp_path / "lat.zip"), str(tmp_path / "d1"), vae_dir, seed=3, quiet=True)
+    DT.decode(str(tmp_path / "lat.zip"), str(tmp_path / "d2"), vae_dir, seed=3, quiet=True)
+    a, b = ImageFolder(str(tmp_path / "d1"))[1][0], ImageFolder(str(tmp_path / "d2"))[1][0]
+    np.testing.assert_array_equal(a, b)
+    assert (a.reshape(16, 16, 3) != got[1]).any()
