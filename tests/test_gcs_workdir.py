@@ -7,8 +7,8 @@ free port. Both storage clients are pointed at it and nothing else:
   * Orbax -> TensorStore's `gcs` kvstore (checkpoints/, snapshots/, network variables,
     post-hoc EMA's streaming reads): `TENSORSTORE_GCS_HTTP_URL`, and
     `GOOGLE_AUTH_TOKEN_FOR_TESTING` so that it asks no metadata server for credentials.
-The metadata-server addresses are set to a closed loopback port, so that no library
-can reach a real network address.
+The metadata-server addresses are set to a closed loopback port, and a Python-level
+connection to anything but loopback fails the test (`loopback_only`).
 
 One tiny run (the 2-step run of tests/test_train.py's tiny config) is trained into
 gs://, resumed to step 4, sampled from (generate, PNGs written to gs://) and
@@ -59,6 +59,20 @@ def _free_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+@pytest.fixture(autouse=True)
+def loopback_only(monkeypatch):
+    """Python-level connections (gcsfs/aiohttp, google-auth) to anything but loopback
+    fail the test; TensorStore (C++) is pointed at the emulator by its environment."""
+    connect = socket.socket.connect
+
+    def guarded(self, address):
+        if self.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in (
+                "127.0.0.1", "::1", "localhost"):
+            raise AssertionError(f"the test tried to reach {address}")
+        return connect(self, address)
+    monkeypatch.setattr(socket.socket, "connect", guarded)
 
 
 @pytest.fixture(scope="module")
