@@ -238,6 +238,5 @@ def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | N
         imgs = np.concatenate(all_imgs)
         cols = int(np.ceil(np.sqrt(len(imgs))))
         rows = int(np.ceil(len(imgs) / cols))
-        os.makedirs(os.path.dirname(os.path.abspath(grid)), exist_ok=True)
-        save_image_grid(imgs, grid, rows, cols)
+        paths.write_through_local(grid, lambda local: save_image_grid(imgs, local, rows, cols))
         print(f"Grid -> {grid}")

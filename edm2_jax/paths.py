@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import tempfile
 
 from etils import epath
 
@@ -110,3 +111,17 @@ def copy_file(src, dst) -> None:
     """Copy one file (local or URL, either way), overwriting."""
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
     Path(src).copy(Path(dst), overwrite=True)
+
+
+def write_through_local(path, write) -> None:
+    """Call `write(local_path)` for a writer that only knows local files (PIL, matplotlib):
+    at `path` itself when it is local (its directory made first), else at a temporary
+    local file that is then copied to the URL."""
+    if not is_url(path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write(path)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        local = os.path.join(tmp, os.path.basename(normalize(path)))
+        write(local)
+        copy_file(local, path)

@@ -27,7 +27,6 @@ import dataclasses
 import math
 import os
 import resource
-import tempfile
 import time
 from typing import Any, Callable
 
@@ -426,14 +425,8 @@ def save_sample_grid(config: ml_collections.ConfigDict, net: Precond, variables:
     imgs = sampling.sample_images(net, variables, seeds, labels,
                                   num_steps=int(config.sample.num_steps),
                                   rng=str(config.sample.get("rng", "jax")))
-    if paths.is_url(path):  # PIL writes local files: write one, then copy it
-        with tempfile.TemporaryDirectory() as tmp:
-            local = os.path.join(tmp, os.path.basename(path))
-            sampling.save_image_grid(np.asarray(imgs), local, rows, cols)
-            paths.copy_file(local, path)
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    sampling.save_image_grid(np.asarray(imgs), path, rows, cols)
+    paths.write_through_local(  # PIL writes local files
+        path, lambda local: sampling.save_image_grid(np.asarray(imgs), local, rows, cols))
 
 
 def _eval_line(nimg: int, ema_key: str, res: dict) -> str:

@@ -196,9 +196,11 @@ def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  
 
     # Generate from the run (newest checkpoint) and from the post-hoc EMA, PNGs to gs://.
     for i, net in enumerate((run, outs[0], f"{run}/snapshots/4")):
-        generate.main_generate(net, "0-1", f"{root}/images{i}", batch_size=2, num_steps=2)
+        generate.main_generate(net, "0-1", f"{root}/images{i}", batch_size=2, num_steps=2,
+                               grid=f"{root}/grids/grid{i}.png")
         assert sorted(fs.ls(f"{BUCKET}/images{i}")) == [f"{BUCKET}/images{i}/000000.png",
                                                         f"{BUCKET}/images{i}/000001.png"]
+        assert fs.cat(f"{BUCKET}/grids/grid{i}.png")[:8] == b"\x89PNG\r\n\x1a\n"
     png = fs.cat(f"{BUCKET}/images1/000000.png")
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     # The same net read from the bucket and from a local copy gives the same images.
