@@ -54,15 +54,27 @@ def folder_subset(path: str, num_images: int, seed: int = 0) -> list[str]:
 
     Raises ValueError when the folder holds fewer than `num_images` images.
     """
-    files = sorted(os.path.relpath(os.path.join(r, f), path) for r, _, fs in os.walk(path)
-                   for f in fs if f.lower().endswith(IMAGE_SUFFIXES))
+    from edm2_jax import paths
+    if paths.is_url(path):  # gs://...: the same relative names, listed through epath
+        root, todo, found = paths.Path(path), [paths.Path(path)], []
+        while todo:  # breadth first: epath refuses `**` patterns on GCS
+            for p in todo.pop().iterdir():
+                if p.is_dir():
+                    todo.append(p)
+                elif p.name.lower().endswith(IMAGE_SUFFIXES):
+                    found.append(str(p.relative_to(root)))
+        files = sorted(found)
+    else:
+        files = sorted(os.path.relpath(os.path.join(r, f), path) for r, _, fs in os.walk(path)
+                       for f in fs if f.lower().endswith(IMAGE_SUFFIXES))
     if len(files) < num_images:
         raise ValueError(f"{path} holds {len(files)} images, fewer than --num_images="
                          f"{num_images}; generate more or lower --num_images")
     idx = np.arange(len(files))
     if len(files) > num_images:
         idx = np.sort(np.random.RandomState(seed % (1 << 31)).permutation(len(files))[:num_images])
-    return [os.path.join(path, files[i]) for i in idx]
+    return [f"{path.rstrip('/')}/{files[i]}" if paths.is_url(path) else os.path.join(path, files[i])
+            for i in idx]
 
 
 def folder_images(path: str, num_images: int, batch_size: int = 64,
@@ -70,9 +82,18 @@ def folder_images(path: str, num_images: int, batch_size: int = 64,
     """uint8 NHWC batches of `num_images` images of a folder, the seeded random subset of
     `folder_subset`. Raises its ValueError."""
     import PIL.Image
+
+    from edm2_jax import paths
+
+    def read(f):
+        if not paths.is_url(f):
+            return np.asarray(PIL.Image.open(f))
+        with paths.open(f, "rb") as fh:
+            return np.asarray(PIL.Image.open(fh))
+
     files = folder_subset(path, num_images, seed)
     for i in range(0, num_images, batch_size):
-        batch = [np.asarray(PIL.Image.open(f)) for f in files[i:i + batch_size]]
+        batch = [read(f) for f in files[i:i + batch_size]]
         yield np.stack([b[..., None] if b.ndim == 2 else b for b in batch])
 
 
@@ -471,10 +492,16 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int |
                    classifier_config=classifier_config, dinov2=dinov2, vae=vae)
     print(json.dumps(res, indent=2))
     if out_json:
-        with open(out_json, "a") as f:
-            f.write(json.dumps(dict(res, images=images_dir or data_split_images, net=net_path,
-                                    ref_split=ref_split, guide=gen_kw.get("guide_path"),
-                                    guidance=gen_kw.get("guidance", 1.0))) + "\n")
+        line = json.dumps(dict(res, images=images_dir or data_split_images, net=net_path,
+                               ref_split=ref_split, guide=gen_kw.get("guide_path"),
+                               guidance=gen_kw.get("guidance", 1.0))) + "\n"
+        from edm2_jax import paths
+        if paths.is_url(out_json):  # object storage cannot append: rewrite the object
+            before = paths.read_text(out_json) if paths.exists(out_json) else ""
+            paths.write_text_atomic(out_json, before + line)
+        else:
+            with open(out_json, "a") as f:
+                f.write(line)
     return res
 
 

@@ -203,6 +203,14 @@ def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  
         assert fs.cat(f"{BUCKET}/grids/grid{i}.png")[:8] == b"\x89PNG\r\n\x1a\n"
     png = fs.cat(f"{BUCKET}/images1/000000.png")
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    # --mode=eval --images=gs://...: the same files and pixels as a local copy of the folder.
+    from edm2_jax import evaluate
+    fs.get(f"{BUCKET}/images1", str(tmp_path / "images1"), recursive=True)
+    assert [f.rsplit("/", 1)[1] for f in evaluate.folder_subset(f"{root}/images1", 2)] == \
+        [f.rsplit("/", 1)[1] for f in evaluate.folder_subset(str(tmp_path / "images1"), 2)]
+    np.testing.assert_array_equal(
+        next(evaluate.folder_images(f"{root}/images1", 2, batch_size=2)),
+        next(evaluate.folder_images(str(tmp_path / "images1"), 2, batch_size=2)))
     # The same net read from the bucket and from a local copy gives the same images.
     local = tmp_path / "phema_local"
     fs.get(outs[0][5:], str(local), recursive=True)
