@@ -42,6 +42,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from edm2_jax import paths
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 
 
@@ -54,7 +56,6 @@ def folder_subset(path: str, num_images: int, seed: int = 0) -> list[str]:
 
     Raises ValueError when the folder holds fewer than `num_images` images.
     """
-    from edm2_jax import paths
     if paths.is_url(path):  # gs://...: the same relative names, listed through epath
         root, todo, found = paths.Path(path), [paths.Path(path)], []
         while todo:  # breadth first: epath refuses `**` patterns on GCS
@@ -82,8 +83,6 @@ def folder_images(path: str, num_images: int, batch_size: int = 64,
     """uint8 NHWC batches of `num_images` images of a folder, the seeded random subset of
     `folder_subset`. Raises its ValueError."""
     import PIL.Image
-
-    from edm2_jax import paths
 
     def read(f):
         if not paths.is_url(f):
@@ -495,7 +494,6 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int |
         line = json.dumps(dict(res, images=images_dir or data_split_images, net=net_path,
                                ref_split=ref_split, guide=gen_kw.get("guide_path"),
                                guidance=gen_kw.get("guidance", 1.0))) + "\n"
-        from edm2_jax import paths
         if paths.is_url(out_json):  # object storage cannot append: rewrite the object
             before = paths.read_text(out_json) if paths.exists(out_json) else ""
             paths.write_text_atomic(out_json, before + line)
