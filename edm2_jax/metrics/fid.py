@@ -227,6 +227,7 @@ def save_ref_stats(path: str | os.PathLike, stats: FeatureStats | dict[str, Feat
     if len(set(counts.values())) != 1:
         raise ValueError(f"statistics of different image counts {counts} cannot share one file")
     entries = {m: dict(zip(("mu", "sigma"), s.mean_cov())) for m, s in by_metric.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".npz":
         if len(entries) != 1:
             raise ValueError(f"an .npz holds one metric's mu and sigma; write {sorted(entries)} "
