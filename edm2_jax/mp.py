@@ -13,6 +13,7 @@ function over the params pytree that the training step applies to the online wei
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any, Sequence
@@ -57,9 +58,88 @@ def pixel_norm(x: Array, eps: float = 1e-4) -> Array:
     return normalize(x, axis=-1, eps=eps)
 
 
-def mp_silu(x: Array) -> Array:
-    """Magnitude-preserving SiLU, `silu(x) / 0.596` (Eq. 81)."""
+# On the CPU backend XLA fuses the elementwise producers of a backward-pass operand into
+# the YNN fusion (matmul / convolution + epilogue) that consumes it, and a YNN fusion
+# cannot take scalar constants: each one becomes a broadcast materialised at activation
+# size every step (1 and 1/0.596 for SiLU's derivative), and the clip's gradient
+# recomputes the whole mp_sum chain. `_cpu_barrier` computes a residual behind a
+# `lax.cond` (a fusion boundary XLA keeps; both branches are the same function of
+# traced data, so the value is the function's) so that it is materialised once in the
+# forward pass. Measured in benchmarks/README.md (session 6); `EDM2_JAX_CPU_BARRIERS=0`
+# restores plain autodiff (the same values up to float32 rounding).
+CPU_BARRIERS_ENV = "EDM2_JAX_CPU_BARRIERS"
+
+
+def _cpu_barrier(fn, x: Array) -> Array:
+    """`fn(x)`, computed behind a fusion boundary (a `lax.cond`; see above)."""
+    return jax.lax.cond(jnp.isfinite(x.reshape(-1)[0]), fn, fn, x)
+
+
+def _mp_silu(x: Array) -> Array:
     return jax.nn.silu(x) / 0.596
+
+
+def _mp_silu_grad(x: Array) -> Array:
+    s = jax.nn.sigmoid(x)
+    return (s + x * (s * (1 - s))) / 0.596
+
+
+def _barriers_on() -> bool:
+    return jax.default_backend() == "cpu" and os.environ.get(CPU_BARRIERS_ENV, "1") != "0"
+
+
+def mp_silu(x: Array) -> Array:
+    """Magnitude-preserving SiLU, `silu(x) / 0.596` (Eq. 81).
+
+    On CPU its gradient, `(s + x s (1 - s)) / 0.596` with `s = sigmoid(x)` (the formula
+    autodiff takes, up to float32 rounding), is computed in the forward pass behind
+    `_cpu_barrier` and kept as the residual instead of `x`; elsewhere plain autodiff.
+    """
+    return _mp_silu_cpu(x) if _barriers_on() else _mp_silu(x)
+
+
+@jax.custom_vjp
+def _mp_silu_cpu(x: Array) -> Array:
+    return _mp_silu(x)
+
+
+def _mp_silu_fwd(x):
+    return _mp_silu(x), _cpu_barrier(_mp_silu_grad, x)
+
+
+def _mp_silu_bwd(g, dy):
+    return (dy * g.astype(dy.dtype),)
+
+
+_mp_silu_cpu.defvjp(_mp_silu_fwd, _mp_silu_bwd)
+
+
+def clip_act(x: Array, limit: float) -> Array:
+    """`x` clipped to `[-limit, limit]` (the blocks' activation clipping, `clip_act`).
+
+    On CPU the gradient is taken from a mask `-limit <= x <= limit` computed in the
+    forward pass behind `_cpu_barrier` (the gradient of `torch.clamp`, the release's);
+    elsewhere `jnp.clip`'s autodiff. The two differ only where `x` equals a limit
+    exactly (`jnp.clip` passes half of the gradient there).
+    """
+    return _clip_act_cpu(x, limit) if _barriers_on() else jnp.clip(x, -limit, limit)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _clip_act_cpu(x: Array, limit: float) -> Array:
+    return jnp.clip(x, -limit, limit)
+
+
+def _clip_act_fwd(x, limit):
+    inside = _cpu_barrier(lambda x: (x >= -limit) & (x <= limit), x)
+    return jnp.clip(x, -limit, limit), inside
+
+
+def _clip_act_bwd(limit, inside, dy):
+    return (jnp.where(inside, dy, jnp.zeros_like(dy)),)
+
+
+_clip_act_cpu.defvjp(_clip_act_fwd, _clip_act_bwd)
 
 
 def mp_sum(a: Array, b: Array, t: float = 0.5) -> Array:

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from edm2_jax.mp import (MPConv, MPFourier, group_rms_norm, mp_cat, mp_silu, mp_sum,
+from edm2_jax.mp import (MPConv, MPFourier, clip_act, group_rms_norm, mp_cat, mp_silu, mp_sum,
                          normalize, pixel_norm, plain_cat, plain_sum, resample)
 
 Array = jax.Array
@@ -116,7 +116,7 @@ class Block(nn.Module):
         if self.attention and cout // self.channels_per_head > 0:
             x = add(x, self._attention(x), self.attn_balance)
         if self.clip_act:
-            x = jnp.clip(x, -self.clip_act, self.clip_act)
+            x = clip_act(x, float(self.clip_act))
         return x
 
     def _attention(self, x: Array) -> Array:

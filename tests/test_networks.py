@@ -201,6 +201,52 @@ def test_jit_and_grad(tiny):
     assert float(jnp.abs(g["logvar_linear"]["weight"]).max()) > 0
 
 
+def test_mp_silu_gradient_is_the_closed_form():
+    # d/dx [x sigmoid(x)] / 0.596 = (s + x s (1 - s)) / 0.596, evaluated in float64.
+    x = np.linspace(-12, 12, 97).astype(np.float32)
+    s = 1 / (1 + np.exp(-x.astype(np.float64)))
+    want = (s + x * s * (1 - s)) / 0.596
+    got = np.asarray(jax.jit(jax.grad(lambda x: mp.mp_silu(x).sum()))(jnp.asarray(x)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(mp.mp_silu(jnp.asarray(x))), x * s / 0.596, rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_clip_act_gradient_is_torch_clamps():
+    # torch.clamp passes the gradient where min <= x <= max (the limits included).
+    x = jnp.array([-300.0, -256.0, -255.9, 0.0, 255.9, 256.0, 1e4])
+    y, vjp = jax.vjp(lambda x: mp.clip_act(x, 256.0), x)
+    np.testing.assert_array_equal(np.asarray(y), np.float32([-256, -256, -255.9, 0, 255.9, 256, 256]))
+    g = vjp(jnp.full_like(x, 3.0))[0]
+    want = [0, 3, 3, 3, 3, 3, 0] if jax.default_backend() == "cpu" else [0, 1.5, 3, 3, 3, 1.5, 0]
+    np.testing.assert_array_equal(np.asarray(g), want)
+
+
+def test_cpu_fusion_barriers_leave_gradients_unchanged(tiny, monkeypatch):
+    # mp_silu / clip_act residuals behind lax.cond on CPU (mp._cpu_barrier) vs plain
+    # autodiff: the same gradients up to float32 rounding of SiLU's derivative.
+    net, v = tiny
+    x = 3 * jax.random.normal(jax.random.PRNGKey(12), (2, 16, 16, 3))
+    sigma = jnp.array([0.5, 2.0])
+    labels = jax.nn.one_hot(jnp.array([0, 9]), 10)
+    params = set_gains(v["params"], 0.5)
+
+    def grads():
+        def loss(params):
+            D = net.apply({"params": params, "buffers": v["buffers"]}, x, sigma, labels)
+            return jnp.mean((D - x) ** 2)
+        return jax.jit(jax.grad(loss))(params)
+
+    monkeypatch.setenv(mp.CPU_BARRIERS_ENV, "0")
+    g0 = grads()
+    monkeypatch.setenv(mp.CPU_BARRIERS_ENV, "1")
+    g1 = grads()
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g0), jax.tree_util.tree_leaves(g1)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        # a few ulps per element, summed over ~1e3-1e4 terms: 1e-5 of the gradient's norm
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(a) + 1e-12, path
+
+
 def test_dropout_only_in_training(tiny):
     net = Precond(**{**TINY, "dropout": 0.5})
     v = init_variables(net, jax.random.PRNGKey(0))
