@@ -29,12 +29,14 @@ Blocks and layers are named by their parameter path (`enc_16x16_block0`,
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import math
 import os
 import re
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -265,17 +267,195 @@ def plot_run(workdir: str, out: str | None = None, act_sigma: float | None = Non
     return out
 
 
+def probe_wmse(record: dict) -> dict[float, float]:
+    """The probe batch's weighted MSE `weight * (D - y)^2` per sigma of one diagnostics
+    record, recovered from the logged EDM2 loss `wmse / exp(logvar) + logvar` (Eq. in
+    the paper's Sec. 5 / Kendall & Gal): `wmse = (loss - logvar) exp(logvar)`. The
+    learned-uncertainty loss of configs with different learning rates is not comparable;
+    this is (the same images, noise and weighting in every config)."""
+    out = {}
+    for k, loss in record.items():
+        if k.startswith("diag/loss/s") and f"diag/logvar/{k[10:]}" in record:
+            logvar = record[f"diag/logvar/{k[10:]}"]
+            out[float(k[11:])] = (loss - logvar) * math.exp(logvar)
+    return out
+
+
+def ranking_stable_since(kimgs: Sequence[float], values: np.ndarray) -> float | None:
+    """The earliest time from which the order of the configs no longer changes.
+
+    `values[i, t]` is config i's metric at `kimgs[t]` (lower is better). Returns the
+    first kimg whose ranking equals the final one and stays equal at every later time,
+    or None with fewer than two times."""
+    if len(kimgs) < 2:
+        return None
+    orders = [tuple(np.argsort(values[:, t], kind="stable")) for t in range(len(kimgs))]
+    t = len(orders) - 1
+    while t > 0 and orders[t - 1] == orders[-1]:
+        t -= 1
+    return float(kimgs[t])
+
+
+def _smooth(y: np.ndarray, n: int) -> np.ndarray:
+    """Trailing mean over up to `n` points (a noisy training loss, one value per status)."""
+    c = np.cumsum(np.insert(np.asarray(y, np.float64), 0, 0.0))
+    i = np.arange(1, len(y) + 1)
+    lo = np.maximum(0, i - n)
+    return (c[i] - c[lo]) / (i - lo)
+
+
+def compare_runs(workdirs: Sequence[str], labels: Sequence[str] | None = None,
+                 out: str | None = None, act_sigma: float = 1.0, smooth: int = 4) -> list[dict]:
+    """Compare training runs (e.g. the ablation's configs C-G) from their stats.jsonl.
+
+    Per run: the training loss and weighted MSE (trailing mean of the last `smooth`
+    status lines), the probe weighted MSE at the last diagnostics record (mean over the
+    probe sigmas, and at sigma = 1; `probe_wmse`), the mean activation RMS of the encoder
+    and decoder blocks at `act_sigma` (first -> last record, and the largest block at any
+    time), and, where the run holds them, the post-hoc EMA sweep (`phema/sweep-*.csv`:
+    best sigma_rel) and the final evaluation (`eval.jsonl`: fd_cls, kid_cls,
+    precision/recall, fid<N>). Also `stable_since`: the kimg from which the order of the
+    runs by probe weighted MSE (and by smoothed training weighted MSE) stops changing
+    (`ranking_stable_since`). With `out`, draws the curves (both weighted MSEs and the
+    mean activation RMS per side vs kimg, one line per run) to that PNG.
+    Returns one dict per run. Raises ValueError when a run has no diagnostics."""
+    labels = list(labels) if labels else [os.path.basename(os.path.normpath(w)) for w in workdirs]
+    tag = sigma_tag(act_sigma)
+    rows, curves = [], []
+    for w, label in zip(workdirs, labels):
+        recs = rundir.read_stats(w)
+        diag = [r for r in recs if any(k.startswith("diag/loss/") for k in r)]
+        train = [r for r in recs if "loss/weighted_mse" in r]
+        if not diag or not train:
+            raise ValueError(f"{w}: no diagnostics or no status lines in stats.jsonl; train "
+                             f"with --config.diagnostics.enabled=True")
+        pk = np.array([r["kimg"] for r in diag])
+        pw = [probe_wmse(r) for r in diag]
+        probe = np.array([np.mean(list(p.values())) for p in pw])
+        tk = np.array([r["kimg"] for r in train])
+        twmse = _smooth(np.array([r["loss/weighted_mse"] for r in train]), smooth)
+        tloss = _smooth(np.array([r["loss/loss"] for r in train]), smooth)
+        act = {}
+        for side in ("enc", "dec"):
+            keys = [k for k in diag[0] if k.startswith(f"diag/act/{tag}/{side}_")]
+            if not keys:
+                raise ValueError(f"{w}: no activations logged at sigma {act_sigma}")
+            act[side] = np.array([np.mean([r[k] for k in keys]) for r in diag])
+            act[side + "_max"] = max(r[k] for r in diag for k in keys)
+        row = {"run": label, "workdir": w, "kimg": float(tk[-1]),
+               "train_loss": float(tloss[-1]), "train_wmse": float(twmse[-1]),
+               "probe_wmse": float(probe[-1]), "probe_wmse_s1": float(pw[-1].get(1.0, np.nan)),
+               "act_enc": (float(act["enc"][0]), float(act["enc"][-1])), "act_enc_max": float(act["enc_max"]),
+               "act_dec": (float(act["dec"][0]), float(act["dec"][-1])), "act_dec_max": float(act["dec_max"])}
+        phema_dir = os.path.join(w, "phema")
+        sweeps = sorted(os.path.join(phema_dir, n) for n in
+                        (paths.listdir(phema_dir) if paths.isdir(phema_dir) else [])
+                        if n.startswith("sweep-") and n.endswith(".csv"))
+        if sweeps:
+            with paths.open(sweeps[-1]) as f:
+                sweep = list(csv.DictReader(f))
+            metric = [k for k in sweep[0] if k not in ("sigma_rel", "kimg", "profile_error", "path")][0]
+            best = min(sweep, key=lambda r: float(r[metric]))
+            row.update(best_sigma_rel=float(best["sigma_rel"]), sweep_metric=metric,
+                       sweep={float(r["sigma_rel"]): float(r[metric]) for r in sweep})
+        ev = os.path.join(w, "eval.jsonl")
+        if paths.isfile(ev):
+            with paths.open(ev) as f:
+                last = [json.loads(line) for line in f if line.strip()][-1]
+            row["eval"] = {k: v for k, v in last.items()
+                           if k.startswith(("fd_cls", "kid_cls", "precision_cls", "recall_cls", "fid", "num_images"))}
+        rows.append(row)
+        curves.append((label, tk, twmse, pk, probe, act["enc"], act["dec"]))
+    # The order's stability, on the times every run logged.
+    for name, col_k, col_v in (("probe", 3, 4), ("train", 1, 2)):
+        common = sorted(set.intersection(*[set(np.round(c[col_k], 3)) for c in curves]))
+        vals = np.array([[c[col_v][np.argmin(np.abs(c[col_k] - k))] for k in common] for c in curves])
+        since = ranking_stable_since(common, vals)
+        order = [labels[i] for i in np.argsort(vals[:, -1], kind="stable")] if common else []
+        for r in rows:
+            r[f"stable_since_{name}"], r[f"order_{name}"] = since, order
+    if out:
+        import matplotlib  # noqa: PLC0415
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+        fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+        for label, tk, twmse, pk, probe, enc, dec in curves:
+            axes[0].plot(tk, twmse, label=label)
+            axes[1].plot(pk, probe, marker=".", label=label)
+            axes[2].plot(pk, enc, label=label)
+            axes[3].plot(pk, dec, label=label)
+        titles = (f"training weighted MSE (mean of {smooth} status lines)",
+                  "probe weighted MSE (fixed images and noise)",
+                  f"mean activation RMS, encoder (sigma={act_sigma:g})",
+                  f"mean activation RMS, decoder (sigma={act_sigma:g})")
+        for ax, t in zip(axes, titles):
+            ax.set(xlabel="kimg", title=t)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        axes[0].set_yscale("log")
+        axes[1].set_yscale("log")
+        fig.tight_layout()
+        with paths.open(out, "wb") as f:
+            fig.savefig(f, dpi=64, format="png")
+        plt.close(fig)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """`compare_runs`' rows as a Markdown table (missing entries as '-')."""
+    def num(v, fmt="{:.3f}"):
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+    lines = ["| run | kimg | train loss | train wMSE | probe wMSE | probe wMSE, sigma=1 | "
+             "act. RMS encoder | act. RMS decoder | best sigma_rel | fd_cls | kid_cls | "
+             "prec. / rec. | FID-N |",
+             "|" + "---|" * 13]
+    for r in rows:
+        ev = r.get("eval", {})
+        fid = [(k, v) for k, v in ev.items() if k.startswith("fid")]
+        lines.append(
+            f"| {r['run']} | {r['kimg']:g} | {num(r['train_loss'])} | {num(r['train_wmse'])} | "
+            f"{num(r['probe_wmse'])} | {num(r['probe_wmse_s1'])} | "
+            f"{r['act_enc'][0]:.2f} -> {r['act_enc'][1]:.2f} (max {r['act_enc_max']:.2f}) | "
+            f"{r['act_dec'][0]:.2f} -> {r['act_dec'][1]:.2f} (max {r['act_dec_max']:.2f}) | "
+            f"{num(r.get('best_sigma_rel'), '{:g}')} | {num(ev.get('fd_cls'), '{:.2f}')} | "
+            f"{num(ev.get('kid_cls'), '{:.3f}')} | "
+            f"{num(ev.get('precision_cls'), '{:.2f}')} / {num(ev.get('recall_cls'), '{:.3f}')} | "
+            + (f"{fid[0][1]:.1f} ({fid[0][0]})" if fid else "-") + " |")
+    r = rows[0]
+    lines.append("")
+    lines.append(f"Order by probe wMSE at the end: {' < '.join(r['order_probe'])} "
+                 f"(unchanged since {num(r['stable_since_probe'], '{:g}')} kimg); by training "
+                 f"wMSE: {' < '.join(r['order_train'])} (since {num(r['stable_since_train'], '{:g}')} kimg).")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m edm2_jax.diagnostics",
                                 description="Plot a run's training-dynamics diagnostics.")
-    p.add_argument("workdir", help="a training run trained with --config.diagnostics.enabled=True")
-    p.add_argument("--out", default=None, help="PNG path (default WORKDIR/diagnostics.png)")
+    p.add_argument("workdir", nargs="+",
+                   help="a training run trained with --config.diagnostics.enabled=True "
+                        "(several with --compare)")
+    p.add_argument("--out", default=None, help="PNG path (default WORKDIR/diagnostics.png; "
+                                               "with --compare: no plot unless given)")
     p.add_argument("--act_sigma", type=float, default=None,
-                   help="the sigma of the activation panels (default: the middle one logged)")
+                   help="the sigma of the activation panels (default: the middle one logged; "
+                        "1 with --compare)")
     p.add_argument("--title", default=None)
+    p.add_argument("--compare", action="store_true",
+                   help="compare the runs: a Markdown table (losses, probe wMSE, activations, "
+                        "best sigma_rel and eval.jsonl metrics), the order's stability, and "
+                        "the curves to --out")
+    p.add_argument("--labels", default=None, help="--compare: comma list of run names")
     args = p.parse_args(argv)
     try:
-        path = plot_run(args.workdir, args.out, args.act_sigma, args.title)
+        if args.compare:
+            rows = compare_runs(args.workdir, args.labels.split(",") if args.labels else None,
+                                args.out, 1.0 if args.act_sigma is None else args.act_sigma)
+            print(format_table(rows))
+            return 0
+        if len(args.workdir) != 1:
+            p.error("one workdir (or --compare)")
+        path = plot_run(args.workdir[0], args.out, args.act_sigma, args.title)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -333,3 +333,61 @@ def test_a_run_recorded_before_the_switches_resumes_as_config_g():
     current["network"]["group_norm"] = True
     refused, _ = resume.config_differences(saved, current)
     assert refused == ["network.group_norm: checkpoint False vs now True"]
+
+
+# --- comparing the configs' runs (python -m edm2_jax.diagnostics --compare) -----------
+
+def test_ranking_stable_since_by_hand():
+    kimg = [0, 8, 16, 24, 32]
+    # runs a, b, c; lower is better. Order a<b<c from 16 kimg on (b<a before).
+    v = np.array([[3.0, 2.0, 1.0, 0.9, 0.8],
+                  [2.0, 1.5, 1.1, 1.0, 0.9],
+                  [5.0, 4.0, 3.0, 2.0, 1.0]])
+    assert diagnostics.ranking_stable_since(kimg, v) == 16
+    v[2, 3] = 0.5  # c best at 24 kimg: the final order only holds from 32 on
+    assert diagnostics.ranking_stable_since(kimg, v) == 32
+    assert diagnostics.ranking_stable_since([0], v[:, :1]) is None
+
+
+def test_probe_wmse_inverts_the_uncertainty_loss():
+    # loss = wmse / exp(logvar) + logvar  =>  wmse = (loss - logvar) exp(logvar)
+    wmse, logvar = 0.37, -1.3
+    rec = {"diag/loss/s1": wmse / math.exp(logvar) + logvar, "diag/logvar/s1": logvar,
+           "diag/loss/s0.1": 2.0, "diag/logvar/s0.1": 0.0}
+    got = diagnostics.probe_wmse(rec)
+    assert got[1.0] == pytest.approx(wmse, rel=1e-12) and got[0.1] == pytest.approx(2.0)
+
+
+def test_compare_runs_table_and_order(tmp_path):
+    def run(name, wmse_end, act_dec):
+        w = tmp_path / name
+        w.mkdir()
+        recs = []
+        for i, kimg in enumerate([0.0, 1.0, 2.0, 3.0]):
+            wm = 1.0 + (wmse_end - 1.0) * i / 3  # probe wMSE, logvar 0: loss = wmse
+            recs.append({"kimg": kimg, "diag/loss/s1": wm, "diag/logvar/s1": 0.0,
+                         "diag/loss/s10": 2 * wm, "diag/logvar/s10": 0.0,
+                         "diag/act/s1/enc_8x8_block0": 1.0, "diag/act/s1/enc_8x8_down": 3.0,
+                         "diag/act/s1/dec_8x8_block0": act_dec * (1 + i)})
+            if kimg:
+                recs.append({"kimg": kimg, "loss/loss": 10 * wm, "loss/weighted_mse": wm})
+        (w / "stats.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+        return str(w)
+    a, b = run("a", 0.5, 1.0), run("b", 0.25, 2.0)
+    (tmp_path / "b" / "phema").mkdir()
+    (tmp_path / "b" / "phema" / "sweep-0000003-fd_cls.csv").write_text(
+        "sigma_rel,kimg,fd_cls,profile_error,path\n0.05,3,9.5,0.01,p1\n0.1,3,7.25,0.02,p2\n")
+    (tmp_path / "b" / "eval.jsonl").write_text(json.dumps({"fd_cls": 7.0, "fid500": 40.0}) + "\n")
+    rows = diagnostics.compare_runs([a, b], ["A", "B"], out=str(tmp_path / "c.png"), smooth=2)
+    ra, rb = rows
+    # probe wMSE at the end: mean over sigma 1 and 10 = 1.5 x the sigma=1 value
+    assert ra["probe_wmse"] == pytest.approx(0.75) and ra["probe_wmse_s1"] == pytest.approx(0.5)
+    # training wMSE, trailing mean of the last 2 of (5/6, 2/3, 1/2) for A
+    assert ra["train_wmse"] == pytest.approx((2 / 3 + 0.5) / 2)
+    assert ra["act_enc"] == (2.0, 2.0) and ra["act_dec"] == (1.0, 4.0) and rb["act_dec_max"] == 8.0
+    assert "best_sigma_rel" not in ra and rb["best_sigma_rel"] == 0.1 and rb["eval"]["fid500"] == 40
+    # equal at 0 kimg (a stable sort keeps A first), B below A from 1 kimg on
+    assert ra["order_probe"] == ["B", "A"] and ra["stable_since_probe"] == 1.0
+    assert (tmp_path / "c.png").stat().st_size > 0
+    table = diagnostics.format_table(rows)
+    assert "| B | 3 |" in table and "7.00" in table and "40.0 (fid500)" in table
