@@ -304,6 +304,27 @@ def _smooth(y: np.ndarray, n: int) -> np.ndarray:
     return (c[i] - c[lo]) / (i - lo)
 
 
+def _read_sweeps(workdir: str) -> list[dict]:
+    """The rows of the newest-kimg post-hoc EMA sweep CSVs (`sweep-<kimg>-<metric>.csv`
+    in `WORKDIR/phema*/`, e.g. a first sweep and an extension of its range), merged by
+    sigma_rel (a later file wins); [] when there is none."""
+    found = []
+    for d in sorted(n for n in (paths.listdir(workdir) if paths.isdir(workdir) else [])
+                    if n.startswith("phema")):
+        d = os.path.join(workdir, d)
+        if paths.isdir(d):
+            found += [os.path.join(d, n) for n in paths.listdir(d)
+                      if n.startswith("sweep-") and n.endswith(".csv")]
+    if not found:
+        return []
+    newest = max(os.path.basename(f).split("-")[1] for f in found)  # zero-padded kimg
+    rows: dict[float, dict] = {}
+    for f in sorted(f for f in found if os.path.basename(f).split("-")[1] == newest):
+        with paths.open(f) as fh:
+            rows.update({float(r["sigma_rel"]): r for r in csv.DictReader(fh)})
+    return [rows[k] for k in sorted(rows)]
+
+
 def compare_runs(workdirs: Sequence[str], labels: Sequence[str] | None = None,
                  out: str | None = None, act_sigma: float = 1.0, smooth: int = 4) -> list[dict]:
     """Compare training runs (e.g. the ablation's configs C-G) from their stats.jsonl.
@@ -347,13 +368,8 @@ def compare_runs(workdirs: Sequence[str], labels: Sequence[str] | None = None,
                "probe_wmse": float(probe[-1]), "probe_wmse_s1": float(pw[-1].get(1.0, np.nan)),
                "act_enc": (float(act["enc"][0]), float(act["enc"][-1])), "act_enc_max": float(act["enc_max"]),
                "act_dec": (float(act["dec"][0]), float(act["dec"][-1])), "act_dec_max": float(act["dec_max"])}
-        phema_dir = os.path.join(w, "phema")
-        sweeps = sorted(os.path.join(phema_dir, n) for n in
-                        (paths.listdir(phema_dir) if paths.isdir(phema_dir) else [])
-                        if n.startswith("sweep-") and n.endswith(".csv"))
-        if sweeps:
-            with paths.open(sweeps[-1]) as f:
-                sweep = list(csv.DictReader(f))
+        sweep = _read_sweeps(w)
+        if sweep:
             metric = [k for k in sweep[0] if k not in ("sigma_rel", "kimg", "profile_error", "path")][0]
             best = min(sweep, key=lambda r: float(r[metric]))
             row.update(best_sigma_rel=float(best["sigma_rel"]), sweep_metric=metric,

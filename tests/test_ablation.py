@@ -378,7 +378,11 @@ def test_compare_runs_table_and_order(tmp_path):
     (tmp_path / "b" / "phema" / "sweep-0000003-fd_cls.csv").write_text(
         "sigma_rel,kimg,fd_cls,profile_error,path\n0.05,3,9.5,0.01,p1\n0.1,3,7.25,0.02,p2\n")
     (tmp_path / "b" / "eval.jsonl").write_text(json.dumps({"fd_cls": 7.0, "fid500": 40.0}) + "\n")
+    (tmp_path / "b" / "phema_ext").mkdir()  # an extension of the sweep's range, merged
+    (tmp_path / "b" / "phema_ext" / "sweep-0000003-fd_cls.csv").write_text(
+        "sigma_rel,kimg,fd_cls,profile_error,path\n0.02,3,8.0,0.01,p0\n")
     rows = diagnostics.compare_runs([a, b], ["A", "B"], out=str(tmp_path / "c.png"), smooth=2)
+    assert rows[1]["sweep"] == {0.02: 8.0, 0.05: 9.5, 0.1: 7.25}
     ra, rb = rows
     # probe wMSE at the end: mean over sigma 1 and 10 = 1.5 x the sigma=1 value
     assert ra["probe_wmse"] == pytest.approx(0.75) and ra["probe_wmse_s1"] == pytest.approx(0.5)
