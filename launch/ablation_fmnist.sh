@@ -9,7 +9,10 @@
 # Environment (defaults): KIMG=32 (training budget per config), SWEEP="0.03,0.05,0.075,0.1,0.15,0.2"
 # (sigma_rel), SWEEP_N=500 (images per sweep point, classifier FD), EVAL_N=1000 (images of
 # the final evaluation: fd_cls/kid/precision/recall and fid<EVAL_N>), LETTERS="c d e f g",
-# RUNS=runs. Each step is skipped when its output exists, so a rerun resumes.
+# RUNS=runs, BASE= (configs/ablation.py's base: empty = the Fashion-MNIST network, `tiny`
+# for a seconds-long smoke run). Each step is skipped when its output exists, so a rerun
+# resumes. Then `python -m edm2_jax.diagnostics --compare RUNS/abl<KIMG>-{c,d,e,f,g}`
+# prints the table (docs/ablation.md).
 # Writes RUNS/abl<KIMG>-<L>/{stats.jsonl,diagnostics.png,phema/sweep-*.csv,eval.jsonl}.
 set -euo pipefail
 
@@ -19,6 +22,7 @@ SWEEP_N=${SWEEP_N:-500}
 EVAL_N=${EVAL_N:-1000}
 LETTERS=${LETTERS:-c d e f g}
 RUNS=${RUNS:-runs}
+BASE=${BASE:-}
 PY=${PYTHON:-python}
 
 ref="$RUNS/fmnist-test-fid${EVAL_N}.pkl"
@@ -30,7 +34,7 @@ fi
 
 for L in $LETTERS; do
   run="$RUNS/abl$KIMG-$L"
-  cfg="configs/ablation.py:$L"
+  cfg="configs/ablation.py:$L${BASE:+,$BASE}"
   echo "=== config ${L^^}: $run"
   # Training (resumes from the last checkpoint; a finished run returns at once).
   "$PY" -m edm2_jax.main --config="$cfg" --workdir="$run" \

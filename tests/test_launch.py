@@ -17,7 +17,7 @@ def run(*args):
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
 def test_shellcheck_clean():
-    r = subprocess.run(["shellcheck", "-x", *SCRIPTS, "launch/common.sh"], cwd=ROOT,
+    r = subprocess.run(["shellcheck", "-x", *SCRIPTS, "launch/common.sh", "launch/ablation_fmnist.sh"], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout
 
@@ -56,3 +56,25 @@ def test_inputs_are_checked(script):
     assert r.returncode == 2 and "--workdir is required" in r.stderr
     r = run(script, "--bogus")
     assert r.returncode == 2 and "unknown argument" in r.stderr
+
+
+@pytest.mark.slow
+def test_ablation_script_end_to_end(tmp_path):
+    # The whole protocol of docs/ablation.md at smoke size: train with diagnostics, one
+    # post-hoc EMA sweep, the best EMA's classifier metrics and FID-N, then the table.
+    import json
+    import sys
+    env = dict(os.environ, KIMG="0.128", BASE="tiny", SWEEP="0.05,0.1", SWEEP_N="20",
+               EVAL_N="20", LETTERS="g", RUNS=str(tmp_path), PYTHON=sys.executable)
+    r = subprocess.run(["bash", "launch/ablation_fmnist.sh"], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = tmp_path / "abl0.128-g"
+    assert (run / "diagnostics.png").stat().st_size > 0
+    (csv_path,) = (run / "phema").glob("sweep-*-fd_cls.csv")
+    assert len(csv_path.read_text().strip().splitlines()) == 3  # header + 2 sigma_rels
+    ev = json.loads((run / "eval.jsonl").read_text().splitlines()[-1])
+    assert ev["num_images"] == 20 and "fd_cls" in ev and "fid20" in ev
+    r = subprocess.run([sys.executable, "-m", "edm2_jax.diagnostics", "--compare", str(run)],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and "(fid20)" in r.stdout, r.stdout + r.stderr
