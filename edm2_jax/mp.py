@@ -70,9 +70,12 @@ def pixel_norm(x: Array, eps: float = 1e-4) -> Array:
 CPU_BARRIERS_ENV = "EDM2_JAX_CPU_BARRIERS"
 
 
-def _cpu_barrier(fn, x: Array) -> Array:
-    """`fn(x)`, computed behind a fusion boundary (a `lax.cond`; see above)."""
-    return jax.lax.cond(jnp.isfinite(x.reshape(-1)[0]), fn, fn, x)
+def _cpu_barrier(fn, *args: Array, key: Array | None = None):
+    """`fn(*args)`, computed behind a fusion boundary (a `lax.cond`; see above). The
+    cond's predicate is read from `key` (default `args[0]`): pass a replicated array
+    (a weight) where one is at hand, so that a sharded run needs no collective for it."""
+    key = args[0] if key is None else key
+    return jax.lax.cond(jnp.isfinite(key.reshape(-1)[0]), fn, fn, *args)
 
 
 def _mp_silu(x: Array) -> Array:
@@ -269,7 +272,7 @@ def _conv_cpu_relayout_bwd(res, dy):
     def relayout(x, dy):
         return jnp.transpose(x, (3, 1, 2, 0)), jnp.transpose(dy.astype(x.dtype), (1, 2, 0, 3))
 
-    xt, dyt = jax.lax.cond(jnp.isfinite(w[0, 0, 0, 0]), relayout, relayout, x, dy)
+    xt, dyt = _cpu_barrier(relayout, x, dy, key=w)
     dw = jax.lax.conv_general_dilated(
         xt, dyt, window_strides=(1, 1), padding=((kh // 2, kh // 2), (kw // 2, kw // 2)),
         dimension_numbers=("NHWC", "HWIO", "NHWC"), preferred_element_type=jnp.float32)
