@@ -528,8 +528,9 @@ def main_ref(*, dest: str, images_dir: str | None, data_config: Any, split: str,
     if not dest.lower().endswith((".pkl", ".npz")):
         raise ValueError(f"--ref={dest}: the statistics are written to a .pkl (the release's "
                          f"format) or an .npz (fid only)")
-    extractors = {m: feature_extractor(m, dinov2) for m in names}  # fail before reading
     t = time.time()
+    # The source is checked (missing, latent) before any weights load, so that its error
+    # is the one the user sees; the extractors then load before any image is read.
     if images_dir:
         from edm2_jax import data as data_lib
         source = data_lib.make_source({"source": "folder", "path": images_dir,
@@ -543,6 +544,7 @@ def main_ref(*, dest: str, images_dir: str | None, data_config: Any, split: str,
                              f"encoded from (dataset_tool convert's output)")
     else:
         raise ValueError("--mode=ref needs the dataset: --images=DIR|ZIP or --config")
+    extractors = {m: feature_extractor(m, dinov2) for m in names}
     stats = fid.stats_from_source_multi(source, extractors, num_images=num_images,
                                         batch_size=batch_size, seed=seed)
     fid.save_ref_stats(dest, stats)
