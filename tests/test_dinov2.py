@@ -139,8 +139,9 @@ def _release_preprocess(images_uint8, dtype):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A random tiny DINOv2 (timm, pos-embed grid 5) and its `torch.save`d state dict."""
-    import torch
+    """A random tiny DINOv2 (timm, pos-embed grid 5) and its `torch.save`d state dict.
+    Its tests skip without torch and timm (optional installs, README)."""
+    torch = pytest.importorskip("torch")
     model = _timm_vit(TINY, img_size=TINY.pos_grid * TINY.patch_size)
     _randomise(model, seed=0)
     path = tmp_path_factory.mktemp("dinov2") / "tiny_pretrain.pth"
@@ -252,7 +253,7 @@ def test_vitl14_geometry_matches_timm():
     """The release's network, ViT-L/14 (24 blocks, width 1024, 16 heads, 37x37 pos
     grid), on random weights: config inferred from the state dict, features of two
     images within 1e-4 of timm's (float32 through 24 blocks)."""
-    import torch
+    torch = pytest.importorskip("torch")
     model = _timm_vit(dv.VITL14, img_size=518)
     _randomise(model, seed=1)
     sd = {k: v.numpy() for k, v in model.state_dict().items()}
