@@ -16,6 +16,10 @@ import os
 import sys
 import time
 
+if __name__ == "__main__":  # first: the host allocator edm2_jax.main runs under
+    from edm2_jax import host_malloc
+    host_malloc.reexec()
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -309,6 +309,8 @@ def worker(args) -> None:
     config = build_config(args)
     side = Release(config, args) if args.worker == "release" else Ours(config, args)
     info = {"peak_rss_gib": 0.0}
+    from edm2_jax import host_malloc
+    info["malloc"] = host_malloc.in_effect()
     if args.worker == "ours":
         import jax
         dev = jax.devices()[0]
@@ -385,6 +387,9 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = all cores)")
     ap.add_argument("--peak_tflops", type=float, default=0.0,
                     help="device peak for MFU (default: dense bf16 of a known GPU)")
+    ap.add_argument("--release_malloc", default="default", choices=["default", "ours"],
+                    help="the release's host allocator: the one this process has (default) "
+                         "or ours ($EDM2_JAX_MALLOC, edm2_jax/host_malloc.py)")
     ap.add_argument("--worker", default="", choices=["", "ours", "release"],
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -399,12 +404,19 @@ def main():
     if args.release:
         # Two processes on one GPU: JAX must not take 75% of its memory up front.
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
-    ours = Worker("ours", argv, env)
-    rel = Worker("release", argv, env) if args.release else None
+    # Ours runs under the host allocator `python -m edm2_jax.main` re-executes itself
+    # with (edm2_jax/host_malloc.py); the release under the one it is started with, unless
+    # --release_malloc=ours gives it the same.
+    from edm2_jax import host_malloc
+    env_ours = dict(env, **host_malloc.allocator_env())
+    ours = Worker("ours", argv, env_ours)
+    rel = Worker("release", argv, env_ours if args.release_malloc == "ours" else env) \
+        if args.release else None
     info = ours.info
     print(f"net={args.preset or args.net or args.config} "
           f"batch={args.batch or build_config(args).batch_size} device={info['device']} "
-          f"dtype={args.dtype} cpus={os.cpu_count()}", flush=True)
+          f"dtype={args.dtype} cpus={os.cpu_count()} host allocator: edm2-jax "
+          f"{info['malloc']}" + (f", release {rel.info['malloc']}" if rel else ""), flush=True)
     if "train" in args.work:
         print(f"edm2-jax train-step compile {info['compile_s']:.1f} s; model FLOPs "
               f"{info['train_flops_per_img'] / 1e9:.2f} GFLOP per training image "

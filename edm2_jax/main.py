@@ -42,6 +42,15 @@ import time
 import traceback
 import warnings
 
+if __name__ == "__main__":
+    # First, before JAX starts: the host allocator of the step (edm2_jax/host_malloc.py).
+    from edm2_jax import host_malloc
+    try:
+        host_malloc.reexec()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags

@@ -526,6 +526,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str,
           f"{batch_size} on {mesh.size} device(s) of {jax.process_count()} process(es), mesh "
           f"{dict(mesh.shape)}, {model.num_accum} micro-batch(es) per step; EMAs "
           f"sigma_rel={list(config.ema.sigma_rels)}")
+    if jax.default_backend() == "cpu":
+        from edm2_jax import host_malloc
+        print(f"Host allocator: {host_malloc.in_effect()} (${host_malloc.ENV}; "
+              f"edm2_jax/host_malloc.py)")
 
     step_fn = jit_train_step(make_train_step(config, net, model.tx, model.num_accum), mesh,
                              model.state_sharding)
