@@ -309,8 +309,8 @@ def worker(args) -> None:
     config = build_config(args)
     side = Release(config, args) if args.worker == "release" else Ours(config, args)
     info = {"peak_rss_gib": 0.0}
-    from edm2_jax import host_malloc
-    info["malloc"] = host_malloc.in_effect()
+    from edm2_jax import cpu_env
+    info["malloc"] = cpu_env.malloc_in_effect()
     if args.worker == "ours":
         import jax
         dev = jax.devices()[0]
@@ -389,7 +389,7 @@ def main():
                     help="device peak for MFU (default: dense bf16 of a known GPU)")
     ap.add_argument("--release_malloc", default="default", choices=["default", "ours"],
                     help="the release's host allocator: the one this process has (default) "
-                         "or ours ($EDM2_JAX_MALLOC, edm2_jax/host_malloc.py)")
+                         "or ours ($EDM2_JAX_MALLOC, edm2_jax/cpu_env.py)")
     ap.add_argument("--worker", default="", choices=["", "ours", "release"],
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -404,14 +404,18 @@ def main():
     if args.release:
         # Two processes on one GPU: JAX must not take 75% of its memory up front.
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
-    # Ours runs under the host allocator `python -m edm2_jax.main` re-executes itself
-    # with (edm2_jax/host_malloc.py); the release under the one it is started with, unless
-    # --release_malloc=ours gives it the same.
-    from edm2_jax import host_malloc
-    env_ours = dict(env, **host_malloc.allocator_env())
+    # Ours runs under the settings `python -m edm2_jax.main` re-executes itself with
+    # (edm2_jax/cpu_env.py: host allocator, CPU devices); the release under the allocator
+    # it is started with, unless --release_malloc=ours gives it ours.
+    from edm2_jax import cpu_env
+    env_ours = dict(env, **cpu_env.launch_env(), **{cpu_env.APPLIED: "1"})
+    env_rel = dict(env)
+    if args.release_malloc == "ours":
+        env_rel.update({k: v for k, v in env_ours.items()
+                        if k in ("LD_PRELOAD", "GLIBC_TUNABLES")
+                        or k.startswith("TCMALLOC")})
     ours = Worker("ours", argv, env_ours)
-    rel = Worker("release", argv, env_ours if args.release_malloc == "ours" else env) \
-        if args.release else None
+    rel = Worker("release", argv, env_rel) if args.release else None
     info = ours.info
     print(f"net={args.preset or args.net or args.config} "
           f"batch={args.batch or build_config(args).batch_size} device={info['device']} "

@@ -24,9 +24,9 @@ import os
 import sys
 import time
 
-if __name__ == "__main__":  # first: the host allocator edm2_jax.main runs under
-    from edm2_jax import host_malloc
-    host_malloc.reexec()
+if __name__ == "__main__":  # first: the host allocator and CPU devices of edm2_jax.main
+    from edm2_jax import cpu_env
+    cpu_env.reexec()
 
 import jax
 import jax.numpy as jnp

@@ -43,10 +43,10 @@ import traceback
 import warnings
 
 if __name__ == "__main__":
-    # First, before JAX starts: the host allocator of the step (edm2_jax/host_malloc.py).
-    from edm2_jax import host_malloc
+    # First, before JAX starts: the host allocator and CPU devices (edm2_jax/cpu_env.py).
+    from edm2_jax import cpu_env
     try:
-        host_malloc.reexec()
+        cpu_env.reexec()
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)

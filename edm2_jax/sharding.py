@@ -83,10 +83,11 @@ def make_mesh(num_devices: int | None = None, *, data: int = -1, fsdp: int = 1) 
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-def mesh_from_config(config: Any) -> Mesh:
-    """`make_mesh` with the sizes of `config.mesh` (default `{data: -1, fsdp: 1}`)."""
+def mesh_from_config(config: Any, num_devices: int | None = None) -> Mesh:
+    """`make_mesh` over the first `num_devices` devices (default all) with the sizes of
+    `config.mesh` (default `{data: -1, fsdp: 1}`)."""
     m = config.get("mesh") or {}
-    return make_mesh(data=m.get("data", -1), fsdp=m.get("fsdp", 1))
+    return make_mesh(num_devices, data=m.get("data", -1), fsdp=m.get("fsdp", 1))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -232,8 +232,20 @@ class Model:
 
 def setup_model(config: ml_collections.ConfigDict) -> Model:
     """The device mesh of `config.mesh` and everything shaped by the config (nothing
-    allocated). Raises ValueError for inconsistent batch sizes."""
-    mesh = shard_lib.mesh_from_config(config)
+    allocated). Raises ValueError for inconsistent batch sizes. On the CPU devices that
+    `cpu_env` split the host into, a batch they do not divide trains on fewer of them."""
+    from edm2_jax import cpu_env
+
+    def fits(d: int) -> bool:
+        try:
+            num_micro_batches(config, d)
+            return d % int((config.get("mesh") or {}).get("fsdp", 1)) == 0
+        except ValueError:
+            return False
+
+    n_all = jax.device_count()
+    n = cpu_env.usable_devices(int(config.batch_size), n_all, fits)
+    mesh = shard_lib.mesh_from_config(config, None if n == n_all else n)
     num_accum = num_micro_batches(config, mesh.size)
     net = make_network(config)
     tx = optim_lib.make_optimizer(config.optim, int(config.batch_size))
@@ -527,9 +539,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str,
           f"{dict(mesh.shape)}, {model.num_accum} micro-batch(es) per step; EMAs "
           f"sigma_rel={list(config.ema.sigma_rels)}")
     if jax.default_backend() == "cpu":
-        from edm2_jax import host_malloc
-        print(f"Host allocator: {host_malloc.in_effect()} (${host_malloc.ENV}; "
-              f"edm2_jax/host_malloc.py)")
+        from edm2_jax import cpu_env
+        print(f"CPU: {cpu_env.describe()}")
 
     step_fn = jit_train_step(make_train_step(config, net, model.tx, model.num_accum), mesh,
                              model.state_sharding)
