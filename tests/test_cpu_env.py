@@ -1,0 +1,108 @@
+"""edm2_jax.cpu_env: the allocator and CPU-device settings the entry points re-exec with.
+
+The settings are pure functions of the environment, checked here case by case; one
+subprocess checks the re-exec itself (same PID, same arguments, the settings seen by
+the new process and by JAX). That a step over 2 devices equals the 1-device step up to
+float32 summation order is tests/test_fsdp.py's (8 devices)."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from edm2_jax import cpu_env as CE
+
+GLIBC_LINUX = sys.platform == "linux" and CE._glibc_linux()
+
+
+@pytest.fixture
+def no_tcmalloc(monkeypatch):
+    monkeypatch.setattr(CE.ctypes.util, "find_library", lambda name: None)
+
+
+@pytest.fixture
+def fake_tcmalloc(monkeypatch):
+    monkeypatch.setattr(CE.ctypes.util, "find_library",
+                        lambda name: "libtcmalloc_minimal.so.4" if name == CE.TCMALLOC else None)
+
+
+def test_device_count_auto_is_two_where_two_cores_are_usable():
+    assert CE.cpu_devices({}, cores=1) == 1
+    assert CE.cpu_devices({}, cores=2) == 2
+    assert CE.cpu_devices({}, cores=64) == 2
+    assert CE.cpu_devices({CE.DEVICES_ENV: "off"}, cores=64) == 1
+    assert CE.cpu_devices({CE.DEVICES_ENV: "3"}, cores=2) == 3
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(ValueError, match=CE.DEVICES_ENV):
+            CE.cpu_devices({CE.DEVICES_ENV: bad})
+
+
+@pytest.mark.skipif(not GLIBC_LINUX, reason="the allocator settings are for Linux with glibc")
+def test_launch_env_adds_tcmalloc_where_installed(fake_tcmalloc):
+    add = CE.launch_env({"LD_PRELOAD": "libfoo.so"}, cores=2)
+    assert add["LD_PRELOAD"] == "libfoo.so:libtcmalloc_minimal.so.4"
+    assert int(add["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]) >= 1 << 40
+    assert add["XLA_FLAGS"] == f"{CE.DEVICE_COUNT_FLAG}=2" and add[CE.DEVICES_SET] == "2"
+    # Already in effect (a re-executed process, or the user's own LD_PRELOAD): unchanged.
+    assert "LD_PRELOAD" not in CE.launch_env({"LD_PRELOAD": add["LD_PRELOAD"]}, cores=2)
+
+
+@pytest.mark.skipif(not GLIBC_LINUX, reason="the allocator settings are for Linux with glibc")
+def test_launch_env_falls_back_to_glibc_huge_pages(no_tcmalloc):
+    add = CE.launch_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}, cores=1)
+    assert add == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1"}
+    assert CE.launch_env({CE.MALLOC_ENV: "thp"}, cores=1) == {"GLIBC_TUNABLES": CE.THP_TUNABLE}
+    with pytest.raises(FileNotFoundError, match="apt-get install libtcmalloc-minimal4"):
+        CE.launch_env({CE.MALLOC_ENV: "tcmalloc"}, cores=1)
+    with pytest.raises(ValueError, match=CE.MALLOC_ENV):
+        CE.launch_env({CE.MALLOC_ENV: "jemalloc"}, cores=1)
+
+
+def test_launch_env_leaves_a_users_device_count_and_off_switches_alone(fake_tcmalloc):
+    flags = "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8"
+    assert CE.launch_env({CE.MALLOC_ENV: "off", "XLA_FLAGS": flags}, cores=2) == {}
+    assert CE.launch_env({CE.MALLOC_ENV: "off", CE.DEVICES_ENV: "off"}, cores=2) == {}
+    add = CE.launch_env({CE.MALLOC_ENV: "off", "XLA_FLAGS": "--xla_cpu_foo=1"}, cores=4)
+    assert add["XLA_FLAGS"] == f"--xla_cpu_foo=1 {CE.DEVICE_COUNT_FLAG}=2"
+
+
+def test_usable_devices_only_shrinks_the_split_cpu_env_chose(monkeypatch):
+    def fits(d):
+        return 33 % d == 0 if batch == 33 else 64 % d == 0
+    monkeypatch.setenv(CE.DEVICES_SET, "2")
+    batch = 64
+    assert CE.usable_devices(batch, 2, fits) == 2
+    batch = 33
+    assert CE.usable_devices(batch, 2, fits) == 1
+    # The user's own device count (not cpu_env's): all devices, the step then says why
+    # the batch does not split.
+    monkeypatch.delenv(CE.DEVICES_SET)
+    assert CE.usable_devices(batch, 2, fits) == 2
+    monkeypatch.setenv(CE.DEVICES_SET, "4")
+    assert CE.usable_devices(batch, 8, fits) == 8
+
+
+@pytest.mark.skipif(not GLIBC_LINUX, reason="the re-exec is for Linux with glibc")
+def test_reexec_keeps_pid_and_arguments_and_jax_sees_the_devices(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        from edm2_jax import cpu_env
+        cpu_env.reexec()
+        import jax
+        print(os.getpid(), os.environ.get(cpu_env.APPLIED), os.environ.get("GLIBC_TUNABLES"),
+              jax.device_count(), jax.default_backend(), "|".join(sys.argv[1:]))
+    """))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "LD_PRELOAD", "GLIBC_TUNABLES", CE.APPLIED, CE.DEVICES_SET)}
+    env.update({CE.MALLOC_ENV: "thp", CE.DEVICES_ENV: "2", "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.Popen([sys.executable, str(script), "a b", "--x=1"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    pid, applied, tunables, n_dev, backend, args = out.strip().split(" ", 5)
+    assert int(pid) == proc.pid  # exec, not a child process
+    assert applied == "1" and CE.THP_TUNABLE in tunables
+    assert (int(n_dev), backend) == (2, "cpu")
+    assert args == "a b|--x=1"
