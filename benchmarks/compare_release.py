@@ -127,7 +127,9 @@ class Ours:
         labels = 0 if self.net.label_dim else None
         t = time.perf_counter()
         for _ in range(iters):
-            seeds = np.arange(self.seed0, self.seed0 + batch)
+            # Split over the devices as `--mode=generate` and the training grids do.
+            from edm2_jax.sampling import split_seeds
+            seeds = split_seeds(np.arange(self.seed0, self.seed0 + batch))
             self.seed0 += batch
             self.jax.block_until_ready(self.sample_images(
                 self.net, self.sample_vars, seeds, labels, num_steps=self.args.steps))

@@ -164,6 +164,19 @@ def make_denoiser(net: Any, variables: Any, guide_net: Any = None, guide_variabl
 # ---------------------------------------------------------------------------------------
 # Per-seed randomness.
 
+def split_seeds(seeds: Sequence[int] | np.ndarray) -> np.ndarray | Array:
+    """`seeds` as a uint32 array split over this process's devices (a 1-D mesh) when
+    there are several and they divide the count, so that `sample_images` runs
+    data-parallel over them (e.g. the 2 CPU devices of `cpu_env`); else a NumPy array.
+    Images are per seed either way, up to float32 summation order."""
+    seeds = np.asarray(seeds).astype(np.uint32)
+    n_dev = jax.local_device_count()
+    if n_dev == 1 or seeds.ndim != 1 or seeds.shape[0] % n_dev:
+        return seeds
+    mesh = jax.sharding.Mesh(np.asarray(jax.local_devices()), ("data",))
+    return jax.device_put(seeds, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+
+
 def _seed_array(seeds: Sequence[int] | Array) -> Array:
     """Seeds as a `[B]` uint32 array (taken mod 2^32); ValueError unless 1-D integers."""
     if isinstance(seeds, jax.Array):  # possibly traced

@@ -434,7 +434,7 @@ def save_sample_grid(config: ml_collections.ConfigDict, net: Precond, variables:
     labels = None
     if net.label_dim:
         labels = jax.nn.one_hot(np.arange(rows * cols) % net.label_dim, net.label_dim)
-    imgs = sampling.sample_images(net, variables, seeds, labels,
+    imgs = sampling.sample_images(net, variables, sampling.split_seeds(seeds), labels,
                                   num_steps=int(config.sample.num_steps),
                                   rng=str(config.sample.get("rng", "jax")))
     paths.write_through_local(  # PIL writes local files
