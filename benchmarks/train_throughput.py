@@ -14,13 +14,15 @@ init is not timed); the batch is one fixed synthetic batch already on the device
 (uniform pixels in [-1, 1], random one-hot labels). Prints one line: compile time (lower
 + compile, s), sec/step (mean over `--steps` after one warm-up step), img/s — the
 number to compare with the training speed the release reports — and peak memory (the
-device's peak bytes in use where the backend reports it, e.g. GPU; else host peak RSS).
+device's peak bytes in use where the backend reports it, e.g. GPU; else host peak RSS)
+and the host's minor page faults per step (`edm2_jax/cpu_env.py` says why they matter).
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import os
+import resource
 import sys
 import time
 
@@ -121,11 +123,13 @@ def main() -> None:
                                             info["compile_s"])
     state, metrics = compiled(state, batch)  # warm-up (state is donated: chain it)
     jax.block_until_ready(metrics)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t = time.perf_counter()
     for _ in range(args.steps):
         state, metrics = compiled(state, batch)
     jax.block_until_ready((state, metrics))
     sec_per_step = (time.perf_counter() - t) / args.steps
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps
     if not np.isfinite(float(metrics["objective"])):
         print("warning: non-finite loss on synthetic data", file=sys.stderr)
     dev = jax.devices()[0]
@@ -133,7 +137,8 @@ def main() -> None:
           f"devices={mesh.size}x{dev.platform}:{dev.device_kind} micro_batches={num_accum} "
           f"compile_s={compile_s:.2f} sec_per_step={sec_per_step:.4f} "
           f"img_per_s={batch_size / sec_per_step:.1f} sec_per_kimg={1000 * sec_per_step / batch_size:.2f} "
-          f"dtype={config.network.dtype} peak_mem_gib={train._memory_gib():.2f}")
+          f"dtype={config.network.dtype} peak_mem_gib={train._memory_gib():.2f} "
+          f"page_faults_per_step={faults:.0f}")
 
 
 if __name__ == "__main__":
