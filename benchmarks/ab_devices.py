@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 if __name__ == "__main__":  # first: the host allocator edm2_jax.main runs under
     _n = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--devices=")), "2")
@@ -25,7 +24,7 @@ if __name__ == "__main__":  # first: the host allocator edm2_jax.main runs under
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
+from ab_env import alternate  # noqa: E402
 from compare_release import NETS  # noqa: E402
 from train_throughput import compiled_step, load_config  # noqa: E402
 
@@ -52,23 +51,8 @@ def main() -> None:
         state, _ = step(state, batch)
         jax.block_until_ready(state)
         runs[d] = [step, state, batch]
-    ms = {d: [] for d in runs}
-    for r in range(args.rounds):
-        for d in runs:
-            step, state, batch = runs[d]
-            t = time.perf_counter()
-            for _ in range(args.steps):
-                state, _ = step(state, batch)
-            jax.block_until_ready(state)
-            ms[d].append((time.perf_counter() - t) / args.steps * 1e3)
-            runs[d][1] = state
-        print(f"round {r}: " + "  ".join(f"{d} device(s): {ms[d][-1]:.1f} ms" for d in ms),
-              flush=True)
-    n = int(cfg.batch_size)
-    for d in ms:
-        med = float(np.median(ms[d]))
-        print(f"{d} device(s): median {med:.1f} ms/step, {n * 1e3 / med:.1f} img/s")
-
+    alternate(runs, args.rounds, args.steps, int(cfg.batch_size),
+              {d: f"{d} device(s)" for d in runs})
 
 if __name__ == "__main__":
     main()

@@ -43,23 +43,29 @@ def main() -> None:
         state, _ = step(state, batch)
         jax.block_until_ready(state)
         runs[v] = [step, state, batch]
-    ms = {args.a: [], args.b: []}
-    for r in range(args.rounds):
-        for v in (args.a, args.b):
-            step, state, batch = runs[v]
+    alternate(runs, args.rounds, args.steps, int(cfg.batch_size),
+              {v: f"{args.var}={v}" for v in runs})
+
+
+def alternate(runs: dict, rounds: int, steps: int, batch_size: int, labels: dict) -> None:
+    """Time the compiled steps of `runs` (`{key: [step, state, batch]}`, states chained)
+    in `rounds` alternated rounds of `steps` steps each; print ms/step per round and the
+    medians, each under `labels[key]`."""
+    ms = {k: [] for k in runs}
+    for r in range(rounds):
+        for k in runs:
+            step, state, batch = runs[k]
             t = time.perf_counter()
-            for _ in range(args.steps):
+            for _ in range(steps):
                 state, _ = step(state, batch)
             jax.block_until_ready(state)
-            ms[v].append((time.perf_counter() - t) / args.steps * 1e3)
-            runs[v][1] = state
-        print(f"round {r}: " + "  ".join(f"{args.var}={v}: {ms[v][-1]:.1f} ms" for v in ms),
+            ms[k].append((time.perf_counter() - t) / steps * 1e3)
+            runs[k][1] = state
+        print(f"round {r}: " + "  ".join(f"{labels[k]}: {ms[k][-1]:.1f} ms" for k in ms),
               flush=True)
-    n = int(cfg.batch_size)
-    for v in ms:
-        med = float(np.median(ms[v]))
-        print(f"{args.var}={v}: median {med:.1f} ms/step, {n * 1e3 / med:.1f} img/s")
-
+    for k in ms:
+        med = float(np.median(ms[k]))
+        print(f"{labels[k]}: median {med:.1f} ms/step, {batch_size * 1e3 / med:.1f} img/s")
 
 if __name__ == "__main__":
     main()
