@@ -1,5 +1,5 @@
 """In-process A/B of the training step on 1 device against the same step split
-data-parallel over N CPU devices (`edm2_jax/cpu_env.py`, `EDM2_JAX_CPU_DEVICES`):
+data-parallel over N CPU devices (`edm2_jax/process.py`, `EDM2_JAX_CPU_DEVICES`):
 
     python benchmarks/ab_devices.py --devices=2 --rounds=6
     python benchmarks/ab_devices.py --config=configs/fashion_mnist.py --net=ch64 --batch=32
@@ -19,7 +19,7 @@ import sys
 if __name__ == "__main__":  # first: the host allocator edm2_jax.main runs under
     _n = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--devices=")), "2")
     os.environ.setdefault("EDM2_JAX_CPU_DEVICES", _n)
-    from edm2_jax import cpu_env
+    from edm2_jax import process as cpu_env
     cpu_env.reexec()
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

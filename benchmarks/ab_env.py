@@ -1,5 +1,5 @@
 """In-process A/B of an environment switch read when the step is traced, e.g. the CPU
-fusion barriers of `edm2_jax.mp` (`EDM2_JAX_CPU_BARRIERS`):
+fusion barriers of `edm2_jax.model.mp` (`EDM2_JAX_CPU_BARRIERS`):
 
     python benchmarks/ab_env.py EDM2_JAX_CPU_BARRIERS 0 1 --rounds=10
 
@@ -17,7 +17,7 @@ import sys
 import time
 
 if __name__ == "__main__":  # first: the host allocator and CPU devices of edm2_jax.main
-    from edm2_jax import cpu_env
+    from edm2_jax import process as cpu_env
     cpu_env.reexec()
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -32,7 +32,7 @@ is the same.
 
 Prints a JSON summary (also written to `--json`); exit status 1 if any check fails.
 
-The cost of the integrity checks (a checksum and finiteness per array, edm2_jax/integrity.py)
+The cost of the integrity checks (a checksum and finiteness per array, edm2_jax/run/integrity.py)
 on a state checkpoint's save and restore, state only, no data or training:
 
     python benchmarks/chaos.py --cost=configs/fashion_mnist.py --workdir=/tmp/cost
@@ -124,7 +124,8 @@ def complete_steps(workdir: Path, sub: str) -> list[int]:
 def restore_state(workdir: Path, step: int):
     """Checkpoint `step` as NumPy, checked against its checksums and for NaN/inf
     (raises IntegrityError)."""
-    from edm2_jax import integrity, rundir
+    from edm2_jax.run import integrity
+    from edm2_jax.run import rundir
     d = workdir / "checkpoints" / str(step)
     state = rundir.restore_numpy(str(d / rundir.STATE_ITEM))
     integrity.check(rundir.step_record(str(d)), integrity.digest_tree_numpy(state),
@@ -137,7 +138,7 @@ def flip_bytes(item: Path, rnd: random.Random, tries: int = 20) -> int:
     of the Orbax item `item`, at a place some value depends on: a flip that still reads
     back (unchecked) the same values, e.g. in an unreferenced tail of the append-only
     OCDBT file, is undone and another place is tried. Returns the tries it took."""
-    from edm2_jax import rundir
+    from edm2_jax.run import rundir
     files = [p for p in item.rglob("*") if p.is_file() and p.parent.name == "d"
              and "ocdbt.process" in str(p)]
     path = max(files, key=lambda p: p.stat().st_size)
@@ -159,7 +160,7 @@ def flip_bytes(item: Path, rnd: random.Random, tries: int = 20) -> int:
 
 
 def restore_snapshot(workdir: Path, step: int):
-    from edm2_jax import rundir as ct
+    from edm2_jax.run import rundir as ct
     return ct.restore_snapshot(str(workdir), step)[0]
 
 
@@ -200,7 +201,9 @@ def integrity_cost(config_arg: str, root: Path, repeats: int, step_time: bool) -
     import orbax.checkpoint as ocp
     from ml_collections import config_flags  # noqa: F401 (config files import it)
 
-    from edm2_jax import integrity, rundir, train
+    from edm2_jax.run import integrity
+    from edm2_jax.run import rundir
+    from edm2_jax.training import train
     path, _, variant = config_arg.partition(":")
     spec = __import__("importlib.util").util.spec_from_file_location("cfg", REPO / path)
     module = __import__("importlib.util").util.module_from_spec(spec)

@@ -61,7 +61,7 @@ RELEASE_NET_KEYS = ("img_resolution", "img_channels", "label_dim", "model_channe
 
 
 def build_config(args):
-    from edm2_jax.presets import NETWORK_PRESETS
+    from edm2_jax.model.presets import NETWORK_PRESETS
     from train_throughput import load_config
     config = load_config(args.config)
     if args.preset:
@@ -96,7 +96,7 @@ class Ours:
         import jax
         from forward import random_variables
         from train_throughput import compiled_step
-        from edm2_jax import train
+        from edm2_jax.training import train
         self.jax, self.args, self.config = jax, args, config
         self.bs = int(config.batch_size)
         if "train" in args.work:
@@ -105,7 +105,7 @@ class Ours:
         else:
             self.net = train.make_network(config)
         if "sample" in args.work:
-            from edm2_jax.sampling import sample_images
+            from edm2_jax.sampling.sampler import sample_images
             v = random_variables(self.net)
             v["params"]["unet"]["out_gain"] = v["params"]["unet"]["out_gain"] * 0 + 0.1
             self.sample_vars, self.sample_images = v, sample_images
@@ -128,7 +128,7 @@ class Ours:
         t = time.perf_counter()
         for _ in range(iters):
             # Split over the devices as `--mode=generate` and the training grids do.
-            from edm2_jax.sampling import split_seeds
+            from edm2_jax.sampling.sampler import split_seeds
             seeds = split_seeds(np.arange(self.seed0, self.seed0 + batch))
             self.seed0 += batch
             self.jax.block_until_ready(self.sample_images(
@@ -311,7 +311,7 @@ def worker(args) -> None:
     config = build_config(args)
     side = Release(config, args) if args.worker == "release" else Ours(config, args)
     info = {"peak_rss_gib": 0.0}
-    from edm2_jax import cpu_env
+    from edm2_jax import process as cpu_env
     info["malloc"] = cpu_env.malloc_in_effect()
     if args.worker == "ours":
         import jax
@@ -391,7 +391,7 @@ def main():
                     help="device peak for MFU (default: dense bf16 of a known GPU)")
     ap.add_argument("--release_malloc", default="default", choices=["default", "ours"],
                     help="the release's host allocator: the one this process has (default) "
-                         "or ours ($EDM2_JAX_MALLOC, edm2_jax/cpu_env.py)")
+                         "or ours ($EDM2_JAX_MALLOC, edm2_jax/process.py)")
     ap.add_argument("--worker", default="", choices=["", "ours", "release"],
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -407,9 +407,9 @@ def main():
         # Two processes on one GPU: JAX must not take 75% of its memory up front.
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
     # Ours runs under the settings `python -m edm2_jax.main` re-executes itself with
-    # (edm2_jax/cpu_env.py: host allocator, CPU devices); the release under the allocator
+    # (edm2_jax/process.py: host allocator, CPU devices); the release under the allocator
     # it is started with, unless --release_malloc=ours gives it ours.
-    from edm2_jax import cpu_env
+    from edm2_jax import process as cpu_env
     env_ours = dict(env, **cpu_env.launch_env(), **{cpu_env.APPLIED: "1"})
     env_rel = dict(env)
     if args.release_malloc == "ours":

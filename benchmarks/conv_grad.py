@@ -2,7 +2,7 @@
 
     python benchmarks/conv_grad.py --config=configs/fashion_mnist.py --rounds=3
 
-`edm2_jax.mp.conv2d_same` computes the weight gradient of a 3x3 convolution on the CPU
+`edm2_jax.model.mp.conv2d_same` computes the weight gradient of a 3x3 convolution on the CPU
 backend with XLA's own filter-gradient convolution on operands relaid out outside XLA's
 fusions (`relayout`, the default), with plain autodiff (`xla`: the same convolution,
 relayouts fused with their producers) or with a custom VJP of shifted matmuls

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from edm2_jax.metrics import dinov2 as dv
+from edm2_jax.evaluation import dinov2 as dv
 from tests import test_dinov2 as t
 from tests.tolerances import scaled_err
 

@@ -3,7 +3,7 @@
     python benchmarks/forward.py --preset=img64-xs --batch=8
     python benchmarks/forward.py --preset=img512-s --batch=32 --dtype=bfloat16 --repeats=10
 
-Builds the network of `edm2_jax.presets.NETWORK_PRESETS[preset]` with random N(0, 1)
+Builds the network of `edm2_jax.model.presets.NETWORK_PRESETS[preset]` with random N(0, 1)
 weights (drawn on the device; Flax's init is not part of the benchmark), jits
 `D(x, sigma, labels)` and prints one line: the jit compile time (lower + compile, s)
 and the mean wall time of a forward pass over `--repeats` runs after one warm-up run
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from edm2_jax.networks import Precond, init_variables, precond_from_config
-from edm2_jax.presets import NETWORK_PRESETS
+from edm2_jax.model.networks import Precond, init_variables, precond_from_config
+from edm2_jax.model.presets import NETWORK_PRESETS
 
 
 def random_variables(net: Precond, seed: int = 0) -> dict:

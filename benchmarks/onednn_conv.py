@@ -18,7 +18,7 @@ crashed the process with SIGILL, not an error), which is why the product does no
 depend on it. The input gradient is a forward convolution with the flipped kernel and
 in/out swapped, so oneDNN runs it too; the weight gradient as a oneDNN forward
 convolution (a kernel the size of the image) fell to its reference implementation,
-100-300x slower, so it stays XLA's (the 'relayout' path of `edm2_jax.mp`).
+100-300x slower, so it stays XLA's (the 'relayout' path of `edm2_jax.model.mp`).
 
 Measured on the 2-core AMD EPYC (quiet machine, 2026-11-23, benchmarks/README.md):
 forward 32x32x16 at batch 64, 3.3 ms XLA vs 2.3 ms oneDNN; fwd+dx+dw per layer 0.8-1.0x
@@ -46,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from edm2_jax import mp  # noqa: E402
+from edm2_jax.model import mp  # noqa: E402
 
 _conv_p = Primitive("onednn_conv2d")
 _conv_p.def_abstract_eval(lambda x, w, *, out_shape, config: ShapedArray(out_shape, x.dtype))

@@ -34,8 +34,8 @@ SIGMA_RELS = (0.05, 0.10)
 def param_shapes(preset: str) -> dict:
     """Params / buffers ShapeDtypeStructs of a released preset (nothing allocated)."""
     import jax
-    from edm2_jax import presets
-    from edm2_jax.networks import init_variables, precond_from_config
+    from edm2_jax.model import presets
+    from edm2_jax.model.networks import init_variables, precond_from_config
     net_config = dict(presets.NETWORK_PRESETS[preset])
     net = precond_from_config(net_config)
     shapes = jax.eval_shape(lambda r: init_variables(net, r), jax.random.PRNGKey(0))
@@ -48,8 +48,8 @@ def write_synthetic_run(workdir: str, preset: str, n_snapshots: int, seed: int =
     buffers in the snapshots. Returns {'num_params', 'bytes_per_copy', 'snapshot_bytes'}."""
     import jax
     import numpy as np
-    from edm2_jax import rundir as ct
-    from edm2_jax import ema
+    from edm2_jax.run import rundir as ct
+    from edm2_jax.ema import power as ema
     net_config, shapes = param_shapes(preset)
     rng = np.random.default_rng(seed)
     base = {s: jax.tree.map(lambda x: rng.standard_normal(x.shape, np.float32), shapes["params"])
@@ -90,7 +90,7 @@ def _hwm() -> int:
 def measure(workdir: str, sigma_rels: list[float], out_dir: str) -> dict:
     """Run in a fresh process: baseline RSS, then reconstruct and sample RSS every 20 ms."""
     import jax
-    from edm2_jax import phema
+    from edm2_jax.ema import posthoc as phema
     jax.devices()
     phema.find_snapshots(workdir)  # Orbax and the metadata reader loaded
     jax.numpy.zeros(1).block_until_ready()

@@ -64,8 +64,9 @@ def restore_all(workdir: str) -> int:
     """Orbax restore of every EMA (float32 bytes decoded)."""
     import numpy as np
     import jax
-    from edm2_jax import checkpoint, phema
-    from edm2_jax.phema import streaming
+    from edm2_jax.run import network_dir as checkpoint
+    from edm2_jax.ema import posthoc as phema
+    from edm2_jax.ema import streaming
     streaming.quiet_orbax()
     _, files = phema.find_snapshots(workdir)
     n = 0
@@ -79,8 +80,9 @@ def restore_all(workdir: str) -> int:
 
 def read_all(workdir: str) -> int:
     """phema.reconstruct's reader over every EMA, chunks discarded (float32 bytes)."""
-    from edm2_jax import checkpoint, phema
-    from edm2_jax.phema import streaming
+    from edm2_jax.run import network_dir as checkpoint
+    from edm2_jax.ema import posthoc as phema
+    from edm2_jax.ema import streaming
     streaming.quiet_orbax()
     _, files = phema.find_snapshots(workdir)
     layout, n = None, 0
@@ -111,8 +113,9 @@ def main():
             from phema_memory import write_synthetic_run
             workdir = os.path.join(tmp, "run")
             write_synthetic_run(workdir, args.preset, args.snapshots)
-        from edm2_jax import checkpoint, phema
-        from edm2_jax.phema import streaming
+        from edm2_jax.run import network_dir as checkpoint
+        from edm2_jax.ema import posthoc as phema
+        from edm2_jax.ema import streaming
         streaming.quiet_orbax()
         paths = snapshot_files(workdir)
         disk = sum(os.path.getsize(p) for p in paths)

@@ -16,7 +16,7 @@ import sys
 import time
 
 if __name__ == "__main__":  # first: the host allocator and CPU devices of edm2_jax.main
-    from edm2_jax import cpu_env
+    from edm2_jax import process as cpu_env
     cpu_env.reexec()
 
 import jax
@@ -24,9 +24,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.forward import random_variables  # noqa: E402
-from edm2_jax.networks import precond_from_config  # noqa: E402
-from edm2_jax.presets import NETWORK_PRESETS  # noqa: E402
-from edm2_jax.sampling import sample_images  # noqa: E402
+from edm2_jax.model.networks import precond_from_config  # noqa: E402
+from edm2_jax.model.presets import NETWORK_PRESETS  # noqa: E402
+from edm2_jax.sampling.sampler import sample_images  # noqa: E402
 
 
 def network_config(args) -> dict:

@@ -15,7 +15,7 @@ init is not timed); the batch is one fixed synthetic batch already on the device
 + compile, s), sec/step (mean over `--steps` after one warm-up step), img/s — the
 number to compare with the training speed the release reports — and peak memory (the
 device's peak bytes in use where the backend reports it, e.g. GPU; else host peak RSS)
-and the host's minor page faults per step (`edm2_jax/cpu_env.py` says why they matter).
+and the host's minor page faults per step (`edm2_jax/process.py` says why they matter).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import sys
 import time
 
 if __name__ == "__main__":  # first: the host allocator and CPU devices of edm2_jax.main
-    from edm2_jax import cpu_env
+    from edm2_jax import process as cpu_env
     cpu_env.reexec()
 
 import jax
@@ -37,10 +37,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from forward import random_variables  # noqa: E402
 
-from edm2_jax import ema as ema_lib  # noqa: E402
-from edm2_jax import optim as optim_lib  # noqa: E402
-from edm2_jax import sharding as shard_lib  # noqa: E402
-from edm2_jax import train  # noqa: E402
+from edm2_jax.ema import power as ema_lib  # noqa: E402
+from edm2_jax.training import optim as optim_lib  # noqa: E402
+from edm2_jax.training import sharding as shard_lib  # noqa: E402
+from edm2_jax.training import train  # noqa: E402
 
 
 def load_config(spec: str):

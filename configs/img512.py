@@ -2,7 +2,7 @@
 xl, xxl (default s), and `tiny` (a CPU smoke run of the latent path, docs/latent_demo.md).
 The data are the release's pre-encoded latents: a folder or zip of `.npy` mean/std arrays
 [8, 64, 64] with dataset.json (its `dataset_tool.py encode`, or ours:
-`python -m edm2_jax.dataset_tool encode`; edm2_jax/data/latents.py); generating and
+`python -m edm2_jax.data.dataset_tool encode`; edm2_jax/data/latents.py); generating and
 evaluating decode with the SD VAE given as --vae (config.eval.vae during training).
 
     python -m edm2_jax.main --config=configs/img512.py:xs --workdir=runs/img512-xs \

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import ml_collections
 
-from edm2_jax import ema, presets
+from edm2_jax.ema import power as ema
+from edm2_jax.model import presets
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -77,7 +78,7 @@ def base_config() -> ml_collections.ConfigDict:
     # probe batch of probe_images training images x each of `sigmas`: activation RMS of
     # every block at act_sigmas (a subset of sigmas), weight RMS and effective learning
     # rate of every layer, loss and logvar per sigma; logged as diag/* to stats.jsonl and
-    # TensorBoard; `python -m edm2_jax.diagnostics WORKDIR` plots them.
+    # TensorBoard; `python -m edm2_jax.analysis.diagnostics WORKDIR` plots them.
     c.diagnostics = ml_collections.ConfigDict(dict(
         enabled=False, probe_images=8, seed=0,
         sigmas=(0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0), act_sigmas=(0.1, 1.0, 10.0)))

@@ -43,8 +43,8 @@ import traceback
 import warnings
 
 if __name__ == "__main__":
-    # First, before JAX starts: the host allocator and CPU devices (edm2_jax/cpu_env.py).
-    from edm2_jax import cpu_env
+    # First, before JAX starts: the host allocator and CPU devices (edm2_jax/process.py).
+    from edm2_jax import process as cpu_env
     try:
         cpu_env.reexec()
     except (ValueError, FileNotFoundError) as e:
@@ -55,8 +55,14 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from edm2_jax import (convert, evaluate, generate, integrity, phema, release_state, rundir,
-                      train)
+from edm2_jax.release import convert
+from edm2_jax.evaluation import evaluate
+from edm2_jax.sampling import generate
+from edm2_jax.run import integrity
+from edm2_jax.ema import posthoc as phema
+from edm2_jax.release import training_state as release_state
+from edm2_jax.run import rundir
+from edm2_jax.training import train
 
 # Errors whose message names the problem and the fix: printed alone, exit status 1.
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError,

@@ -11,7 +11,7 @@
 # the final evaluation: fd_cls/kid/precision/recall and fid<EVAL_N>), LETTERS="c d e f g",
 # RUNS=runs, BASE= (configs/ablation.py's base: empty = the Fashion-MNIST network, `tiny`
 # for a seconds-long smoke run). Each step is skipped when its output exists, so a rerun
-# resumes. Then `python -m edm2_jax.diagnostics --compare RUNS/abl<KIMG>-{c,d,e,f,g}`
+# resumes. Then `python -m edm2_jax.analysis.diagnostics --compare RUNS/abl<KIMG>-{c,d,e,f,g}`
 # prints the table (docs/ablation.md).
 # Writes RUNS/abl<KIMG>-<L>/{stats.jsonl,diagnostics.png,phema/sweep-*.csv,eval.jsonl}.
 set -euo pipefail
@@ -40,7 +40,7 @@ for L in $LETTERS; do
   "$PY" -m edm2_jax.main --config="$cfg" --workdir="$run" \
       --config.total_kimg="$KIMG" --config.status_kimg=1 --config.snapshot_kimg=4 \
       --config.checkpoint_kimg=8 --config.diagnostics.enabled=True
-  "$PY" -m edm2_jax.diagnostics "$run" --out="$run/diagnostics.png" --title="config ${L^^}, $KIMG kimg"
+  "$PY" -m edm2_jax.analysis.diagnostics "$run" --out="$run/diagnostics.png" --title="config ${L^^}, $KIMG kimg"
   # One post-hoc EMA sweep (classifier FD of SWEEP_N images per sigma_rel).
   csv=$(find "$run/phema" -name "sweep-*-fd_cls.csv" 2>/dev/null | sort | tail -n 1 || true)
   if [[ -z $csv ]]; then

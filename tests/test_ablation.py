@@ -18,11 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edm2_jax import configs, diagnostics, mp
-from edm2_jax import loss as loss_lib
-from edm2_jax import optim as optim_lib
-from edm2_jax import train
-from edm2_jax.networks import Block, Precond, init_variables
+from edm2_jax import configs
+from edm2_jax.analysis import diagnostics
+from edm2_jax.model import mp
+from edm2_jax.model import loss as loss_lib
+from edm2_jax.training import optim as optim_lib
+from edm2_jax.training import train
+from edm2_jax.model.networks import Block, Precond, init_variables
 
 REPO = Path(__file__).resolve().parents[1]
 NET = dict(img_resolution=8, img_channels=1, label_dim=0, model_channels=8,
@@ -323,7 +325,7 @@ def test_plot_command_draws_a_png_and_refuses_a_run_without_diagnostics(fresh_di
 
 def test_a_run_recorded_before_the_switches_resumes_as_config_g():
     """A config.json written before the switches existed records config G."""
-    from edm2_jax import resume
+    from edm2_jax.training import resume
     current = json.loads(configs.base_config().to_json_best_effort())
     saved = json.loads(json.dumps(current))
     for field in ("mp_learned_layers", "group_norm", "mp_fixed_layers"):
@@ -335,7 +337,7 @@ def test_a_run_recorded_before_the_switches_resumes_as_config_g():
     assert refused == ["network.group_norm: checkpoint False vs now True"]
 
 
-# --- comparing the configs' runs (python -m edm2_jax.diagnostics --compare) -----------
+# --- comparing the configs' runs (python -m edm2_jax.analysis.diagnostics --compare) -----------
 
 def test_ranking_stable_since_by_hand():
     kimg = [0, 8, 16, 24, 32]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edm2_jax import mp
+from edm2_jax.model import mp
 from tests.tolerances import reorder_tol, scaled_err
 
 N, H, CI, CO = 4, 8, 6, 5

@@ -1,4 +1,4 @@
-"""Importing the authors' released EDM2 weights (edm2_jax/convert.py).
+"""Importing the authors' released EDM2 weights (edm2_jax/release/convert.py).
 
 Claims tested: the converted golden networks reproduce the release's own outputs
 (`precond_tiny_{cond,uncond}.npz`, produced by NVlabs/edm2 on CPU in float32) to 1e-5;
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edm2_jax import convert as C
-from edm2_jax.networks import Block, precond_from_config
+from edm2_jax.release import convert as C
+from edm2_jax.model.networks import Block, precond_from_config
 from tests.testdata import golden as _golden
 from tests.tolerances import forward_terms, reorder_tol
 
@@ -435,7 +435,7 @@ def test_torch_saved_state_dict_reads(tmp_path):
 # --- convert() -> network checkpoint -----------------------------------------------------
 
 def test_convert_writes_a_checkpoint_load_network_reads_back(tmp_path, capsys):
-    from edm2_jax.checkpoint import load_network
+    from edm2_jax.run.network_dir import load_network
 
     src = golden("cond")
     out = C.main_convert(str(src), str(tmp_path / "ckpt"))

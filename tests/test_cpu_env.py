@@ -1,4 +1,4 @@
-"""edm2_jax.cpu_env: the allocator and CPU-device settings the entry points re-exec with.
+"""edm2_jax.process: the allocator and CPU-device settings the entry points re-exec with.
 
 The settings are pure functions of the environment, checked here case by case; one
 subprocess checks the re-exec itself (same PID, same arguments, the settings seen by
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from edm2_jax import cpu_env as CE
+from edm2_jax import process as CE
 
 GLIBC_LINUX = sys.platform == "linux" and CE._glibc_linux()
 
@@ -88,7 +88,7 @@ def test_reexec_keeps_pid_and_arguments_and_jax_sees_the_devices(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(textwrap.dedent("""
         import os, sys
-        from edm2_jax import cpu_env
+        from edm2_jax import process as cpu_env
         cpu_env.reexec()
         import jax
         print(os.getpid(), os.environ.get(cpu_env.APPLIED), os.environ.get("GLIBC_TUNABLES"),

@@ -14,8 +14,8 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from edm2_jax import dataset_tool as DT
-from edm2_jax import vae as V
+from edm2_jax.data import dataset_tool as DT
+from edm2_jax.model import vae as V
 from edm2_jax.data.image_folder import ImageFolder
 from edm2_jax.data.latents import LatentFolder
 
@@ -155,7 +155,7 @@ def test_bad_inputs_name_the_fix(tmp_path):
     (full / "x").write_text("x")
     with pytest.raises(DT.DatasetToolError, match="not empty"):
         DT.convert(str(src), str(full), resolution="8x8", quiet=True)
-    r = subprocess.run([sys.executable, "-m", "edm2_jax.dataset_tool", "convert",
+    r = subprocess.run([sys.executable, "-m", "edm2_jax.data.dataset_tool", "convert",
                         f"--source={tmp_path / 'nope'}", f"--dest={tmp_path / 'o.zip'}"],
                        capture_output=True, text=True, cwd=ROOT,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
@@ -249,7 +249,7 @@ def test_eval_decodes_a_latent_net_and_latent_reference_data(tmp_path, monkeypat
     """--mode=eval of a latent net (8x8x4) with --vae: generated latents and the latent
     reference data both reach the metric as uint8 RGB 16x16 (the tiny VAE's 2x), and the
     metric is finite; without --vae it fails naming --vae before any metric is set up."""
-    from edm2_jax import evaluate
+    from edm2_jax.evaluation import evaluate
     vae_dir, net, data = _latent_setup(tmp_path)
     seen = []
     calls = []
@@ -275,8 +275,8 @@ def test_eval_decodes_a_latent_net_and_latent_reference_data(tmp_path, monkeypat
 
 def test_training_eval_and_sweep_need_the_vae_for_latent_runs(tmp_path):
     import ml_collections
-    from edm2_jax import evaluate
-    from edm2_jax.phema import sigma_sweep
+    from edm2_jax.evaluation import evaluate
+    from edm2_jax.ema import sweep as sigma_sweep
     from tests.test_vae import NET
     vae_dir = _save_tiny_vae(tmp_path / "vae")
     c = ml_collections.ConfigDict(dict(eval=dict(metrics="fid", vae=""),
@@ -298,7 +298,9 @@ def test_training_eval_and_sweep_need_the_vae_for_latent_runs(tmp_path):
 def test_training_eval_decodes_a_latent_run(tmp_path, monkeypatch):
     """Evaluation during training (config.eval.*) of a latent run: samples and reference
     latents decoded by config.eval.vae, a finite metric under eval/."""
-    from edm2_jax import configs, evaluate, generate
+    from edm2_jax import configs
+    from edm2_jax.evaluation import evaluate
+    from edm2_jax.sampling import generate
     vae_dir, net_path, data = _latent_setup(tmp_path)
     seen = []
     monkeypatch.setattr(evaluate, "feature_extractor",
@@ -342,7 +344,7 @@ def test_tfds_source(tmp_path, monkeypatch):
 
 
 def test_latent_data_without_vae_and_ref_of_latents_are_refused(tmp_path):
-    from edm2_jax import evaluate
+    from edm2_jax.evaluation import evaluate
     vae_dir = _save_tiny_vae(tmp_path / "vae")
     src = tmp_path / "src"
     src.mkdir()

@@ -20,10 +20,10 @@ import zipfile
 import numpy as np
 import pytest
 
-from edm2_jax import evaluate
-from edm2_jax.metrics import dinov2 as dv
-from edm2_jax.metrics import fid
-from edm2_jax.metrics.stats import FeatureStats
+from edm2_jax.evaluation import evaluate
+from edm2_jax.evaluation import dinov2 as dv
+from edm2_jax.evaluation import fid
+from edm2_jax.evaluation.stats import FeatureStats
 from tests.tolerances import EPS32, reorder_tol, scaled_err
 
 # Hand-evaluated Keys cubic (a = -0.5) at the tap distances of an exact 2x shrink

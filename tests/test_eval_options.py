@@ -11,10 +11,12 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from edm2_jax import checkpoint, evaluate, generate
+from edm2_jax.run import network_dir as checkpoint
+from edm2_jax.evaluation import evaluate
+from edm2_jax.sampling import generate
 from edm2_jax import main as main_lib
-from edm2_jax.networks import init_variables, precond_from_config
-from edm2_jax.sampling import sample_images
+from edm2_jax.model.networks import init_variables, precond_from_config
+from edm2_jax.sampling.sampler import sample_images
 from tests.testdata import golden
 
 NET = dict(img_resolution=8, img_channels=1, label_dim=3, model_channels=8, channel_mult=(1,),
@@ -116,7 +118,7 @@ def test_image_folder_subset_is_the_releases(tmp_path):
 def test_release_rng_feeds_the_release_draws_to_the_sampler(nets):
     """`rng='release'`: the image is the sampler run on the release's draws for the seed
     (noise, class, churn noise at the steps where the release adds it)."""
-    from edm2_jax import sampling
+    from edm2_jax.sampling import sampler as sampling
     net, v, _ = generate.load_net(nets[0])
     kw = dict(num_steps=3, S_churn=2.0, S_min=3.0, S_max=100.0)
     got = np.asarray(sampling.sample_images(net, v, [4, 2**32 + 9], rng="release", **kw))

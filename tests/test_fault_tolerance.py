@@ -41,7 +41,7 @@ import jax
 import numpy as np
 import pytest
 
-from edm2_jax import train
+from edm2_jax.training import train
 from tests.test_train import (FMNIST_CONFIG, REPO, TINY_OVERRIDES, _restore, _steps,
                               make_image_folder, tiny_config, xla_cache)  # noqa: F401
 
@@ -278,7 +278,7 @@ def _largest_array_file(item: Path) -> Path:
 
 
 def _verified_state(run: Path) -> dict:
-    from edm2_jax import rundir
+    from edm2_jax.run import rundir
     return rundir.restore_latest_state(str(run))  # raises IntegrityError if corrupt
 
 
@@ -326,8 +326,11 @@ def test_byte_flips_in_snapshots_and_networks_are_refused_by_every_reader(full_r
     """Post-hoc EMA, generate and load_network check what they read: a flipped snapshot
     or network checkpoint is an IntegrityError naming it and the fix, nothing is
     written, and the outputs made before are unchanged."""
-    from edm2_jax import checkpoint as ckpt_lib
-    from edm2_jax import generate, integrity, phema, rundir
+    from edm2_jax.run import network_dir as ckpt_lib
+    from edm2_jax.sampling import generate
+    from edm2_jax.run import integrity
+    from edm2_jax.ema import posthoc as phema
+    from edm2_jax.run import rundir
     run = tmp_path / "run"
     shutil.copytree(full_run["run"], run)
     [good] = phema.reconstruct(str(run), [0.07], out_dir=str(tmp_path / "ph"), progress=False)
@@ -366,7 +369,7 @@ def test_byte_flips_in_snapshots_and_networks_are_refused_by_every_reader(full_r
 
 
 def test_nonfinite_state_is_never_saved(full_run, tmp_path):
-    from edm2_jax import rundir
+    from edm2_jax.run import rundir
     run = tmp_path / "run"
     shutil.copytree(full_run["run"], run)
     before = _sums(run)
@@ -431,7 +434,7 @@ def test_all_checkpoints_corrupt_is_an_error_every_time_until_start_over(full_ru
 
 
 def test_second_trainer_on_a_workdir_is_refused_naming_the_holder(full_run, tmp_path):
-    from edm2_jax import rundir
+    from edm2_jax.run import rundir
     run = _stopped_at_2(full_run, tmp_path)
     before = _sums(run)
     with rundir.RunLock(str(run)):

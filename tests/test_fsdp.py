@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from edm2_jax import sharding as shard_lib
-from edm2_jax import train
+from edm2_jax.training import sharding as shard_lib
+from edm2_jax.training import train
 from tests.test_train import (REPO, STEP_TOL, _steps, make_image_folder,  # noqa: F401
                               random_batch, random_state, state_err, step_config,
                               step_reduction_terms, tiny_config, xla_cache)
@@ -275,7 +275,7 @@ def test_bfloat16_compute_keeps_float32_state(reference):
     np.testing.assert_allclose(m["objective"], ref_m["objective"], rtol=1e-2)
     state0, _, _ = random_state(config)
     start = jax.device_get(jax.tree.map(jnp.asarray, state0["params"]))
-    from edm2_jax.mp import force_normalize
+    from edm2_jax.model.mp import force_normalize
     start = jax.device_get(force_normalize(start))
     d_bf16 = np.concatenate([np.ravel(a - b) for a, b in
                              zip(jax.tree.leaves(s["params"]), jax.tree.leaves(start))])
@@ -310,7 +310,7 @@ def test_fsdp_run_checkpoints_and_resumes_on_one_device(tmp_path, xla_cache):
     so it must agree to tol + sum over the gains of |dgain| / |gain| at step 2. Measured
     on an AMD EPYC: step 2 2.2e-6; gains' relative errors <= 7.7e-7 (sum 9.6e-7); step 4
     5.0e-6 against 4.4e-5."""
-    from edm2_jax import rundir as ct
+    from edm2_jax.run import rundir as ct
     data = make_image_folder(tmp_path / "data")
     single, sharded = tmp_path / "single", tmp_path / "fsdp"
     train.train_and_evaluate(tiny_config(data), str(single))

@@ -136,7 +136,8 @@ def gcs():
 
 def test_paths_on_gcs(gcs):
     """paths.py on the emulator: atomic write, listing, rename of a directory."""
-    from edm2_jax import paths, rundir
+    from edm2_jax import paths
+    from edm2_jax.run import rundir
     root, fs = gcs
     d = f"{root}/paths"
     rundir.write_config(d, {"a": 1})
@@ -153,7 +154,11 @@ def test_paths_on_gcs(gcs):
 
 
 def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  # noqa: F811
-    from edm2_jax import generate, paths, phema, rundir, train
+    from edm2_jax import paths
+    from edm2_jax.sampling import generate
+    from edm2_jax.ema import posthoc as phema
+    from edm2_jax.run import rundir
+    from edm2_jax.training import train
     root, fs = gcs
     run = f"{root}/run"
     data = make_image_folder(tmp_path / "data")
@@ -204,7 +209,7 @@ def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  
     png = fs.cat(f"{BUCKET}/images1/000000.png")
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     # --mode=eval --images=gs://...: the same files and pixels as a local copy of the folder.
-    from edm2_jax import evaluate
+    from edm2_jax.evaluation import evaluate
     fs.get(f"{BUCKET}/images1", str(tmp_path / "images1"), recursive=True)
     assert [f.rsplit("/", 1)[1] for f in evaluate.folder_subset(f"{root}/images1", 2)] == \
         [f.rsplit("/", 1)[1] for f in evaluate.folder_subset(str(tmp_path / "images1"), 2)]

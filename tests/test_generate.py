@@ -9,8 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from edm2_jax import checkpoint, generate
-from edm2_jax.networks import init_variables, precond_from_config
+from edm2_jax.run import network_dir as checkpoint
+from edm2_jax.sampling import generate
+from edm2_jax.model.networks import init_variables, precond_from_config
 
 NET = dict(img_resolution=8, img_channels=1, label_dim=3, model_channels=8, channel_mult=(1,),
            num_blocks=1, attn_resolutions=())

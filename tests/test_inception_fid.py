@@ -14,8 +14,9 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from edm2_jax.metrics import fid, inception
-from edm2_jax.metrics.stats import FeatureStats
+from edm2_jax.evaluation import fid
+from edm2_jax.evaluation import inception
+from edm2_jax.evaluation.stats import FeatureStats
 from tests.testdata import golden
 
 

@@ -1,6 +1,6 @@
 """Integrity checks and input errors (issue #16), without training:
 
-- the array digest (edm2_jax/integrity.py) is the same computed jitted or in NumPy, for
+- the array digest (edm2_jax/run/integrity.py) is the same computed jitted or in NumPy, for
   every dtype a train state holds, and changes with any one flipped element;
 - NaN/inf is found by both;
 - every bad input of issue #16 item 6 that needs no run is refused with a message
@@ -18,9 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edm2_jax import checkpoint as ckpt_lib
-from edm2_jax import configs, convert, evaluate, generate, integrity
-from edm2_jax.metrics import fid
+from edm2_jax.run import network_dir as ckpt_lib
+from edm2_jax import configs
+from edm2_jax.release import convert
+from edm2_jax.evaluation import evaluate
+from edm2_jax.sampling import generate
+from edm2_jax.run import integrity
+from edm2_jax.evaluation import fid
 
 
 def _arrays():

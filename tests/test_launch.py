@@ -75,6 +75,6 @@ def test_ablation_script_end_to_end(tmp_path):
     assert len(csv_path.read_text().strip().splitlines()) == 3  # header + 2 sigma_rels
     ev = json.loads((run / "eval.jsonl").read_text().splitlines()[-1])
     assert ev["num_images"] == 20 and "fd_cls" in ev and "fid20" in ev
-    r = subprocess.run([sys.executable, "-m", "edm2_jax.diagnostics", "--compare", str(run)],
+    r = subprocess.run([sys.executable, "-m", "edm2_jax.analysis.diagnostics", "--compare", str(run)],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and "(fid20)" in r.stdout, r.stdout + r.stderr

@@ -14,8 +14,11 @@ import numpy as np
 import optax
 import pytest
 
-from edm2_jax import ema, loss, mp, optim
-from edm2_jax.networks import Precond
+from edm2_jax.ema import power as ema
+from edm2_jax.model import loss
+from edm2_jax.model import mp
+from edm2_jax.training import optim
+from edm2_jax.model.networks import Precond
 from tests.testdata import golden as golden_file
 from tests.tolerances import EPS32, tree_err, tree_magnitude
 

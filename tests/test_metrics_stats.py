@@ -3,7 +3,7 @@ hand-evaluated examples, and the Fashion-MNIST classifier behind FD_classifier."
 import numpy as np
 import pytest
 
-from edm2_jax.metrics import stats
+from edm2_jax.evaluation import stats
 
 # ---------------------------------------------------------------------------------------
 # Streaming statistics.
@@ -165,7 +165,7 @@ def fmnist():
 
 @pytest.fixture(scope="module")
 def tiny_classifier(fmnist, tmp_path_factory):
-    from edm2_jax.metrics import classifier
+    from edm2_jax.evaluation import classifier
     cache = str(tmp_path_factory.mktemp("clf_cache"))
     config = classifier.TrainConfig(epochs=1, batch_size=100)
     clf, acc = classifier.get_classifier(*fmnist, cache_dir=cache, config=config, log=False)
@@ -179,7 +179,7 @@ def test_classifier_learns_fashion_mnist_well_above_chance(tiny_classifier):
 
 
 def test_classifier_cache_loads_without_training(tiny_classifier, fmnist, monkeypatch):
-    from edm2_jax.metrics import classifier
+    from edm2_jax.evaluation import classifier
     clf, acc, cache, config = tiny_classifier
 
     def no_training(*args, **kwargs):
@@ -196,7 +196,7 @@ def test_classifier_cache_loads_without_training(tiny_classifier, fmnist, monkey
 
 
 def test_features_metrics_of_a_set_against_itself(tiny_classifier, fmnist):
-    from edm2_jax.metrics import classifier
+    from edm2_jax.evaluation import classifier
     clf = tiny_classifier[0]
     images = fmnist[1].images[:300]
     feats = clf.features(images)
@@ -221,5 +221,5 @@ def test_features_metrics_of_a_set_against_itself(tiny_classifier, fmnist):
 
 
 def test_classifier_depth_follows_resolution():
-    from edm2_jax.metrics.classifier import num_stages
+    from edm2_jax.evaluation.classifier import num_stages
     assert [num_stages(r) for r in (4, 8, 28, 32, 64, 512)] == [1, 1, 3, 3, 4, 7]

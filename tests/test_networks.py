@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edm2_jax import mp, presets
-from edm2_jax.networks import Block, Precond, UNet, count_params, init_variables, precond_from_config
+from edm2_jax.model import mp
+from edm2_jax.model import presets
+from edm2_jax.model.networks import Block, Precond, UNet, count_params, init_variables, precond_from_config
 
 TINY = dict(img_resolution=16, img_channels=3, label_dim=10, model_channels=32,
             channel_mult=(1, 2), num_blocks=1, attn_resolutions=(8,))

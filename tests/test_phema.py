@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 from scipy import integrate
 
-from edm2_jax import checkpoint, ema, phema
+from edm2_jax.run import network_dir as checkpoint
+from edm2_jax.ema import power as ema
+from edm2_jax.ema import posthoc as phema
 from tests.testdata import golden
 from tests.tolerances import tree_magnitude, weighted_sum_tol
 
@@ -189,8 +191,9 @@ def tiny_run(tmp_path_factory):
     tracking sigma_rel 0.05, 0.075, 0.10. Keeps every 10th step's EMAs in memory, and
     writes a run directory whose snapshots (every 50 steps) hold only 0.05 and 0.10
     (no buffers: those come from the state checkpoint)."""
-    from edm2_jax import rundir as ct
-    from edm2_jax import optim, train
+    from edm2_jax.run import rundir as ct
+    from edm2_jax.training import optim
+    from edm2_jax.training import train
     c = _tiny_config()
     net = train.make_network(c)
     tx = optim.make_optimizer(c.optim, BATCH)
@@ -334,7 +337,7 @@ def test_main_phema_prints_outputs(tiny_run, tmp_path, capsys):
 
 
 def _synthetic_run(root: Path, n_steps=5, with_buffers=True):
-    from edm2_jax import rundir as ct
+    from edm2_jax.run import rundir as ct
     rng = np.random.default_rng(1)
     shapes = {"unet": {"enc_8x8_conv": {"weight": (3, 3, 2, 4)}, "emb_label": {"weight": (5, 4)}},
               "out_gain": (1,)}
@@ -436,7 +439,7 @@ def test_reader_paths_agree(tmp_path, monkeypatch):
 
 def test_snapshots_of_another_network_are_refused(tmp_path):
     snaps, _ = _synthetic_run(tmp_path, n_steps=2)
-    from edm2_jax import rundir as ct
+    from edm2_jax.run import rundir as ct
     m = ct.TrainCheckpoints(str(tmp_path))
     other = {"unet": {"enc_8x8_conv": {"weight": np.zeros((3, 3, 2, 5), np.float32)},
                       "emb_label": {"weight": np.zeros((5, 4), np.float32)}},
@@ -468,7 +471,7 @@ def test_reconstruct_from_imported_release_snapshots(tiny_run, tmp_path):
     """Release raw snapshots (`edm2-...-<kimg>-<sigma_rel>.pkl`; here npz state dicts under
     those names) imported with `convert`, then reconstructed at the release's times: the
     multiples of 1024 images that the names' kimg stand for (100 -> 100352)."""
-    from edm2_jax import convert
+    from edm2_jax.release import convert
     src = tmp_path / "release"
     src.mkdir()
     sel = tiny_run["snaps"][9::10]  # steps 100, 200, 300 -> pretend kimg 100, 200, 300

@@ -24,7 +24,9 @@ import jax
 import numpy as np
 import pytest
 
-from edm2_jax import checkpoint, convert, phema
+from edm2_jax.run import network_dir as checkpoint
+from edm2_jax.release import convert
+from edm2_jax.ema import posthoc as phema
 from tests.testdata import golden
 from tests.tolerances import EPS32
 
@@ -74,7 +76,8 @@ def release_run(tmp_path_factory):
     network of float16 values written with our exporter (the release's pickle format).
     Returns `(run, {file name: state dict})`."""
     _torch()
-    from edm2_jax import networks, release_state
+    from edm2_jax.model import networks
+    from edm2_jax.release import training_state as release_state
     gold = _json("phema_rundir.json")
     cfg = dict(_tiny_config().network.to_dict())
     variables = jax.device_get(networks.init_variables(networks.precond_from_config(cfg),
@@ -155,7 +158,8 @@ def test_at_kimg_names_a_release_snapshot_by_its_file_kimg(release_run, tmp_path
 def test_preset_durations_are_the_releases():
     """Every preset trains as long as the release's `train_edm2.py` preset and reports,
     snapshots and checkpoints at the release's default intervals (Ki/Mi: 2^10/2^20)."""
-    from edm2_jax import configs, presets
+    from edm2_jax import configs
+    from edm2_jax.model import presets
     gold = _json("presets.json")
     d = gold["defaults"]
     assert (d["status"]["nimg"], d["snapshot"]["nimg"], d["checkpoint"]["nimg"]) == \
@@ -179,7 +183,7 @@ def test_release_generator_draws_what_the_release_draws(shape_chw):
     Box-Muller in float32 with vectorised log/sincos (<= ~2 ulp each), we in float64
     rounded once: |difference| <= 16 eps32 r_max with r = sqrt(-2 ln u) <=
     sqrt(2 ln 2^24) < 5.8 (measured: 1.4e-6 at most). Labels are integers: equal."""
-    from edm2_jax import release_rng
+    from edm2_jax.release import rng as release_rng
     gold = _npz("release_rng.npz")
     seeds = [0, 1, 7, 12345, 2**32 + 5, 987654321]
     assert [int(s) for s in gold["seeds"]] == seeds
@@ -236,7 +240,11 @@ def test_release_training_state_converts_and_continues(tmp_path):
     0.5 0.99^4 / 0.039 = 14 eps32 more. The moments beta m + (1 - beta) g (torch: a lerp
     and an addcmul) are about four roundings each way: 8 eps32 of |m before| + |g|
     (|g|^2 for the second moment)."""
-    from edm2_jax import ema as ema_lib, optim as optim_lib, release_state, rundir, train
+    from edm2_jax.ema import power as ema_lib
+    from edm2_jax.training import optim as optim_lib
+    from edm2_jax.release import training_state as release_state
+    from edm2_jax.run import rundir
+    from edm2_jax.training import train
     path = str(golden(STATE_TINY))
     data = _read_release_state(path)
     step = _npz("state_tiny_step.npz")
@@ -311,7 +319,7 @@ def test_release_training_state_converts_and_continues(tmp_path):
 
 def test_training_state_that_does_not_fit_the_config_is_refused(tmp_path):
     _torch()
-    from edm2_jax import release_state
+    from edm2_jax.release import training_state as release_state
     path = str(golden(STATE_TINY))
     c = _tiny_config()
     c.ema.sigma_rels = (0.05, 0.2)
@@ -379,7 +387,8 @@ def test_export_round_trip_and_the_release_reads_it(tmp_path, monkeypatch):
     goes to torch's own `__setstate__`. Not checked here: the release itself running
     it (`make_golden.py --release=PATH --check-export` does that)."""
     torch = _torch()
-    from edm2_jax import networks, release_state
+    from edm2_jax.model import networks
+    from edm2_jax.release import training_state as release_state
     facts = _json("export_facts.json")
     cfg = dict(_tiny_config().network.to_dict())
     net = networks.precond_from_config(cfg)
@@ -458,7 +467,9 @@ def test_mode_train_continues_a_converted_release_state(tmp_path, capsys):
     of the tiny run) converted into a run: `train_and_evaluate` resumes it at step 1 and
     trains to the end (step 4)."""
     _torch()
-    from edm2_jax import release_state, rundir, train
+    from edm2_jax.release import training_state as release_state
+    from edm2_jax.run import rundir
+    from edm2_jax.training import train
     from tests.test_train import make_image_folder, tiny_config
     _, config = train.setup_data(tiny_config(make_image_folder(tmp_path / "data")))
     n = config.network.to_dict()

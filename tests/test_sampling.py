@@ -10,8 +10,8 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from edm2_jax.networks import Precond, init_variables
-from edm2_jax.sampling import (decode_uint8, edm_sampler, edm_sigma_steps, make_denoiser,
+from edm2_jax.model.networks import Precond, init_variables
+from edm2_jax.sampling.sampler import (decode_uint8, edm_sampler, edm_sigma_steps, make_denoiser,
                                random_labels, sample_images, save_image_grid, seed_noise)
 from tests.testdata import golden
 from tests.tolerances import forward_terms, reorder_tol

@@ -1,11 +1,11 @@
-"""The 2D toy (edm2_jax/toy.py): its density, a trained denoiser, and what guidance does
+"""The 2D toy (edm2_jax/analysis/toy.py): its density, a trained denoiser, and what guidance does
 (Karras et al. 2024, arXiv:2406.02507, Fig. 1) on the tiny setting (`ToySettings.tiny`)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edm2_jax import toy
+from edm2_jax.analysis import toy
 
 
 @pytest.fixture(scope="module")

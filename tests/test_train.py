@@ -22,12 +22,12 @@ import PIL.Image
 import pytest
 
 from edm2_jax import data as data_lib
-from edm2_jax import ema as ema_lib
-from edm2_jax import optim as optim_lib
-from edm2_jax import sharding as shard_lib
-from edm2_jax import train
-from edm2_jax.mp import force_normalize
-from edm2_jax.networks import init_variables
+from edm2_jax.ema import power as ema_lib
+from edm2_jax.training import optim as optim_lib
+from edm2_jax.training import sharding as shard_lib
+from edm2_jax.training import train
+from edm2_jax.model.mp import force_normalize
+from edm2_jax.model.networks import init_variables
 from tests.tolerances import EPS32, reorder_tol, scaled_err, tree_err
 
 REPO = Path(__file__).resolve().parents[1]
@@ -387,7 +387,7 @@ def test_run_writes_its_outputs(runs):
     stats = [json.loads(line) for line in (full / "stats.jsonl").read_text().splitlines()]
     assert [s["step"] for s in stats] == [2, 4]
     assert all(np.isfinite(s["loss/loss"]) for s in stats)
-    from edm2_jax import rundir as ct
+    from edm2_jax.run import rundir as ct
     (step, meta), = ct.list_snapshots(str(full))
     assert step == 4 and meta["nimg"] == 32 and meta["batch_size"] == 8
     assert meta["ema_keys"] == ["0.050", "0.100"]
@@ -539,9 +539,9 @@ def test_eval_during_training_logs_the_metric_of_the_snapshot_ema(tmp_path, monk
     numbers are those of the snapshot's largest EMA measured afterwards from the snapshot
     on disk (same seeds, same classifier from the cache), and the tracked EMA is the one
     evaluated (the online weights give other numbers)."""
-    from edm2_jax import generate
-    from edm2_jax.evaluate import Metrics
-    from edm2_jax.metrics.classifier import TrainConfig
+    from edm2_jax.sampling import generate
+    from edm2_jax.evaluation.evaluate import Metrics
+    from edm2_jax.evaluation.classifier import TrainConfig
     monkeypatch.setenv("EDM2_JAX_CACHE", str(tmp_path / "cache"))
     data = make_image_folder(tmp_path / "data")
     run = tmp_path / "run"
@@ -587,8 +587,8 @@ def test_mode_eval_of_the_reference_set_itself_is_the_perfect_score(tmp_path, mo
     identical sets, so FD 0 (to float64 round-off of a rank-deficient covariance),
     precision and recall 1; an image folder of the same files gives the same numbers;
     asking for more images than exist is an error naming --num_images."""
-    from edm2_jax.evaluate import main_eval
-    from edm2_jax.metrics.classifier import TrainConfig
+    from edm2_jax.evaluation.evaluate import main_eval
+    from edm2_jax.evaluation.classifier import TrainConfig
     monkeypatch.setenv("EDM2_JAX_CACHE", str(tmp_path / "cache"))
     data = make_image_folder(tmp_path / "data")
     kw = dict(num_images=16, metrics="cls", ref=None, data_config=tiny_config(data).data,

@@ -21,10 +21,12 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from edm2_jax import checkpoint, data, generate
-from edm2_jax import vae as V
+from edm2_jax import data
+from edm2_jax.run import network_dir as checkpoint
+from edm2_jax.sampling import generate
+from edm2_jax.model import vae as V
 from edm2_jax.data.pipeline import latent_noise
-from edm2_jax.networks import init_variables, precond_from_config
+from edm2_jax.model.networks import init_variables, precond_from_config
 from tests.tolerances import scaled_err
 
 # Two architectures: a small one (2 levels, 1 resnet per level, 8 groups, 2x) and the SD
@@ -479,7 +481,7 @@ def test_generate_decodes_latent_net_samples_to_rgb_pngs(tmp_path):
     assert sorted(os.listdir(tmp_path / "out")) == ["000005.png", "000006.png", "000007.png"]
     img = np.asarray(PIL.Image.open(tmp_path / "out" / "000006.png"))
     assert img.shape == (64, 64, 3) and img.dtype == np.uint8
-    from edm2_jax.sampling import sample_images
+    from edm2_jax.sampling.sampler import sample_images
     net, v, _ = generate.load_net(latent)
     x = np.asarray(sample_images(net, v, np.array([6], np.uint32), num_steps=2, raw=True))
     assert x.shape == (1, 8, 8, 4)
@@ -492,7 +494,7 @@ def test_latent_sample_grid_is_a_channel_mosaic(tmp_path):
     """A latent run's training grid (no VAE at hand) shows each latent's 4 channels as
     a 2x2 grey-scale mosaic: channel 0 top left, 1 top right, 2 bottom left, 3 bottom
     right; training no longer stops at its first snapshot."""
-    from edm2_jax.sampling import save_image_grid
+    from edm2_jax.sampling.sampler import save_image_grid
     x = np.zeros((2, 3, 3, 4), np.uint8) + np.array([0, 100, 200, 255], np.uint8)
     save_image_grid(x, str(tmp_path / "g.png"), 1, 2)
     g = np.asarray(PIL.Image.open(tmp_path / "g.png"))

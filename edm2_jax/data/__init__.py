@@ -31,7 +31,7 @@ from edm2_jax.data.image_folder import ImageFolder
 from edm2_jax.data.latents import LatentFolder
 from edm2_jax.data.pipeline import StreamOrder, epoch_permutation, make_iterator
 from edm2_jax.data.tfds_source import TFDSSource, open_tfds
-from edm2_jax.vae import check_encoder
+from edm2_jax.model.vae import check_encoder
 
 SOURCES = ("fashion_mnist", "tfds", "folder")
 

@@ -26,7 +26,7 @@ import io
 
 import numpy as np
 
-from edm2_jax import vae
+from edm2_jax.model import vae
 from edm2_jax.data.base import NO_LABEL
 from edm2_jax.data.image_folder import IMAGE_EXTENSIONS, ImageFolder
 

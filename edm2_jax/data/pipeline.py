@@ -33,7 +33,7 @@ from typing import Iterator
 
 import numpy as np
 
-from edm2_jax import vae
+from edm2_jax.model import vae
 from edm2_jax.data.base import Source
 
 LATENT_NOISE_STREAM = 0x1A7E  # third SeedSequence word of the latent draws (module doc)

@@ -1,0 +1,421 @@
+"""Classifier-feature metrics for small data sets where Inception-v3 is a poor judge.
+
+Inception-v3 was trained on 299x299 ImageNet photographs; on 32x32 grey-scale
+Fashion-MNIST its features say little. Instead the project trains a small CNN once on the
+data set's own train split, checks it on the test split, caches it, and measures
+generated images in its penultimate feature space:
+
+- `fd_cls`: Frechet distance of the classifier features (the FID formula, Heusel et al.
+  2017 Eq. 6, but *not* FID: the features are not Inception's, so numbers are comparable
+  only between runs that use the same cached classifier);
+- `kid_cls`: KID (Binkowski et al. 2018) on the same features;
+- `precision_cls`, `recall_cls`: improved precision/recall (Kynkaanniemi et al. 2019), k = 3.
+
+    from edm2_jax import data
+    from edm2_jax.evaluation import classifier
+    train = data.make_source({'source': 'fashion_mnist', 'split': 'train'})
+    test = data.make_source({'source': 'fashion_mnist', 'split': 'test'})
+    clf, acc = classifier.get_classifier(train, test)  # trains once (~minutes on CPU), then cached
+    feats = clf.features(images_uint8)                 # [N, 128] float32
+    m = classifier.evaluate_features_metrics(gen_uint8, train, clf)
+    # {'fd_cls': ..., 'kid_cls': ..., 'precision_cls': ..., 'recall_cls': ..., ...}
+
+The cache lives in `~/.cache/edm2_jax/classifier-<source>-<hash>/` (override with the
+`cache_dir` argument or the EDM2_JAX_CACHE environment variable); the hash covers the
+architecture, the training settings and the bytes of both splits, so a different data set
+or setting trains a new classifier instead of silently reusing an old one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+import time
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from edm2_jax.evaluation import stats
+
+Array = jax.Array
+CACHE_VERSION = 1  # bump when the architecture or training procedure changes meaning
+
+
+# ---------------------------------------------------------------------------------------
+# Network.
+
+def _max_pool_2x2(x: Array) -> Array:
+    """2x2 max-pool, stride 2, of non-negative (post-ReLU) `[N, H, W, C]`; odd sides are
+    zero-padded, which cannot change a maximum of non-negative values. A reshape + max is
+    several times faster to differentiate on XLA:CPU than `nn.max_pool`."""
+    n, h, w, c = x.shape
+    x = jnp.pad(x, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)))
+    return x.reshape(n, (h + 1) // 2, 2, (w + 1) // 2, 2, c).max(axis=(2, 4))
+
+
+def num_stages(resolution: int) -> int:
+    """Conv + 2x2 max-pool stages that bring `resolution` down to at most 4 pixels
+    (32 -> 3 stages: 16, 8, 4). Raises ValueError for resolution < 4."""
+    if resolution < 4:
+        raise ValueError(f"the classifier needs images of at least 4x4 pixels, got {resolution}")
+    return max(1, math.ceil(math.log2(resolution / 4)))
+
+
+class SmallCNN(nn.Module):
+    """Small image classifier: `num_stages(H)` stages of [3x3 'same' conv with bias, ReLU,
+    2x2 max-pool]
+    with widths `min(base_width * 2^i, max_width)`, flatten, Dense(feature_dim) (the raw
+    features: pre-activations, so that units ReLU silences on the data still carry
+    information), ReLU, Dense(num_classes) (the logits).
+
+    Input: float32 `[N, H, W, C]` in [-1, 1] (`uint8 / 127.5 - 1`). Output: `(logits
+    [N, num_classes], raw features [N, feature_dim])`, float32.
+    """
+    num_classes: int
+    base_width: int = 16
+    max_width: int = 64
+    feature_dim: int = 128
+
+    @nn.compact
+    def __call__(self, x: Array) -> tuple[Array, Array]:
+        for i in range(num_stages(x.shape[1])):
+            width = min(self.base_width * 2 ** i, self.max_width)
+            x = _max_pool_2x2(nn.relu(nn.Conv(width, (3, 3), padding="SAME")(x)))
+        x = x.reshape(x.shape[0], -1)
+        feats = nn.Dense(self.feature_dim)(x)
+        return nn.Dense(self.num_classes)(nn.relu(feats)), feats
+
+
+def _to_float(images_uint8: Array) -> Array:
+    return images_uint8.astype(jnp.float32) / 127.5 - 1.0
+
+
+# ---------------------------------------------------------------------------------------
+# Trained classifier and feature extraction.
+
+@dataclasses.dataclass
+class Classifier:
+    """A trained `SmallCNN` with its parameters.
+
+    Fields: `module` (SmallCNN), `params` (pytree), `resolution`, `num_channels`
+    (the image shape it accepts), `test_accuracy` (fraction in [0, 1] on the test split),
+    `info` (dict: training settings, wall time, cache directory), `feature_shift`
+    (float32 `[feature_dim]`) and `feature_scale` (float): `features()` returns
+    `(raw - feature_shift) / feature_scale`, fixed once from the training split (its mean
+    and RMS standard deviation) so that a typical `x.y / D` is O(1) as KID's cubic kernel
+    assumes; a translation plus one common scale leaves precision/recall unchanged and
+    makes FD read in units of the average training-feature variance.
+    """
+    module: SmallCNN
+    params: Any
+    resolution: int
+    num_channels: int
+    test_accuracy: float
+    info: dict
+    feature_shift: Any = 0.0
+    feature_scale: float = 1.0
+
+    def __post_init__(self):
+        self._apply = jax.jit(lambda p, x: self.module.apply({"params": p}, _to_float(x)))
+
+    @property
+    def feature_dim(self) -> int:
+        return self.module.feature_dim
+
+    def check_images(self, images, what: str = "images") -> np.ndarray:
+        """uint8 `[N, H, W, C]` matching the classifier, else ValueError naming the fix."""
+        images = np.asarray(images)
+        want = (self.resolution, self.resolution, self.num_channels)
+        if images.dtype != np.uint8:
+            raise ValueError(f"{what} must be uint8 [N, H, W, C] (got dtype {images.dtype}); "
+                             f"decode network outputs with clip(x * 127.5 + 128, 0, 255)"
+                             f".astype(uint8)")
+        if images.ndim != 4 or images.shape[1:] != want:
+            raise ValueError(f"{what} must be uint8 [N, {want[0]}, {want[1]}, {want[2]}] "
+                             f"(NHWC) for this classifier, got shape {images.shape}")
+        return images
+
+    def _batched(self, images, batch_size: int, index: int) -> np.ndarray:
+        images = self.check_images(images)
+        out = []
+        for i in range(0, len(images), batch_size):
+            chunk = images[i:i + batch_size]
+            n = len(chunk)
+            if n < batch_size:  # pad to a fixed shape: one compilation for every call
+                chunk = np.concatenate([chunk, np.zeros((batch_size - n, *chunk.shape[1:]),
+                                                        np.uint8)])
+            out.append(np.asarray(self._apply(self.params, chunk)[index])[:n])
+        if not out:
+            width = self.feature_dim if index == 1 else self.module.num_classes
+            return np.zeros((0, width), np.float32)
+        return np.concatenate(out)
+
+    def features(self, images_uint8, batch_size: int = 500) -> np.ndarray:
+        """Normalised penultimate-layer features (see the class docstring): uint8
+        `[N, H, W, C]` -> float32 `[N, feature_dim]`. Raises ValueError for a wrong dtype or
+        shape."""
+        raw = self._batched(images_uint8, batch_size, 1)
+        return ((raw - self.feature_shift) / self.feature_scale).astype(np.float32)
+
+    def logits(self, images_uint8, batch_size: int = 500) -> np.ndarray:
+        """Class logits: uint8 `[N, H, W, C]` -> float32 `[N, num_classes]`."""
+        return self._batched(images_uint8, batch_size, 0)
+
+    def accuracy(self, images_uint8, labels) -> float:
+        """Fraction of `images_uint8` whose arg-max logit equals `labels [N]` (int)."""
+        pred = self.logits(images_uint8).argmax(axis=1)
+        return float(np.mean(pred == np.asarray(labels)))
+
+
+def source_arrays(source, max_items: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """All images and labels of a data `Source` (see `edm2_jax.data.base`) as uint8
+    `[N, H, W, C]` and int64 `[N]`; the first `max_items` if given. Uses the in-memory
+    arrays of `FashionMNIST` directly, otherwise reads `source[i]` one by one."""
+    n = len(source) if max_items is None else min(int(max_items), len(source))
+    images, labels = getattr(source, "images", None), getattr(source, "labels", None)
+    if (isinstance(images, np.ndarray) and isinstance(labels, np.ndarray)
+            and len(images) == len(source) and images.ndim == 4):
+        return images[:n], labels[:n].astype(np.int64)
+    items = [source[i] for i in range(n)]
+    return (np.stack([im for im, _ in items]) if items else np.zeros((0, 1, 1, 1), np.uint8),
+            np.array([lab for _, lab in items], np.int64))
+
+
+# ---------------------------------------------------------------------------------------
+# Training and cache.
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Classifier training settings (all part of the cache key)."""
+    epochs: int = 3
+    batch_size: int = 128
+    learning_rate: float = 2e-3       # Adam, cosine-decayed to 0 over the run
+    seed: int = 0
+    max_train: int | None = None     # use only the first max_train training images
+    base_width: int = 16
+    max_width: int = 64
+    feature_dim: int = 128
+    num_norm: int = 10000             # training images that fix the feature normalisation
+
+
+def _fingerprint(*arrays: np.ndarray) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(str((a.dtype.str, a.shape)).encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def _flatten(params, prefix="") -> dict:
+    out = {}
+    for k, v in params.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = np.asarray(v)
+    return out
+
+
+def _unflatten(flat: dict) -> dict:
+    out: dict = {}
+    for key, v in flat.items():
+        *parents, leaf = key.split("/")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = jnp.asarray(v)
+    return out
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("EDM2_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache",
+                                                         "edm2_jax"))
+
+
+def train_classifier(train_images: np.ndarray, train_labels: np.ndarray, num_classes: int,
+                     config: TrainConfig = TrainConfig(), log: bool = True
+                     ) -> tuple[SmallCNN, Any, float]:
+    """Train `SmallCNN` with cross-entropy and Adam on uint8 `[N, H, W, C]` images and int
+    labels `[N]` in `[0, num_classes)`. The last incomplete batch of an epoch is dropped.
+    Returns `(module, params, wall_seconds)`. Raises ValueError on bad labels or too few
+    images for one batch."""
+    train_labels = np.asarray(train_labels, np.int64)
+    if train_labels.min(initial=0) < 0 or train_labels.max(initial=0) >= num_classes:
+        raise ValueError(f"classifier training needs labels in [0, {num_classes}); got range "
+                         f"[{train_labels.min()}, {train_labels.max()}]. Open the source with "
+                         f"use_labels=True")
+    n, bs = len(train_images), config.batch_size
+    if n < bs:
+        raise ValueError(f"{n} training images is fewer than one batch of {bs}; lower "
+                         f"batch_size")
+    steps_per_epoch = n // bs
+    total = steps_per_epoch * config.epochs
+    module = SmallCNN(num_classes, config.base_width, config.max_width, config.feature_dim)
+    t0 = time.time()
+    params = module.init(jax.random.PRNGKey(config.seed),
+                         jnp.zeros((1, *train_images.shape[1:]), jnp.float32))["params"]
+    tx = optax.adam(optax.cosine_decay_schedule(config.learning_rate, total))
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        def loss_fn(p):
+            logits, _ = module.apply({"params": p}, _to_float(x))
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rng = np.random.default_rng(config.seed)
+    for epoch in range(config.epochs):
+        perm = rng.permutation(n)
+        losses = []
+        for s in range(steps_per_epoch):
+            idx = np.sort(perm[s * bs:(s + 1) * bs])
+            params, opt_state, loss = step(params, opt_state, train_images[idx], train_labels[idx])
+            losses.append(loss)
+        if log:
+            print(f"classifier epoch {epoch + 1}/{config.epochs}: mean loss "
+                  f"{float(np.mean(jax.device_get(losses))):.4f} ({time.time() - t0:.0f} s)",
+                  flush=True)
+    params = jax.block_until_ready(params)
+    return module, params, time.time() - t0
+
+
+def get_classifier(source_train, source_test, cache_dir: str | None = None,
+                   config: TrainConfig = TrainConfig(), log: bool = True
+                   ) -> tuple[Classifier, float]:
+    """The project's classifier for a labelled data set: loaded from the cache, or trained
+    on `source_train`, measured on `source_test` and cached.
+
+    Args:
+      source_train, source_test: data `Source`s with labels (`label_dim > 0`) and equal
+        image shapes, e.g. `data.make_source({'source': 'fashion_mnist', 'split': 'train'})`.
+      cache_dir: parent of the `classifier-<name>-<hash>/` directory; None = EDM2_JAX_CACHE
+        or `~/.cache/edm2_jax`.
+      config: `TrainConfig` (defaults: 3 epochs, batch 128, Adam 2e-3 with cosine decay).
+    Returns: `(classifier, test_accuracy)`; `classifier.info['cached']` says whether it
+      was loaded.
+    Raises ValueError for unlabelled sources or mismatched image shapes.
+    """
+    if not source_train.label_dim:
+        raise ValueError(f"{source_train.name} has no labels (label_dim 0); the classifier "
+                         f"needs a labelled source: open it with use_labels=True")
+    x_train, y_train = source_arrays(source_train, config.max_train)
+    x_test, y_test = source_arrays(source_test)
+    if x_train.shape[1:] != x_test.shape[1:]:
+        raise ValueError(f"train images {x_train.shape[1:]} and test images "
+                         f"{x_test.shape[1:]} differ in shape; use two splits of one data set")
+    resolution, num_channels = x_train.shape[1], x_train.shape[3]
+    num_classes = int(source_train.label_dim)
+    key = json.dumps({"version": CACHE_VERSION, "config": dataclasses.asdict(config),
+                      "num_classes": num_classes, "train": _fingerprint(x_train, y_train),
+                      "test": _fingerprint(x_test, y_test)}, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(source_train.name).split("[")[0])
+    path = os.path.join(cache_dir or default_cache_dir(), f"classifier-{name}-{digest}")
+    module = SmallCNN(num_classes, config.base_width, config.max_width, config.feature_dim)
+
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        with np.load(os.path.join(path, "params.npz")) as z:
+            params = _unflatten({k: v for k, v in z.items() if not k.startswith("feature_")})
+            shift, scale = z["feature_shift"], float(z["feature_scale"])
+        clf = Classifier(module, params, resolution, num_channels, meta["test_accuracy"],
+                         dict(meta, cached=True, path=path), shift, scale)
+        return clf, clf.test_accuracy
+
+    module, params, seconds = train_classifier(x_train, y_train, num_classes, config, log)
+    clf = Classifier(module, params, resolution, num_channels, 0.0, {})
+    clf.test_accuracy = clf.accuracy(x_test, y_test)
+    raw = clf.features(x_train[:config.num_norm])  # shift 0, scale 1 so far: raw features
+    clf.feature_shift = raw.mean(axis=0)
+    clf.feature_scale = float(np.sqrt(np.mean(raw.var(axis=0)))) or 1.0
+    meta = {"test_accuracy": clf.test_accuracy, "train_seconds": seconds,
+            "num_train": len(x_train), "num_test": len(x_test), "source": source_train.name,
+            "resolution": resolution, "num_channels": num_channels,
+            "num_classes": num_classes, "config": dataclasses.asdict(config)}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp", dir=os.path.dirname(path))
+    np.savez(os.path.join(tmp, "params.npz"), **_flatten(jax.device_get(params)),
+             feature_shift=clf.feature_shift, feature_scale=clf.feature_scale)
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    try:
+        os.rename(tmp, path)  # atomic: readers never see a half-written cache
+    except OSError:  # another process finished first; keep theirs
+        pass
+    clf.info = dict(meta, cached=False, path=path)
+    if log:
+        print(f"classifier: test accuracy {clf.test_accuracy:.4f} after {seconds:.0f} s; "
+              f"cached in {path}", flush=True)
+    return clf, clf.test_accuracy
+
+
+# ---------------------------------------------------------------------------------------
+# Metrics.
+
+def evaluate_features_metrics(gen_uint8, ref, classifier: Classifier, *,
+                              kid_subsets: int = 100, kid_subset_size: int = 1000,
+                              pr_k: int = 3, pr_num_ref: int | None = None,
+                              seed: int = 0) -> dict:
+    """FD, KID and precision/recall of generated images against reference images, all in
+    the classifier's feature space (never call `fd_cls` FID: the features are not
+    Inception-v3's).
+
+    Args:
+      gen_uint8: uint8 `[N_g, H, W, C]` generated images.
+      ref: uint8 `[N_r, H, W, C]` reference images, a data `Source` (all its images), or
+        float `[N_r, feature_dim]` reference features from `classifier.features` (to
+        extract them once when evaluating many checkpoints).
+      classifier: from `get_classifier`.
+      kid_subsets, kid_subset_size: KID subsets (100 of min(1000, N_g, N_r) as StyleGAN).
+      pr_k: neighbourhood size of precision/recall.
+      pr_num_ref: reference images used for precision/recall, drawn at random with `seed`;
+        None = min(N_r, N_g): equal set sizes, as Kynkaanniemi et al. (the k-NN radii
+        depend on the set size). FD and KID always use every reference image.
+    Returns: dict with float `fd_cls`, `kid_cls`, `precision_cls`, `recall_cls` and int
+      `num_gen`, `num_ref`.
+    Raises ValueError for images of the wrong dtype / shape, or fewer than `pr_k + 1`
+    images in a set.
+    """
+    gen_feats = classifier.features(classifier.check_images(gen_uint8, "gen_uint8"))
+    if isinstance(ref, np.ndarray) and np.issubdtype(ref.dtype, np.floating):
+        if ref.ndim != 2 or ref.shape[1] != classifier.feature_dim:
+            raise ValueError(f"reference features must be [N, {classifier.feature_dim}] from "
+                             f"classifier.features(images), got shape {ref.shape}")
+        ref_feats = ref
+    else:
+        ref_images = ref if isinstance(ref, np.ndarray) else source_arrays(ref)[0]
+        ref_feats = classifier.features(classifier.check_images(ref_images, "reference images"))
+    if len(gen_feats) < pr_k + 1 or len(ref_feats) < pr_k + 1:
+        raise ValueError(f"need at least {pr_k + 1} generated and reference images, got "
+                         f"{len(gen_feats)} and {len(ref_feats)}")
+    mu_g, sigma_g = stats.FeatureStats.from_features(gen_feats).mean_cov()
+    mu_r, sigma_r = stats.FeatureStats.from_features(ref_feats).mean_cov()
+    n_pr = min(len(ref_feats), len(gen_feats)) if pr_num_ref is None else int(pr_num_ref)
+    pr_idx = np.random.default_rng(seed).choice(len(ref_feats), min(n_pr, len(ref_feats)),
+                                                replace=False)
+    precision, recall = stats.precision_recall(ref_feats[pr_idx], gen_feats, k=pr_k)
+    return {
+        "fd_cls": stats.frechet_distance(mu_g, sigma_g, mu_r, sigma_r),
+        "kid_cls": stats.kid(gen_feats, ref_feats, kid_subsets, kid_subset_size, seed),
+        "precision_cls": precision,
+        "recall_cls": recall,
+        "num_gen": len(gen_feats),
+        "num_ref": len(ref_feats),
+    }
+
+
+__all__ = ["Classifier", "SmallCNN", "TrainConfig", "default_cache_dir",
+           "evaluate_features_metrics", "get_classifier", "num_stages", "source_arrays",
+           "train_classifier"]

@@ -1,0 +1,211 @@
+"""Orbax items as host arrays, and the network checkpoint format.
+
+Owns:
+  * reading any Orbax PyTree item of this project as host NumPy arrays, whatever mesh and
+    number of processes wrote it (`restore_numpy`, `restore_partial`, `tree_metadata`),
+    and the key paths Orbax names its arrays by (`key_paths`, `subtree`);
+  * network checkpoints (`save_network` / `load_network` / `read_network_json`): one set
+    of network variables `{'params', 'buffers'}` plus the network config as JSON: what
+    `convert` writes, what post-hoc EMA reconstruction outputs, and what `generate` /
+    `eval` load. Layout of such a directory:
+
+        DIR/network.json     {"network": {...Precond kwargs...}, "meta": {...}}
+        DIR/variables/       Orbax PyTree checkpoint {'params', 'buffers'}
+
+A training run's directory (config.json, checkpoints/, snapshots/, ...) is `rundir.py`'s.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from edm2_jax import paths
+from edm2_jax.run import integrity
+
+NETWORK_JSON = "network.json"
+VARIABLES = "variables"
+
+
+# --------------------------------------------------------------------------------------
+# Orbax items as host arrays
+
+
+def key_paths(tree: Any) -> list[tuple[str, ...]]:
+    """Key path of each leaf of `tree` (dicts, lists, named tuples; e.g. Orbax array
+    metadata), as tuples of strings, in `jax.tree.leaves` order."""
+    def name(k):
+        return str(next(getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)))
+    return [tuple(name(k) for k in path)
+            for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def subtree(tree: dict, path: Sequence[str]) -> Any:
+    """`tree[path[0]][path[1]]...`."""
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def tree_metadata(directory: str) -> dict:
+    """The tree of array metadata (shape, dtype) of the Orbax PyTree item `directory`."""
+    md = ocp.PyTreeCheckpointer().metadata(directory)
+    md = getattr(md, "item_metadata", md)
+    return dict(getattr(md, "tree", md))
+
+
+def restore_numpy(directory: str):
+    """The Orbax checkpoint item `directory` (e.g. `RUN/checkpoints/<step>/default`) as
+    host numpy arrays, whatever mesh and number of processes wrote it; a restore without
+    a target would need the devices that saved it ("Topology mismatch"). Named tuples
+    (Adam's state) come back as dicts and lists."""
+    md = ocp.PyTreeCheckpointer().metadata(directory)
+    md = getattr(md, "item_metadata", md)
+    md = getattr(md, "tree", md)
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), md)
+    return ocp.PyTreeCheckpointer().restore(
+        directory, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+
+
+def restore_partial(directory: str, paths: Sequence[tuple[str, ...]],
+                    md: dict | None = None) -> list:
+    """The sub-trees at `paths` of the Orbax PyTree item `directory` as host numpy
+    arrays (nothing else in the item is read). `md`: its `tree_metadata`, if known."""
+    md = md if md is not None else tree_metadata(directory)
+    item: dict = {}
+    for path in paths:
+        node = item
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = subtree(md, path)
+    restore_args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), item)
+    r = ocp.PyTreeCheckpointer().restore(directory, args=ocp.args.PyTreeRestore(
+        item=item, restore_args=restore_args, partial_restore=True))
+    return [subtree(r, path) for path in paths]
+
+
+# --------------------------------------------------------------------------------------
+# Network checkpoints
+
+
+def _to_jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_jsonable(v) for v in obj]
+    if isinstance(obj, (np.generic,)):
+        return obj.item()
+    if hasattr(obj, "to_dict"):
+        return _to_jsonable(obj.to_dict())
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    return str(obj)
+
+
+def save_network(path: str, variables: dict, net_config: dict, meta: dict | None = None, *,
+                 low_memory: bool = False) -> str:
+    """Write network `variables` (`{'params', 'buffers'}`) and `net_config` to `path`.
+
+    The save is synchronous and reads the arrays in place (numpy leaves are not copied;
+    device arrays are fetched to the host once). With `low_memory`, each array goes to its
+    own file (Orbax's non-OCDBT layout, read back the same way by `load_network`) instead
+    of one OCDBT store, whose writer holds the whole compressed checkpoint in memory
+    until it commits: the save then needs about one tensor of extra memory instead of
+    about one parameter copy (what post-hoc EMA uses for its outputs).
+
+    Refuses to overwrite an existing network checkpoint (raises FileExistsError).
+    Returns the absolute path (or the URL: `path` may be `gs://...`, `paths.py`).
+    """
+    path = paths.normalize(path)
+    if paths.exists(os.path.join(path, VARIABLES)):
+        raise FileExistsError(f"{path} already holds a network checkpoint; choose another "
+                              f"--workdir or delete it first")
+    paths.makedirs(path)
+    variables = jax.tree_util.tree_map(np.asarray, dict(variables))
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+        (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)))
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
+        use_ocdbt=not low_memory, type_handler_registry=registry))
+    record = integrity.digest_tree_numpy(variables)
+    if record["nonfinite"]:
+        raise integrity.IntegrityError(f"not saving {path}: non-finite values (NaN/inf) in "
+                                       f"{', '.join(record['nonfinite'][:4])}")
+    ckptr.save(os.path.join(path, VARIABLES), args=ocp.args.PyTreeSave(variables))
+    # network.json last and atomically: a directory without it is no network checkpoint.
+    paths.write_text_atomic(os.path.join(path, NETWORK_JSON), json.dumps(
+        {"network": _to_jsonable(dict(net_config)), "meta": _to_jsonable(meta or {}),
+         "integrity": record}, indent=2))
+    return path
+
+
+def is_network_checkpoint(path: str) -> bool:
+    return paths.isfile(os.path.join(path, NETWORK_JSON)) and paths.isdir(
+        os.path.join(path, VARIABLES))
+
+
+def variables_dir(path: str) -> str:
+    """The Orbax item of a network checkpoint's variables."""
+    return os.path.join(path, VARIABLES)
+
+
+def _network_json(path: str) -> dict:
+    file = os.path.join(path, NETWORK_JSON)
+    try:
+        info = json.loads(paths.read_text(file))
+        if not isinstance(info.get("network"), dict):
+            raise ValueError("no 'network' section")
+    except (ValueError, UnicodeDecodeError, AttributeError) as e:
+        raise integrity.IntegrityError(
+            f"{file} is unreadable ({e}); it is written last by --mode=convert and post-hoc "
+            f"EMA: write that network checkpoint again") from None
+    return info
+
+
+def read_network_json(path: str) -> tuple[dict, dict]:
+    """`(net_config, meta)` of the network checkpoint `path`, without reading its
+    variables (the one reader of `network.json`). Raises IntegrityError when the file
+    is unreadable."""
+    info = _network_json(path)
+    return info["network"], info.get("meta", {}) or {}
+
+
+def network_checker(path: str) -> integrity.LeafChecker:
+    """Checks the arrays of network checkpoint `path` one at a time as a streaming
+    reader reads them (`checker('params/<param path>', array)`); finiteness only for
+    one written before checksums were recorded."""
+    return integrity.LeafChecker(_network_json(path).get("integrity"),
+                                 f"network checkpoint {path}",
+                                 "Write it again (--mode=convert or post-hoc EMA).")
+
+
+def load_network(path: str) -> tuple[dict, dict, dict]:
+    """Read a directory written by `save_network`.
+
+    Returns `(net_config, variables, meta)` with numpy leaves, checked against the
+    checksums recorded in network.json and for NaN/inf. Raises FileNotFoundError naming
+    the path when it is not a network checkpoint, IntegrityError when it is corrupt.
+    """
+    path = paths.normalize(path)
+    if not is_network_checkpoint(path):
+        raise FileNotFoundError(f"{path} is not a network checkpoint (expected network.json and "
+                                f"variables/ written by `--mode=convert` or post-hoc EMA)")
+    net_config, meta = read_network_json(path)
+    try:
+        variables = ocp.StandardCheckpointer().restore(variables_dir(path))
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
+        raise integrity.IntegrityError(
+            f"network checkpoint {path} is unreadable ({' '.join(str(e).split())[:300]}). "
+            f"Write it again (--mode=convert or post-hoc EMA).") from None
+    variables = jax.tree_util.tree_map(np.asarray, variables)
+    try:
+        integrity.check(_network_json(path).get("integrity"),
+                        integrity.digest_tree_numpy(variables), f"network checkpoint {path}")
+    except integrity.IntegrityError as e:
+        raise integrity.IntegrityError(f"{e}. Write it again (--mode=convert or post-hoc "
+                                       f"EMA).") from None
+    return net_config, variables, meta

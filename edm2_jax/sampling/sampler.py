@@ -1,0 +1,373 @@
+"""EDM sampler with guidance (docs/recipe.md §6).
+
+Deterministic 2nd-order Heun sampler of Karras et al. 2022, "Elucidating the Design
+Space of Diffusion-Based Generative Models" (Algorithm 2, with the optional stochastic
+"churn"), on the rho-schedule of their Eq. 5, together with the guidance form shared by
+classifier-free guidance and autoguidance (Karras et al. 2024, arXiv:2406.02507, Eq. 1):
+`D_w(x; sigma) = D_g(x; sigma) + w (D_main(x; sigma) - D_g(x; sigma))`.
+
+Randomness is drawn per image from its integer seed (`seed_keys`; or, with
+`rng='release'`, as the authors' release draws it, `release_rng.py`), so an image depends
+only on its seed, never on the batch it was generated in or on the device count.
+
+    net = precond_from_config(cfg.network); variables = load_network(...)
+    images = sample_images(net, variables, seeds=range(16), num_steps=32)   # uint8 NHWC
+    save_image_grid(np.asarray(images), "grid.png", rows=4, cols=4)
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+Denoiser = Callable[[Array, Array, "Array | None"], Array]
+
+# Sub-streams of a seed's key, so that adding a new random draw never changes old ones.
+_NOISE_STREAM, _LABEL_STREAM, _CHURN_STREAM = 0, 1, 2
+
+
+# ---------------------------------------------------------------------------------------
+# Time steps and the sampler.
+
+def edm_sigma_steps(num_steps: int = 32, sigma_min: float = 0.002, sigma_max: float = 80.0,
+                    rho: float = 7.0) -> np.ndarray:
+    """Noise levels of the EDM sampler (Karras et al. 2022, Eq. 5), with `t_N = 0`.
+
+    `t_i = (sigma_max^(1/rho) + i / (N-1) (sigma_min^(1/rho) - sigma_max^(1/rho)))^rho`
+    for `i = 0..N-1`, so `t_0 = sigma_max`, `t_{N-1} = sigma_min`, then `t_N = 0`.
+
+    Returns: host float64 array `[num_steps + 1]`, decreasing.
+    Raises: ValueError if `num_steps < 2` (the formula divides by `N - 1`) or unless
+      `0 < sigma_min < sigma_max` and `rho > 0`.
+    """
+    if int(num_steps) != num_steps or num_steps < 2:
+        raise ValueError(f"num_steps must be an integer >= 2, got {num_steps}")
+    if not 0 < sigma_min < sigma_max:
+        raise ValueError(f"need 0 < sigma_min < sigma_max, got {sigma_min}, {sigma_max}")
+    if not rho > 0:
+        raise ValueError(f"rho must be > 0, got {rho}")
+    i = np.arange(num_steps, dtype=np.float64)
+    a, b = sigma_max ** (1 / rho), sigma_min ** (1 / rho)
+    t = (a + i / (num_steps - 1) * (b - a)) ** rho
+    return np.concatenate([t, [0.0]])
+
+
+def edm_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
+                num_steps: int = 32, sigma_min: float = 0.002, sigma_max: float = 80.0,
+                rho: float = 7.0, S_churn: float = 0.0, S_min: float = 0.0,
+                S_max: float = float("inf"), S_noise: float = 1.0,
+                churn_noise: Callable[[Array], Array] | None = None,
+                rng: Array | None = None) -> Array:
+    """EDM Heun sampler (Karras et al. 2022, Algorithms 1 and 2) from unit noise to `x_0`.
+
+    Starts at `x = noise * t_0` and integrates the probability-flow ODE
+    `dx/dt = (x - D(x; t)) / t` over `edm_sigma_steps(...)` with Heun's 2nd-order method;
+    the last step (to `t_N = 0`) is a plain Euler step, so `denoise` is evaluated
+    `2 N - 1` times. Steps with `S_min <= t_i <= S_max` first raise the noise level to
+    `t_hat = (1 + gamma) t_i`, `gamma = min(S_churn / N, sqrt(2) - 1)`, by adding
+    `sqrt(t_hat^2 - t_i^2) S_noise eps`, `eps ~ N(0, I)` (`S_churn = 0`: deterministic).
+    The first N-1 steps are one `lax.fori_loop`, so `denoise` is traced once per site.
+
+    Args:
+      denoise: `denoise(x [B,H,W,C] f32, sigma scalar f32, labels) -> D [B,H,W,C]`,
+        e.g. from `make_denoiser`.
+      noise: `[B, H, W, C]` unit Gaussian noise (e.g. `seed_noise`).
+      labels: passed through to `denoise` unchanged (`[B, label_dim]` one-hot or None).
+      num_steps, sigma_min, sigma_max, rho: the schedule `N`, see `edm_sigma_steps`.
+      S_churn, S_min, S_max, S_noise: stochasticity (Karras et al. 2022, Sec. 4).
+      churn_noise: `churn_noise(i int32 scalar) -> eps` of `noise.shape` for step `i`
+        (e.g. `seed_churn_noise`, independent of batch size); or else
+      rng: a PRNG key; step `i` then draws from `fold_in(rng, i)` for the whole batch.
+    Returns: `x_0` `[B, H, W, C]` float32.
+    Raises: ValueError when `S_churn > 0` and neither `churn_noise` nor `rng` is given.
+    """
+    t_steps = jnp.asarray(edm_sigma_steps(num_steps, sigma_min, sigma_max, rho), jnp.float32)
+    stochastic = S_churn > 0
+    if stochastic and churn_noise is None:
+        if rng is None:
+            raise ValueError("S_churn > 0 needs churn noise: pass churn_noise="
+                             "seed_churn_noise(seeds, shape) or rng=jax.random.PRNGKey(...)")
+        churn_noise = lambda i: jax.random.normal(jax.random.fold_in(rng, i), noise.shape)
+    gamma = min(S_churn / num_steps, math.sqrt(2) - 1) if stochastic else 0.0
+
+    def increase_noise(i, x_cur, t_cur):
+        if not stochastic:
+            return x_cur, t_cur
+        gamma_i = jnp.where((S_min <= t_cur) & (t_cur <= S_max), gamma, 0.0)
+        t_hat = t_cur + gamma_i * t_cur
+        eps = churn_noise(i).astype(jnp.float32)
+        # sqrt(t_hat^2 - t^2) written without the cancellation, which under XLA's fused
+        # multiply-adds can go slightly negative (NaN) when gamma_i = 0.
+        std = t_cur * jnp.sqrt(gamma_i * (2 + gamma_i))
+        return x_cur + std * S_noise * eps, t_hat
+
+    def heun_step(i, x_cur):
+        t_cur, t_next = t_steps[i], t_steps[i + 1]
+        x_hat, t_hat = increase_noise(i, x_cur, t_cur)
+        d_cur = (x_hat - denoise(x_hat, t_hat, labels).astype(jnp.float32)) / t_hat
+        x_next = x_hat + (t_next - t_hat) * d_cur
+        d_prime = (x_next - denoise(x_next, t_next, labels).astype(jnp.float32)) / t_next
+        return x_hat + (t_next - t_hat) * (0.5 * d_cur + 0.5 * d_prime)
+
+    x = jnp.asarray(noise, jnp.float32) * t_steps[0]
+    x = jax.lax.fori_loop(0, num_steps - 1, heun_step, x)
+
+    # Last step to t_N = 0: Euler only (Heun's correction would divide by t_N).
+    i = num_steps - 1
+    x_hat, t_hat = increase_noise(jnp.int32(i), x, t_steps[i])
+    d_cur = (x_hat - denoise(x_hat, t_hat, labels).astype(jnp.float32)) / t_hat
+    return x_hat + (t_steps[i + 1] - t_hat) * d_cur
+
+
+# ---------------------------------------------------------------------------------------
+# Guidance.
+
+def make_denoiser(net: Any, variables: Any, guide_net: Any = None, guide_variables: Any = None,
+                  guidance: float = 1.0) -> Denoiser:
+    """Guided denoiser `D_g + w (D_main - D_g)` (arXiv:2406.02507, Eq. 1), `w = guidance`.
+
+    `net`, `guide_net` are `Precond` modules with their `{'params', 'buffers'}`. The guide
+    gets the labels only if it is conditional (`label_dim > 0`, autoguidance with a
+    smaller / less-trained version of the main model); an unconditional guide
+    (`label_dim == 0`) gives classifier-free guidance. With a Python `guidance == 1` (or
+    no guide) the result is the main model alone and the guide is never evaluated;
+    `guidance` may also be a scalar array (e.g. traced, to sweep it without recompiling).
+
+    Returns: `denoise(x [B,H,W,C], sigma scalar or [B], labels [B,L] | None) -> D` float32.
+    Raises: ValueError when `guidance != 1` without a guide, or a guide without variables.
+    """
+    static_w = isinstance(guidance, (int, float))  # else an array: traced, no recompiles
+    guided = guide_net is not None and (not static_w or guidance != 1)
+    if guide_net is None and (not static_w or guidance != 1):
+        raise ValueError(f"guidance={guidance} needs a guide: pass guide_net and "
+                         "guide_variables, or use guidance=1.0")
+    if guide_net is not None and guide_variables is None:
+        raise ValueError("guide_net given without guide_variables; pass both")
+
+    def denoise(x, sigma, labels=None):
+        sigma = jnp.broadcast_to(jnp.asarray(sigma, jnp.float32).reshape(-1), (x.shape[0],))
+        D = net.apply(variables, x, sigma, labels).astype(jnp.float32)
+        if not guided:
+            return D
+        g_labels = labels if guide_net.label_dim else None
+        D_g = guide_net.apply(guide_variables, x, sigma, g_labels).astype(jnp.float32)
+        return D_g + guidance * (D - D_g)
+
+    return denoise
+
+
+# ---------------------------------------------------------------------------------------
+# Per-seed randomness.
+
+def split_seeds(seeds: Sequence[int] | np.ndarray) -> np.ndarray | Array:
+    """`seeds` as a uint32 array split over this process's devices (a 1-D mesh) when
+    there are several and they divide the count, so that `sample_images` runs
+    data-parallel over them (e.g. the 2 CPU devices of `cpu_env`); else a NumPy array.
+    Images are per seed either way, up to float32 summation order."""
+    seeds = np.asarray(seeds).astype(np.uint32)
+    n_dev = jax.local_device_count()
+    if n_dev == 1 or seeds.ndim != 1 or seeds.shape[0] % n_dev:
+        return seeds
+    mesh = jax.sharding.Mesh(np.asarray(jax.local_devices()), ("data",))
+    return jax.device_put(seeds, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+
+
+def _seed_array(seeds: Sequence[int] | Array) -> Array:
+    """Seeds as a `[B]` uint32 array (taken mod 2^32); ValueError unless 1-D integers."""
+    if isinstance(seeds, jax.Array):  # possibly traced
+        if seeds.ndim != 1 or not jnp.issubdtype(seeds.dtype, jnp.integer):
+            raise ValueError(f"seeds must be a 1-D integer array, got {seeds.dtype} {seeds.shape}")
+        return seeds.astype(jnp.uint32)
+    seeds = np.asarray(seeds if isinstance(seeds, np.ndarray) else list(seeds))
+    if seeds.ndim != 1 or not np.issubdtype(seeds.dtype, np.integer):
+        raise ValueError(f"seeds must be a 1-D sequence of ints, got {seeds!r}")
+    return jnp.asarray((seeds.astype(np.int64) % 2**32).astype(np.uint32))
+
+
+def seed_keys(seeds: Sequence[int] | Array) -> Array:
+    """One legacy PRNG key per seed, `PRNGKey(seed mod 2^32)`: `[B] ints -> [B, 2] uint32`."""
+    return jax.vmap(jax.random.PRNGKey)(_seed_array(seeds))
+
+
+def seed_noise(seeds: Sequence[int] | Array, shape: Sequence[int]) -> Array:
+    """Initial unit Gaussian noise per seed: `[B] ints, (H, W, C) -> [B, H, W, C]` float32."""
+    keys = seed_keys(seeds)
+    return jax.vmap(lambda k: jax.random.normal(
+        jax.random.fold_in(k, _NOISE_STREAM), tuple(shape), jnp.float32))(keys)
+
+
+def seed_churn_noise(seeds: Sequence[int] | Array,
+                     shape: Sequence[int]) -> Callable[[Array], Array]:
+    """Churn noise per seed for `edm_sampler(churn_noise=...)`: returns `i -> [B, *shape]`,
+    the unit noise of step `i` drawn from each seed's own key."""
+    keys = seed_keys(seeds)
+
+    def churn_noise(i):
+        return jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(
+            jax.random.fold_in(k, _CHURN_STREAM), i), tuple(shape), jnp.float32))(keys)
+
+    return churn_noise
+
+
+def random_labels(seeds: Sequence[int] | Array, label_dim: int) -> Array:
+    """Uniformly random class per seed as one-hot: `[B] ints -> [B, label_dim]` float32."""
+    if label_dim < 1:
+        raise ValueError(f"label_dim must be >= 1, got {label_dim}")
+    keys = seed_keys(seeds)
+    idx = jax.vmap(lambda k: jax.random.randint(
+        jax.random.fold_in(k, _LABEL_STREAM), (), 0, label_dim))(keys)
+    return jax.nn.one_hot(idx, label_dim, dtype=jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# Images.
+
+def decode_uint8(x: Array) -> Array:
+    """Images in [-1, 1] to uint8, `uint8(clip(x * 127.5 + 128, 0, 255))` (the +128 makes
+    the truncating cast round to nearest): any shape float -> same shape uint8."""
+    return jnp.clip(jnp.asarray(x, jnp.float32) * 127.5 + 128, 0, 255).astype(jnp.uint8)
+
+
+def release_seed_draws(seeds: Sequence[int] | Array, shape: Sequence[int], label_dim: int,
+                       num_steps: int = 32, sigma_min: float = 0.002, sigma_max: float = 80.0,
+                       rho: float = 7.0, S_churn: float = 0.0, S_min: float = 0.0,
+                       S_max: float = float("inf"), **_) -> tuple:
+    """The release's per-seed draws (`release_rng.release_draws`) for `edm_sampler`:
+    `(noise [B, *shape] f32, labels [B, label_dim] one-hot or None, churn_table
+    [num_steps, B, *shape] or None)`, the table holding step `i`'s churn noise where
+    the release draws it (`S_churn > 0` and `S_min <= t_i <= S_max`), zeros elsewhere.
+    `seeds` must be concrete (host) values."""
+    from edm2_jax.release import rng as release_rng
+    t = edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)[:-1].astype(np.float32)
+    draws = np.flatnonzero((S_min <= t) & (t <= S_max)) if S_churn > 0 else np.zeros(0, int)
+    noise, idx, churn = release_rng.release_draws(np.asarray(seeds).tolist(), shape, label_dim,
+                                                  len(draws))
+    labels = None if idx is None else np.eye(label_dim, dtype=np.float32)[idx]
+    table = None
+    if churn is not None:
+        table = np.zeros((num_steps,) + noise.shape, np.float32)
+        table[draws] = churn
+    return noise, labels, table
+
+
+@functools.partial(jax.jit, static_argnames=("net", "guide_net", "guidance", "sampler_kwargs",
+                                             "raw"))
+def _sample(net, variables, guide_net, guide_variables, seeds, labels, guidance,
+            sampler_kwargs, noise=None, churn_table=None, raw=False):
+    kw = dict(sampler_kwargs)
+    shape = (net.img_resolution, net.img_resolution, net.img_channels)
+    churn = seed_churn_noise(seeds, shape) if kw.get("S_churn", 0) > 0 else None
+    if churn_table is not None:
+        churn = lambda i: churn_table[i]  # noqa: E731
+    if noise is None:
+        noise = seed_noise(seeds, shape)
+    denoise = make_denoiser(net, variables, guide_net, guide_variables, guidance)
+    x = edm_sampler(denoise, noise, labels, churn_noise=churn, **kw)
+    return x if raw else decode_uint8(x)
+
+
+def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
+                  labels: Array | int | None = None, *, guide_net: Any = None,
+                  guide_variables: Any = None, guidance: float = 1.0, num_steps: int = 32,
+                  sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0,
+                  S_churn: float = 0.0, S_min: float = 0.0, S_max: float = float("inf"),
+                  S_noise: float = 1.0, rng: str = "jax", raw: bool = False) -> Array:
+    """Generate one pixel-space image per seed with the (guided) EDM sampler, jitted.
+
+    Noise, churn noise and random labels all come from each seed's own stream, so an
+    image is the same whatever batch it is generated in: with `rng='jax'` (default,
+    drawn on the device) a JAX key per seed; with `rng='release'` the release's
+    per-seed torch generator, reproduced in NumPy on the host (`release_seed_draws`;
+    a converted release net then gives the release's image for a seed). Decoding is
+    that of images in [-1, 1]: `uint8(clip(x * 127.5 + 128, 0, 255))`; `raw=True`
+    returns the sampler's float32 output instead (latent nets: `vae.SDVAE.decode` it).
+
+    Args:
+      net, variables: the main `Precond` and its `{'params', 'buffers'}`.
+      seeds: `[B]` ints.
+      labels: for a conditional net, None (a random class per seed), an int class index
+        for every image, or `[B, label_dim]` one-hot; must be None for `label_dim == 0`.
+      guide_net, guide_variables, guidance: see `make_denoiser`.
+      num_steps ... S_noise: see `edm_sampler`.
+      rng: `'jax'` or `'release'` (then `seeds` must be concrete values, not traced).
+    Returns: `[B, H, W, C]` uint8 (float32 with `raw`).
+    Raises: ValueError on labels that do not fit the net (the message names the fix)
+      or an unknown `rng`.
+    """
+    if rng not in ("jax", "release"):
+        raise ValueError(f"rng={rng!r}: use 'jax' (JAX keys per seed) or 'release' (the "
+                         f"release's per-seed torch generator)")
+    noise = churn_table = None
+    if rng == "release":
+        noise, release_labels, churn_table = release_seed_draws(
+            seeds, (net.img_resolution, net.img_resolution, net.img_channels), net.label_dim,
+            num_steps, sigma_min, sigma_max, rho, S_churn, S_min, S_max)
+        if labels is None:
+            labels = release_labels
+        sharding = getattr(seeds, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):  # split as the seeds are
+            noise = jax.device_put(noise, sharding)
+            churn_table = None if churn_table is None else jax.device_put(
+                churn_table, jax.sharding.NamedSharding(
+                    sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec)))
+    seeds = _seed_array(seeds)
+    batch = seeds.shape[0]
+    if net.label_dim == 0:
+        if labels is not None:
+            raise ValueError("net is unconditional (label_dim=0); pass labels=None")
+    elif labels is None:
+        labels = random_labels(seeds, net.label_dim)
+    elif isinstance(labels, (int, np.integer)):
+        if not 0 <= labels < net.label_dim:
+            raise ValueError(f"class index {labels} out of range [0, {net.label_dim})")
+        labels = jnp.zeros((batch, net.label_dim), jnp.float32).at[:, labels].set(1)
+    else:
+        labels = jnp.asarray(labels, jnp.float32)
+        if labels.shape != (batch, net.label_dim):
+            raise ValueError(f"labels must be [{batch}, {net.label_dim}] one-hot, got "
+                             f"{labels.shape}; or pass an int class index or None")
+    sampler_kwargs = tuple(dict(num_steps=int(num_steps), sigma_min=float(sigma_min),
+                                sigma_max=float(sigma_max), rho=float(rho),
+                                S_churn=float(S_churn), S_min=float(S_min),
+                                S_max=float(S_max), S_noise=float(S_noise)).items())
+    edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)  # validate outside of jit
+    if guidance == 1:
+        guide_net = guide_variables = None
+    elif guide_net is None or guide_variables is None:
+        raise ValueError(f"guidance={guidance} needs guide_net and guide_variables")
+    return _sample(net, variables, guide_net, guide_variables, _seed_array(seeds), labels,
+                   float(guidance), sampler_kwargs, noise, churn_table, bool(raw))
+
+
+def save_image_grid(images: np.ndarray, path: str, rows: int, cols: int) -> None:
+    """Tile `images` uint8 `[N, H, W, C]` (C = 1 or 3) row-major into a `rows x cols`
+    PNG/JPEG grid at `path` with Pillow; empty cells stay black. C = 4 (SD-VAE latents,
+    e.g. a latent run's training grids, which have no VAE to decode them) is shown as a
+    grey-scale preview, each image as its 4 channels in a 2x2 mosaic (`--mode=generate
+    --vae=PATH` decodes them to RGB).
+
+    Raises: ValueError on a wrong dtype/shape or when `N > rows * cols`.
+    """
+    import PIL.Image
+
+    images = np.asarray(images)
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3, 4):
+        raise ValueError(f"images must be uint8 [N, H, W, 1, 3 or 4], got {images.dtype} "
+                         f"{images.shape}; decode with sample_images first")
+    if images.shape[-1] == 4:
+        n, h, w, _ = images.shape
+        images = images.reshape(n, h, w, 2, 2).transpose(0, 3, 1, 4, 2).reshape(
+            n, 2 * h, 2 * w, 1)
+    n, h, w, c = images.shape
+    if n > rows * cols:
+        raise ValueError(f"{n} images do not fit a {rows}x{cols} grid; raise rows or cols")
+    grid = np.zeros((rows * h, cols * w, c), np.uint8)
+    for k in range(n):
+        r, q = divmod(k, cols)
+        grid[r * h:(r + 1) * h, q * w:(q + 1) * w] = images[k]
+    PIL.Image.fromarray(grid[..., 0] if c == 1 else grid, "L" if c == 1 else "RGB").save(path)

@@ -1,0 +1,93 @@
+"""Resuming a run: the config a run was started with must not change under it, except
+where a change leaves the train state's arrays as they are.
+
+Owns the list of training-relevant config fields (`RESUME_FIELDS`), those of them that
+may change on resume (`CHANGEABLE_ON_RESUME`: the optimiser's learning rate, schedule,
+betas and clipping, so that a diverged run can be rescued from a healthy checkpoint with
+a lower learning rate), their comparison (`check_config_matches`), and the record of the
+config in the run's config.json (`check_config`, then `record_config` once every other
+check has passed; `rundir` writes it atomically).
+"""
+from __future__ import annotations
+
+import json
+
+import ml_collections
+
+from edm2_jax.run import rundir
+
+# Fields that must not change when resuming in the same workdir ...
+RESUME_FIELDS = ("network", "loss", "optim", "ema", "batch_size", "seed", "data.source",
+                 "data.name", "data.split", "data.resolution", "data.use_labels")
+# ... except these prefixes: they change no array of the train state (optim.make_optimizer
+# keeps the state's structure whatever grad_clip is).
+CHANGEABLE_ON_RESUME = ("optim.",)
+# Fields added after runs existed: a config.json without one recorded this value (the
+# ablation switches at config G, docs/ablation.md).
+ADDED_FIELDS = {"network.mp_learned_layers": True, "network.group_norm": False,
+                "network.mp_fixed_layers": True, "optim.forced_wn": True}
+
+
+def _lookup(d: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def _normalise_json(x):
+    return json.loads(json.dumps(x))
+
+
+def config_differences(saved: dict, current: dict) -> tuple[list[str], list[str]]:
+    """`(refused, allowed)`: the training-relevant fields that differ between the
+    `saved` and `current` config dicts, as `'field: checkpoint A vs now B'` lines, split
+    by `CHANGEABLE_ON_RESUME`."""
+    diffs = []
+    for field in RESUME_FIELDS:
+        a, b = _normalise_json(_lookup(saved, field)), _normalise_json(_lookup(current, field))
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                va = a.get(k, ADDED_FIELDS.get(f"{field}.{k}"))
+                if va != b.get(k):
+                    diffs.append((f"{field}.{k}", va, b.get(k)))
+        elif a != b:
+            diffs.append((field, a, b))
+    lines = [(f, f"{f}: checkpoint {a!r} vs now {b!r}") for f, a, b in diffs]
+    allowed = [line for f, line in lines if f.startswith(CHANGEABLE_ON_RESUME)]
+    refused = [line for f, line in lines if not f.startswith(CHANGEABLE_ON_RESUME)]
+    return refused, allowed
+
+
+def check_config_matches(saved: dict, current: dict, workdir: str) -> list[str]:
+    """Raise ValueError listing every training-relevant field that differs from the config
+    saved in `workdir` and may not change (a resumed run must be the same run). Returns
+    the changes that are allowed (`CHANGEABLE_ON_RESUME`)."""
+    refused, allowed = config_differences(saved, current)
+    if refused:
+        raise ValueError(
+            f"the config does not match the run in {workdir}:\n  " + "\n  ".join(refused)
+            + "\nUse a new --workdir for a different run, or restore those settings to resume "
+            "(the optim.* fields may change on resume).")
+    return allowed
+
+
+def check_config(workdir: str, config: ml_collections.ConfigDict) -> dict:
+    """Same run, or a clear error before any step: compare `config` with the run's
+    config.json when there is one (`check_config_matches`) and print each allowed
+    change. Returns the config as a JSON-able dict, for `record_config`. Writes
+    nothing."""
+    current = json.loads(config.to_json_best_effort())
+    saved = rundir.read_config(workdir)
+    if saved is not None:
+        for line in check_config_matches(saved, current, workdir):
+            print(f"Config change on resume (allowed: changes no array of the train state): "
+                  f"{line}", flush=True)
+    return current
+
+
+def record_config(workdir: str, current: dict) -> None:
+    """Write `current` (from `check_config`) as the run's config.json, atomically; call
+    it once every check has passed (process 0)."""
+    rundir.write_config(workdir, current)
