@@ -1,0 +1,145 @@
+"""The package's shape: imports flow one way through the layers the subpackages'
+docstrings name, without cycles; importing the library changes nothing in the process;
+modules stay short enough to read in one sitting.
+
+    python -m pytest -q tests/test_architecture.py     # also prints the import graph summary
+"""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "edm2_jax"
+
+# Lowest first. A module may import modules of its own layer or of a lower one. The
+# first prefix that matches a module name gives its layer.
+LAYERS = (
+    ("edm2_jax.paths",),                                    # storage paths (local, gs://)
+    ("edm2_jax.model",),                                    # the paper's math: MP layers, U-Net, loss, VAE
+    ("edm2_jax.backends",),                                 # hardware kernels the model receives
+    ("edm2_jax.data",),                                     # sources and the batch pipeline
+    ("edm2_jax.run",),                                      # run directory: files, lock, checkpoints, stats
+    ("edm2_jax.release",),                                  # the release's file formats and RNG
+    ("edm2_jax.sampling",),                                 # EDM sampler, guidance, image generation
+    ("edm2_jax.evaluation",),                               # metrics library
+    ("edm2_jax.ema",),                                      # power EMA, post-hoc EMA and its sweep
+    ("edm2_jax.configs",),                                  # ml_collections configs, presets
+    ("edm2_jax.training",),                                 # train state, step, loop
+    ("edm2_jax.analysis",),                                 # training-dynamics analysis, 2D toy
+    ("edm2_jax.modes",),                                    # command-line modes (flags + orchestration)
+    ("edm2_jax.process", "edm2_jax.main", "edm2_jax"),      # entry points and process setup
+)
+# Third-party network definitions (ported layer by layer) may be longer.
+LONG_OK = {"edm2_jax/model/vae.py", "edm2_jax/evaluation/inception.py",
+           "edm2_jax/evaluation/dinov2.py"}
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for p in sorted(PACKAGE.rglob("*.py")):
+        name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = p
+    return mods
+
+
+def _imports(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (at any depth of its code)."""
+    edges: dict[str, set[str]] = defaultdict(set)
+    for name, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = name.split(".")[: len(name.split(".")) - node.level + is_pkg]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
+                           for a in node.names]
+            else:
+                continue
+            edges[name].update(t for t in targets if t in mods and t != name)
+    return edges
+
+
+def _layer(module: str) -> int:
+    for i, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    raise AssertionError(f"{module} is in no layer of tests/test_architecture.py LAYERS")
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_imports_flow_down_without_cycles():
+    mods = _modules()
+    edges = _imports(mods)
+    upward = sorted(f"{a} -> {b}" for a, bs in edges.items() for b in bs
+                    if _layer(b) > _layer(a))
+    cycles = _cycles(edges)
+    print(f"\n{len(mods)} modules, {sum(map(len, edges.values()))} imports, "
+          f"{len(cycles)} cycles, {len(upward)} upward imports")
+    assert not cycles, f"import cycles: {cycles}"
+    assert not upward, "imports from a lower layer up to a higher one:\n" + "\n".join(upward)
+
+
+def test_importing_the_library_changes_no_environment_variable():
+    code = ("import os; e = dict(os.environ); "
+            "import edm2_jax, edm2_jax.model, edm2_jax.model.networks, edm2_jax.training.train, "
+            "edm2_jax.sampling.sampler, edm2_jax.ema.posthoc, edm2_jax.backends; "
+            "assert dict(os.environ) == e, sorted(set(os.environ.items()) ^ set(e.items()))")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_modules_are_short():
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES
+            and str(p.relative_to(ROOT)) not in LONG_OK}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_every_subpackage_states_its_role_and_imports():
+    for init in PACKAGE.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert len(doc.splitlines()) >= 3 and "import" in doc, (
+            f"{init.relative_to(ROOT)}: its docstring should say the subpackage's role and "
+            f"what it may import")
