@@ -19,8 +19,8 @@ import sys
 if __name__ == "__main__":  # first: the host allocator edm2_jax.main runs under
     _n = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--devices=")), "2")
     os.environ.setdefault("EDM2_JAX_CPU_DEVICES", _n)
-    from edm2_jax import process as cpu_env
-    cpu_env.reexec()
+    from edm2_jax import process
+    process.setup_entry_point()
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402

@@ -39,7 +39,7 @@ on a state checkpoint's save and restore, state only, no data or training:
     python benchmarks/chaos.py --cost=configs/img64.py:xs --workdir=/tmp/cost --step_time=0
 
 times, alternately (`--repeats` pairs, medians), the digest alone, a save of the train state
-with `rundir.TrainCheckpoints` (digest + Orbax) and with Orbax alone, the same for the
+with `checkpoints.TrainCheckpoints` (digest + Orbax) and with Orbax alone, the same for the
 restore, and (unless `--step_time=0`) one jitted training step on a random batch of the
 config's `batch_size`, against which it reports the digest's share.
 """
@@ -61,6 +61,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+if __name__ == "__main__":  # first, before JAX starts: the XLA flags of edm2_jax.main
+    from edm2_jax import process
+    process.add_default_xla_flags()
 
 from tests.test_train import FMNIST_CONFIG, TINY_OVERRIDES, make_image_folder  # noqa: E402
 
@@ -124,11 +128,10 @@ def complete_steps(workdir: Path, sub: str) -> list[int]:
 def restore_state(workdir: Path, step: int):
     """Checkpoint `step` as NumPy, checked against its checksums and for NaN/inf
     (raises IntegrityError)."""
-    from edm2_jax.run import integrity
-    from edm2_jax.run import rundir
+    from edm2_jax.run import integrity, layout, network_dir, records
     d = workdir / "checkpoints" / str(step)
-    state = rundir.restore_numpy(str(d / rundir.STATE_ITEM))
-    integrity.check(rundir.step_record(str(d)), integrity.digest_tree_numpy(state),
+    state = network_dir.restore_numpy(str(d / layout.STATE_ITEM))
+    integrity.check(records.step_record(str(d)), integrity.digest_tree_numpy(state),
                     f"checkpoint {step}")
     return state
 
@@ -138,11 +141,11 @@ def flip_bytes(item: Path, rnd: random.Random, tries: int = 20) -> int:
     of the Orbax item `item`, at a place some value depends on: a flip that still reads
     back (unchecked) the same values, e.g. in an unreferenced tail of the append-only
     OCDBT file, is undone and another place is tried. Returns the tries it took."""
-    from edm2_jax.run import rundir
+    from edm2_jax.run import network_dir
     files = [p for p in item.rglob("*") if p.is_file() and p.parent.name == "d"
              and "ocdbt.process" in str(p)]
     path = max(files, key=lambda p: p.stat().st_size)
-    before = rundir.restore_numpy(str(item))
+    before = network_dir.restore_numpy(str(item))
     original = path.read_bytes()
     for attempt in range(1, tries + 1):
         b = bytearray(original)
@@ -151,7 +154,7 @@ def flip_bytes(item: Path, rnd: random.Random, tries: int = 20) -> int:
             b[i] ^= 0xFF
         path.write_bytes(bytes(b))
         try:
-            if not equal(rundir.restore_numpy(str(item)), before):
+            if not equal(network_dir.restore_numpy(str(item)), before):
                 return attempt
         except Exception:  # noqa: BLE001 - unreadable is a real corruption too
             return attempt
@@ -160,8 +163,8 @@ def flip_bytes(item: Path, rnd: random.Random, tries: int = 20) -> int:
 
 
 def restore_snapshot(workdir: Path, step: int):
-    from edm2_jax.run import rundir as ct
-    return ct.restore_snapshot(str(workdir), step)[0]
+    from edm2_jax.run import snapshots
+    return snapshots.restore_snapshot(str(workdir), step)[0]
 
 
 def equal(a, b) -> bool:
@@ -201,16 +204,17 @@ def integrity_cost(config_arg: str, root: Path, repeats: int, step_time: bool) -
     import orbax.checkpoint as ocp
     from ml_collections import config_flags  # noqa: F401 (config files import it)
 
-    from edm2_jax.run import integrity
-    from edm2_jax.run import rundir
-    from edm2_jax.training import train
+    from edm2_jax.run import checkpoints, integrity
+    from edm2_jax.training import setup
+    from edm2_jax.training import state as state_lib
+    from edm2_jax.training import step as step_lib
     path, _, variant = config_arg.partition(":")
     spec = __import__("importlib.util").util.spec_from_file_location("cfg", REPO / path)
     module = __import__("importlib.util").util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config(*([variant] if variant else []))
-    model = train.setup_model(config)
-    init = jax.jit(lambda r: train.init_train_state(config, model.net, model.tx, r),
+    model = setup.setup_model(config)
+    init = jax.jit(lambda r: state_lib.init_train_state(config, model.net, model.tx, r),
                    out_shardings=model.state_sharding)
     state = jax.block_until_ready(init(jax.random.PRNGKey(0)))
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
@@ -230,12 +234,12 @@ def integrity_cost(config_arg: str, root: Path, repeats: int, step_time: bool) -
             shutil.rmtree(d, ignore_errors=True)
             if ours:
                 def save():
-                    m = rundir.TrainCheckpoints(str(d), keep=1)
+                    m = checkpoints.TrainCheckpoints(str(d), keep=1)
                     m.save_state(1, state)
                     m.close()
                 t_save.append(timed(save))
                 def restore():
-                    m = rundir.TrainCheckpoints(str(d), keep=1)
+                    m = checkpoints.TrainCheckpoints(str(d), keep=1)
                     jax.block_until_ready(m.restore_latest(model.abstract_state,
                                                            model.state_sharding))
                     m.close()
@@ -265,9 +269,9 @@ def integrity_cost(config_arg: str, root: Path, repeats: int, step_time: bool) -
            "repeats": repeats, "backend": jax.default_backend(),
            "devices": jax.device_count()}
     if step_time:
-        step = train.jit_train_step(train.make_train_step(config, model.net, model.tx,
-                                                          model.num_accum),
-                                    model.mesh, model.state_sharding)
+        step = step_lib.jit_train_step(step_lib.make_train_step(config, model.net, model.tx,
+                                                                model.num_accum),
+                                       model.mesh, model.state_sharding)
         b = int(config.batch_size)
         net = config.network
         batch = {"image": np.random.default_rng(0).uniform(

@@ -15,8 +15,8 @@ same network config, batch and device, on random data already in memory:
   (`EDM2Loss`), backward, `learning_rate_schedule`, `nan_to_num` of the gradients, Adam
   (betas 0.9/0.99), two power-function EMAs (`PowerFunctionEMA`, sigma_rel 0.05/0.10);
   forced weight normalisation happens inside the release's training-mode forward. Ours
-  is `train.make_train_step` jitted by `train.jit_train_step` (the step of
-  `train_and_evaluate`).
+  is `step.make_train_step` jitted by `step.jit_train_step` (the step of
+  `loop.train_and_evaluate`).
 - **sample**: the EDM Heun sampler, `--steps` steps (2 steps - 1 network evaluations),
   the release's `generate_images.edm_sampler` vs our `sampling.sample_images`.
 
@@ -47,7 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-# Named nets (besides --config and --preset) used in the speed issue.
+# Named nets (besides --config and --preset) that benchmarks/README.md reports.
 NETS = {
     # 32x32x3, ch 64, mult 1,2,2,2, 2 blocks, attention at 16 and 8: 9.8M params.
     "ch64": dict(img_resolution=32, img_channels=3, label_dim=10, model_channels=64,
@@ -96,14 +96,14 @@ class Ours:
         import jax
         from forward import random_variables
         from train_throughput import compiled_step
-        from edm2_jax.training import train
+        from edm2_jax.training import state as state_lib
         self.jax, self.args, self.config = jax, args, config
         self.bs = int(config.batch_size)
         if "train" in args.work:
             self.step_fn, self.state, self.batch, info = compiled_step(config)
             self.net, self.compile_s = info["net"], info["compile_s"]
         else:
-            self.net = train.make_network(config)
+            self.net = state_lib.make_network(config)
         if "sample" in args.work:
             from edm2_jax.sampling.sampler import sample_images
             v = random_variables(self.net)
@@ -308,11 +308,12 @@ def worker(args) -> None:
     """One side in its own process: build it, then answer 'train N' / 'sample N B' /
     'info' / 'quit' lines on stdin with one JSON line each on stdout."""
     import json
+    from edm2_jax import process
+    process.add_default_xla_flags()  # before JAX starts: the XLA flags of edm2_jax.main
     config = build_config(args)
     side = Release(config, args) if args.worker == "release" else Ours(config, args)
     info = {"peak_rss_gib": 0.0}
-    from edm2_jax import process as cpu_env
-    info["malloc"] = cpu_env.malloc_in_effect()
+    info["malloc"] = process.malloc_in_effect()
     if args.worker == "ours":
         import jax
         dev = jax.devices()[0]
@@ -409,8 +410,8 @@ def main():
     # Ours runs under the settings `python -m edm2_jax.main` re-executes itself with
     # (edm2_jax/process.py: host allocator, CPU devices); the release under the allocator
     # it is started with, unless --release_malloc=ours gives it ours.
-    from edm2_jax import process as cpu_env
-    env_ours = dict(env, **cpu_env.launch_env(), **{cpu_env.APPLIED: "1"})
+    from edm2_jax import process
+    env_ours = dict(env, **process.launch_env(), **{process.APPLIED: "1"})
     env_rel = dict(env)
     if args.release_malloc == "ours":
         env_rel.update({k: v for k, v in env_ours.items()

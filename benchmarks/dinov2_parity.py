@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python benchmarks/dinov2_parity.py [--vitl14] [--batch=8]
 
 Prints, for random uint8 images: the relative difference (max |a - b| / max |b|) of
-`metrics.dinov2.preprocess_uint8` against the release's torch preprocessing in float64
+`evaluation.dinov2.preprocess_uint8` against the release's torch preprocessing in float64
 and in float32 (what the release runs); of the tiny / ViT-L/14 (`--vitl14`) features
 against timm's DINOv2 ViT on random weights (the oracle set-up of tests/test_dinov2.py);
 and, with `--vitl14`, ViT-L/14 images per second of `features_uint8` after compilation.
@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import argparse
 import time
+
+if __name__ == "__main__":  # first, before JAX starts: the XLA flags of edm2_jax.main
+    from edm2_jax import process
+    process.add_default_xla_flags()
 
 import numpy as np
 

@@ -15,6 +15,10 @@ from __future__ import annotations
 import argparse
 import time
 
+if __name__ == "__main__":  # first, before JAX starts: the XLA flags of edm2_jax.main
+    from edm2_jax import process
+    process.add_default_xla_flags()
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -18,11 +18,12 @@ crashed the process with SIGILL, not an error), which is why the product does no
 depend on it. The input gradient is a forward convolution with the flipped kernel and
 in/out swapped, so oneDNN runs it too; the weight gradient as a oneDNN forward
 convolution (a kernel the size of the image) fell to its reference implementation,
-100-300x slower, so it stays XLA's (the 'relayout' path of `edm2_jax.model.mp`).
+100-300x slower, so it stays XLA's (the 'relayout' path of `edm2_jax/backends/cpu.py`).
 
-Measured on the 2-core AMD EPYC (quiet machine, 2026-11-23, benchmarks/README.md):
+Measured on a 2-core AMD EPYC (quiet machine; benchmarks/README.md, "Tried on CPU"):
 forward 32x32x16 at batch 64, 3.3 ms XLA vs 2.3 ms oneDNN; fwd+dx+dw per layer 0.8-1.0x
-of XLA's time; the whole fashion_mnist step +5 to +15% (two alternated rounds, noisy).
+of XLA's time; the whole fashion_mnist step no faster (two alternated rounds: XLA
+620/569 ms, oneDNN 639/597 ms).
 Values: forward and input gradient within float32 round-off of XLA's (relative 1e-6;
 bitwise equal at 16 channels), weight gradient bitwise equal (the same XLA convolution).
 """
@@ -33,6 +34,10 @@ import json
 import os
 import sys
 import time
+
+if __name__ == "__main__":  # first, before JAX starts: the XLA flags of edm2_jax.main
+    from edm2_jax import process
+    process.add_default_xla_flags()
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from edm2_jax.model import mp  # noqa: E402
+from edm2_jax.backends import cpu  # noqa: E402
 
 _conv_p = Primitive("onednn_conv2d")
 _conv_p.def_abstract_eval(lambda x, w, *, out_shape, config: ShapedArray(out_shape, x.dtype))
@@ -104,7 +109,7 @@ def _fwd(x, w):
     return onednn_forward(x, w), (x, w)
 
 
-_XLA_RELAYOUT = mp._conv_cpu_relayout  # XLA's weight gradient ('relayout'), kept below
+_XLA_RELAYOUT = cpu.conv_relayout  # XLA's weight gradient ('relayout'), kept below
 
 
 def _bwd(res, dy):
@@ -146,13 +151,13 @@ def per_layer():
 def whole_step(config_path: str, steps: int):
     from train_throughput import compiled_step, load_config
     for name in ("xla", "onednn", "xla", "onednn"):
-        mp_conv = mp._conv_cpu_relayout
+        # The CPU backend's kernel set reads `cpu.conv_relayout` when the step is built.
         if name == "onednn":
-            mp._conv_cpu_relayout = onednn_conv
+            cpu.conv_relayout = onednn_conv
         try:
             step, state, batch, info = compiled_step(load_config(config_path))
         finally:
-            mp._conv_cpu_relayout = mp_conv
+            cpu.conv_relayout = _XLA_RELAYOUT
         for _ in range(2):
             state, _ = step(state, batch)
         jax.block_until_ready(state)

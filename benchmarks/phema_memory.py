@@ -7,7 +7,10 @@ process and reports its peak RSS above the baseline (process with JAX and the re
 ready) in units of one parameter copy: both the 20 ms samples' maximum and the kernel's
 high-water mark (VmHWM). The budget is the outputs plus one snapshot file (two EMAs):
 outputs + 2 copies; phema reads a few tensors at a time, so it needs about outputs + 1.
-Measured (2 CPU cores, `--snapshots=32 --outputs=8`): 8.8 copies (1.10 GB).
+The host allocator is the process's (run this script under the allocator to measure).
+Measured (2 CPU cores, `--snapshots=16 --outputs=8`): 9.5-9.9 copies under glibc, 9.0
+with `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=1048576`, 16.7 under tcmalloc
+(`LD_PRELOAD=libtcmalloc_minimal.so.4`).
 
     python benchmarks/phema_memory.py                          # 16 snapshots x 2 EMAs, 8 outputs
     python benchmarks/phema_memory.py --snapshots=4 --outputs=2 --preset=img64-xs
@@ -27,6 +30,10 @@ import sys
 import tempfile
 import threading
 import time
+
+if __name__ == "__main__":  # first, before JAX starts: the XLA flags of edm2_jax.main
+    from edm2_jax import process
+    process.add_default_xla_flags()
 
 SIGMA_RELS = (0.05, 0.10)
 
@@ -48,7 +55,7 @@ def write_synthetic_run(workdir: str, preset: str, n_snapshots: int, seed: int =
     buffers in the snapshots. Returns {'num_params', 'bytes_per_copy', 'snapshot_bytes'}."""
     import jax
     import numpy as np
-    from edm2_jax.run import rundir as ct
+    from edm2_jax.run import checkpoints
     from edm2_jax.ema import power as ema
     net_config, shapes = param_shapes(preset)
     rng = np.random.default_rng(seed)
@@ -58,7 +65,7 @@ def write_synthetic_run(workdir: str, preset: str, n_snapshots: int, seed: int =
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         json.dump({"network": net_config}, f)
-    mngrs = ct.TrainCheckpoints(workdir)
+    mngrs = checkpoints.TrainCheckpoints(workdir)
     for k in range(1, n_snapshots + 1):
         # Distinct contents per snapshot without drawing 31M normals each time.
         power = {ema.ema_key(s): jax.tree.map(lambda x: x * np.float32(1 + 0.01 * k), base[s])

@@ -25,6 +25,10 @@ import sys
 import tempfile
 import time
 
+if __name__ == "__main__":  # first, before JAX starts: the XLA flags of edm2_jax.main
+    from edm2_jax import process
+    process.add_default_xla_flags()
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -86,15 +90,14 @@ def read_all(workdir: str) -> int:
     streaming.quiet_orbax()
     _, files = phema.find_snapshots(workdir)
     layout, n = None, 0
-    with streaming.mmap_large_allocations():
-        for f in files:
-            keys, context = streaming.orbax_tree_keys(f.directory), streaming.ts_context()
-            for path in f.tree_paths:
-                if layout is None:
-                    layout = streaming.flat_layout(
-                        checkpoint.subtree(checkpoint.tree_metadata(f.directory), path), [])
-                reader = streaming.make_reader(f, path, layout, context, keys)
-                n += sum(chunk.nbytes for _, _, chunk in layout.chunks(reader))
+    for f in files:
+        keys, context = streaming.orbax_tree_keys(f.directory), streaming.ts_context()
+        for path in f.tree_paths:
+            if layout is None:
+                layout = streaming.flat_layout(
+                    checkpoint.subtree(checkpoint.tree_metadata(f.directory), path), [])
+            reader = streaming.make_reader(f, path, layout, context, keys)
+            n += sum(chunk.nbytes for _, _, chunk in layout.chunks(reader))
     return n
 
 

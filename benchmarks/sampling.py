@@ -16,8 +16,8 @@ import sys
 import time
 
 if __name__ == "__main__":  # first: the host allocator and CPU devices of edm2_jax.main
-    from edm2_jax import process as cpu_env
-    cpu_env.reexec()
+    from edm2_jax import process
+    process.setup_entry_point()
 
 import jax
 import numpy as np

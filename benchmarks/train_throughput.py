@@ -6,10 +6,10 @@
         python benchmarks/train_throughput.py --config=configs/fashion_mnist.py:tiny
     python benchmarks/train_throughput.py --config=configs/img64.py:s --batch=512 --dtype=bfloat16
 
-Times the step that `train.train_and_evaluate` runs: `train.make_train_step` (forced
+Times the step that `loop.train_and_evaluate` runs: `step.make_train_step` (forced
 weight normalisation, EDM2 loss and gradients with `lax.scan` accumulation when
 `batch_per_device` asks for it, Adam, power EMAs) jitted over a data-parallel mesh of all
-devices by `train.jit_train_step`. Weights are random N(0, 1) (drawn on the device; Flax's
+devices by `step.jit_train_step`. Weights are random N(0, 1) (drawn on the device; Flax's
 init is not timed); the batch is one fixed synthetic batch already on the devices
 (uniform pixels in [-1, 1], random one-hot labels). Prints one line: compile time (lower
 + compile, s), sec/step (mean over `--steps` after one warm-up step), img/s — the
@@ -27,8 +27,8 @@ import sys
 import time
 
 if __name__ == "__main__":  # first: the host allocator and CPU devices of edm2_jax.main
-    from edm2_jax import process as cpu_env
-    cpu_env.reexec()
+    from edm2_jax import process
+    process.setup_entry_point()
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,9 @@ from forward import random_variables  # noqa: E402
 from edm2_jax.ema import power as ema_lib  # noqa: E402
 from edm2_jax.training import optim as optim_lib  # noqa: E402
 from edm2_jax.training import sharding as shard_lib  # noqa: E402
-from edm2_jax.training import train  # noqa: E402
+from edm2_jax.training import progress  # noqa: E402
+from edm2_jax.training import state as state_lib  # noqa: E402
+from edm2_jax.training import step as step_lib  # noqa: E402
 
 
 def load_config(spec: str):
@@ -55,7 +57,7 @@ def load_config(spec: str):
 
 
 def random_train_state(config, net, tx, seed: int = 0) -> dict:
-    """A train state with the structure of `train.init_train_state`, random weights."""
+    """A train state with the structure of `state.init_train_state`, random weights."""
     v = random_variables(net, seed)
     return {"step": jnp.zeros((), jnp.int32), "params": v["params"], "buffers": v["buffers"],
             "opt_state": tx.init(v["params"]),
@@ -71,9 +73,9 @@ def compiled_step(config, devices: int = 0, seed: int = 0):
     `num_accum`, `n_params` and `compile_s` (lower + compile, s). `compiled` donates its
     state: chain `state, metrics = compiled(state, batch)`."""
     mesh = shard_lib.make_mesh(devices or None)
-    num_accum = train.num_micro_batches(config, mesh.size)
+    num_accum = step_lib.num_micro_batches(config, mesh.size)
     batch_size = int(config.batch_size)
-    net = train.make_network(config)
+    net = state_lib.make_network(config)
     tx = optim_lib.make_optimizer(config.optim, batch_size)
 
     state = jax.device_put(random_train_state(config, net, tx, seed),
@@ -86,7 +88,7 @@ def compiled_step(config, devices: int = 0, seed: int = 0):
         "label": np.eye(L, dtype=np.float32)[rng.integers(0, L, batch_size)] if L
         else np.zeros((batch_size, 0), np.float32)})
 
-    step_fn = train.jit_train_step(train.make_train_step(config, net, tx, num_accum), mesh)
+    step_fn = step_lib.jit_train_step(step_lib.make_train_step(config, net, tx, num_accum), mesh)
     t = time.perf_counter()
     compiled = step_fn.lower(state, batch).compile()
     info = dict(net=net, mesh=mesh, num_accum=num_accum, n_params=n_params,
@@ -137,7 +139,7 @@ def main() -> None:
           f"devices={mesh.size}x{dev.platform}:{dev.device_kind} micro_batches={num_accum} "
           f"compile_s={compile_s:.2f} sec_per_step={sec_per_step:.4f} "
           f"img_per_s={batch_size / sec_per_step:.1f} sec_per_kimg={1000 * sec_per_step / batch_size:.2f} "
-          f"dtype={config.network.dtype} peak_mem_gib={train._memory_gib():.2f} "
+          f"dtype={config.network.dtype} peak_mem_gib={progress.memory_gib():.2f} "
           f"page_faults_per_step={faults:.0f}")
 
 

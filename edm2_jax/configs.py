@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from edm2_jax import backends
+from edm2_jax.backends import cpu as cpu_backend
 from edm2_jax.ema import power as ema
 from edm2_jax.model import presets
 
@@ -62,7 +64,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint_kimg = 128 * 2**20 / 1000
     c.snapshot_kimg = 8 * 2**20 / 1000
     c.keep_checkpoints = 3
-    # Resuming (rundir.TrainCheckpoints.restore_latest): resume_step N > 0 resumes from
+    # Resuming (checkpoints.TrainCheckpoints.restore_latest): resume_step N > 0 resumes from
     # checkpoint N and sets the newer checkpoints and snapshots aside (the rescue of a run
     # whose loss became NaN; applied once, as recorded in config.json); start_over=True
     # starts from step 0 when the run has checkpoints but none restores (the old outputs
@@ -74,7 +76,7 @@ def base_config() -> ml_collections.ConfigDict:
     # devices. May change between restarts (checkpoints are resharded on restore).
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1))
 
-    # Training-dynamics diagnostics (diagnostics.py), every status interval on a fixed
+    # Training-dynamics diagnostics (training/probes.py), every status interval on a fixed
     # probe batch of probe_images training images x each of `sigmas`: activation RMS of
     # every block at act_sigmas (a subset of sigmas), weight RMS and effective learning
     # rate of every layer, loss and logvar per sigma; logged as diag/* to stats.jsonl and
@@ -84,12 +86,22 @@ def base_config() -> ml_collections.ConfigDict:
         sigmas=(0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0), act_sigmas=(0.1, 1.0, 10.0)))
 
 
+    # Hardware backend (backends/): the kernels the network is built with and how the
+    # step runs on the machine; every choice computes the same function (gradients
+    # equal up to float32 summation order), so a run may change it on resume.
+    # kernels: 'auto' (XLA:CPU kernels on the CPU backend, else the model's own math),
+    # 'xla' or 'cpu'; cpu_conv_grad: the 3x3-conv weight-gradient path of the CPU
+    # kernels ('relayout', 'xla', 'matmul': `python benchmarks/conv_grad.py` says which
+    # is fastest); cpu_barriers: the CPU kernels' fusion barriers.
+    c.backend = ml_collections.ConfigDict(dict(kernels="auto", cpu_conv_grad="relayout",
+                                               cpu_barriers=True))
+
     # Sample grids; rng: per-seed noise and labels from JAX keys ('jax') or drawn as the
     # release's per-seed torch generator draws them ('release', sampling.sample_images).
     c.sample = ml_collections.ConfigDict(dict(num_steps=32, grid_rows=8, grid_cols=8, seed=0,
                                               rng="jax"))
 
-    # Evaluation during training (evaluate.TrainingEval): metrics '' = off, 'cls'
+    # Evaluation during training (periodic_eval.TrainingEval): metrics '' = off, 'cls'
     # (classifier FD/KID/precision/recall; labelled data), 'fid', 'fd_dinov2' (DINOv2
     # ViT-L/14 weights file in `dinov2`) or a comma list, of num_images images of the
     # sigma_rel EMA (0 = largest tracked) at every snapshot, logged to stats.jsonl /
@@ -153,6 +165,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
     v = number("optim.grad_clip")
     need(v is not None and v >= 0, "optim.grad_clip", "must be >= 0 (0 = off)")
     need(str(c.sample.rng) in ("jax", "release"), "sample.rng", "'jax' or 'release'")
+    b = c.get("backend")
+    if b is not None:
+        need(str(b.kernels) in backends.NAMES, "backend.kernels",
+             f"one of {', '.join(backends.NAMES)}")
+        need(str(b.cpu_conv_grad) in cpu_backend.CONV_GRADS, "backend.cpu_conv_grad",
+             f"one of {', '.join(cpu_backend.CONV_GRADS)}")
+        need(isinstance(b.cpu_barriers, bool), "backend.cpu_barriers", "True or False")
     need(str(c.network.dtype) in ("float32", "bfloat16", "float16"), "network.dtype",
          "one of float32, bfloat16, float16")
 

@@ -11,7 +11,7 @@ Differences on object storage (no directories, no rename, no append, no locks):
     object write, which is atomic by itself.
   * `rename`: locally `os.replace`; on GCS a copy then delete (not atomic; used only to
     set aside checkpoints and to start over).
-  * appending (stats.jsonl) and run locks: see `rundir.StatsLogger`, `rundir.RunLock`.
+  * appending (stats.jsonl) and run locks: see `run.stats.StatsLogger`, `run.lock.RunLock`.
 
 Pointing at a GCS emulator (tests/test_gcs_workdir.py): `STORAGE_EMULATOR_HOST` (gcsfs)
 and `TENSORSTORE_GCS_HTTP_URL` (TensorStore), both `http://host:port`.

@@ -1,35 +1,50 @@
-"""The process settings our command-line entry points run the CPU backend under.
+"""Process setup for the entry points: `python -m edm2_jax.main` and the scripts in
+`benchmarks/` call `setup_entry_point()` first, before JAX starts; nothing else in the
+package changes the process (importing the library changes no environment variable).
 
-Two settings, each measured on 2 cores of an AMD EPYC (benchmarks/README.md, "Session
-7"), each needing to be in place before the process (or JAX's CPU backend) starts, so
-`reexec()` restarts the process once (same PID, same command line) with them:
+Environment variables read here, before JAX starts (each measured on 2 cores of an AMD
+EPYC, `benchmarks/README.md`):
 
-1. **Host allocator** (`$EDM2_JAX_MALLOC`). XLA's CPU client allocates each execution's
-   temporary buffer (all of a training step's activations: 368 MB for the Fashion-MNIST
-   step at batch 64) with `posix_memalign` from a worker thread. glibc serves a block
-   that large with a fresh `mmap` and unmaps it when the step ends (its mmap threshold
-   cannot go above 32 MB, and a thread arena maps any block larger than its 64 MB heap),
-   so every step faulted in and zeroed ~90,000 new 4 KiB pages: 545 -> ~445 ms per step
-   once fixed, 90,000 -> under 3,000 faults per step. Values:
-     `tcmalloc`  LD_PRELOAD=libtcmalloc_minimal.so.4 (Debian/Ubuntu `libtcmalloc-minimal4`,
-                 in the README's quick start): keeps freed spans for reuse; the lowest
-                 peak RSS (1.4-1.5 vs 1.8 GiB for that step);
-     `thp`       GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc >= 2.35; older ones ignore
-                 it): glibc's mapped blocks use transparent huge pages, 1 fault per 2 MiB;
-     `auto`      (default) tcmalloc where it is installed, else thp;  `off`  unchanged.
-2. **CPU devices** (`$EDM2_JAX_CPU_DEVICES`). The CPU backend is split into this many
-   devices (`--xla_force_host_platform_device_count`) and the training step runs data-
-   parallel over them (`sharding.py`, each device half the batch): two streams of
-   operations keep both cores busy where one leaves gaps between XLA's kernels. The same
-   step (mean gradient over the same batch, the same random draws) up to float32
-   summation order. 465 -> 421 ms per step (Fashion-MNIST net, batch 64) and 2.78 ->
-   2.52 s (the 9.8M-parameter ch64 net, batch 32). Values: `auto` (default) = 2 where
-   the process may use 2 or more cores, else unchanged; a number; `off`. Not applied
-   when `XLA_FLAGS` already sets the device count. A batch the devices do not divide
-   trains on fewer of them (`usable_devices`).
+- **`EDM2_JAX_XLA_DEFAULTS`** (default `1`; `0` = off). Adds
+  `--xla_cpu_experimental_ynn_fusion_type=dot` to `XLA_FLAGS` unless it is there already:
+  XLA:CPU runs its matmuls through YNNPACK fusions. The Fashion-MNIST training step 1.2x
+  faster (60 -> 72 img/s, `python benchmarks/train_throughput.py`); float32 throughout,
+  golden-parity tests unchanged. Only for jaxlib >= 0.10.2 (older ones do not know the
+  flag and would refuse to start).
+- **`EDM2_JAX_MALLOC`**: the host allocator. XLA's CPU client allocates each execution's
+  temporary buffer (all of a training step's activations: 368 MB for the Fashion-MNIST
+  step at batch 64) with `posix_memalign` from a worker thread. glibc serves a block
+  that large with a fresh `mmap` and unmaps it when the step ends (its mmap threshold
+  cannot go above 32 MB, and a thread arena maps any block larger than its 64 MB heap),
+  so every step faulted in and zeroed ~90,000 new 4 KiB pages: 545 -> ~445 ms per step
+  once fixed, 90,000 -> under 3,000 faults per step. Values:
+    `tcmalloc`  LD_PRELOAD=libtcmalloc_minimal.so.4 (Debian/Ubuntu `libtcmalloc-minimal4`,
+                in the README's quick start): keeps freed spans for reuse; the lowest
+                peak RSS (1.4-1.5 vs 1.8 GiB for that step);
+    `thp`       GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc >= 2.35; older ones ignore
+                it): glibc's mapped blocks use transparent huge pages, 1 fault per 2 MiB;
+    `auto`      (default) tcmalloc where it is installed, else thp;  `off`  unchanged.
+- **`EDM2_JAX_CPU_DEVICES`**: the CPU backend is split into this many devices
+  (`--xla_force_host_platform_device_count`) and the training step runs data-parallel
+  over them (`training/sharding.py`, each device half the batch): two streams of
+  operations keep both cores busy where one leaves gaps between XLA's kernels. The same
+  step (mean gradient over the same batch, the same random draws) up to float32
+  summation order. 465 -> 421 ms per step (Fashion-MNIST net, batch 64) and 2.78 ->
+  2.52 s (the 9.8M-parameter ch64 net, batch 32). Values: `auto` (default) = 2 where
+  the process may use 2 or more cores, else unchanged; a number; `off`. Not applied
+  when `XLA_FLAGS` already sets the device count. A batch the devices do not divide
+  trains on fewer of them (`usable_devices`, asked by the training loop through
+  `TrainingSetup`).
+- **`EDM2_JAX_COMPILATION_CACHE`** (read once JAX is imported, `enable_compilation_cache`):
+  the persistent XLA cache directory, default `~/.cache/edm2_jax/xla`; `off` = none.
 
-Only `python -m edm2_jax.main` and the benchmarks re-exec; importing the package never
-does. Neither setting changes the numerics beyond float32 summation order.
+The allocator and the device count must be in place before the process starts, so
+`reexec()` restarts it once (same PID, same command line) with them. None of these
+settings changes the numerics beyond float32 summation order.
+
+How `python -m edm2_jax.main` ends is set here too: `quiet_background_errors` (Orbax's
+background noise summarised in one line) and `exit_bounded` (background threads still
+running `EXIT_GRACE_S` after the end are abandoned with one line, never waited for).
 """
 from __future__ import annotations
 
@@ -37,15 +52,85 @@ import ctypes.util
 import os
 import platform
 import sys
+import threading
+import time
+import warnings
+from importlib import metadata
+from typing import Callable
 
 MALLOC_ENV = "EDM2_JAX_MALLOC"
 DEVICES_ENV = "EDM2_JAX_CPU_DEVICES"
+XLA_DEFAULTS_ENV = "EDM2_JAX_XLA_DEFAULTS"
+CACHE_ENV = "EDM2_JAX_COMPILATION_CACHE"
 MALLOC_MODES = ("auto", "tcmalloc", "thp", "off")
 APPLIED = "EDM2_JAX_CPU_ENV_APPLIED"  # set in the re-executed process: never loop
 DEVICES_SET = "EDM2_JAX_CPU_DEVICES_SET"  # the device count reexec() chose
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type=dot"
 TCMALLOC = "tcmalloc_minimal"
 THP_TUNABLE = "glibc.malloc.hugetlb=1"
+EXIT_GRACE_S = 30.0
+
+
+def setup_entry_point(argv: list[str] | None = None) -> None:
+    """Call first in a `__main__`, before JAX starts: the default XLA flags
+    (`add_default_xla_flags`), then the allocator and CPU devices (`reexec`, which may
+    replace the process with itself). Bad settings end the process with one `error:`
+    line (exit status 1)."""
+    try:
+        add_default_xla_flags()
+        reexec(argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+# --------------------------------------------------------------------------------------
+# XLA flags
+
+
+def default_xla_flags(environ: dict | None = None) -> dict[str, str]:
+    """`{'XLA_FLAGS': ...}` with `YNN_FLAG` added (see module doc), or `{}` when
+    `$EDM2_JAX_XLA_DEFAULTS` is `0`, the user's `XLA_FLAGS` already choose the fusion
+    type, or jaxlib is older than 0.10.2 (or its version is unknown)."""
+    env = os.environ if environ is None else environ
+    if env.get(XLA_DEFAULTS_ENV, "1") == "0":
+        return {}
+    flags = env.get("XLA_FLAGS", "")
+    if "xla_cpu_experimental_ynn_fusion_type" in flags or _jaxlib_version() < (0, 10, 2):
+        return {}
+    return {"XLA_FLAGS": f"{flags} {YNN_FLAG}".strip()}
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    """jaxlib's version (read without importing it), `()` when unknown."""
+    try:
+        return tuple(int(p) for p in metadata.version("jaxlib").split(".")[:3])
+    except Exception:  # not installed as a distribution, or an unusual version string
+        return ()
+
+
+def add_default_xla_flags() -> None:
+    """Set `default_xla_flags()` in this process's environment (JAX reads `XLA_FLAGS`
+    when its backend starts)."""
+    os.environ.update(default_xla_flags())
+
+
+def enable_compilation_cache() -> None:
+    """Persistent XLA cache: a resumed or repeated run skips its compiles. Directory
+    `$EDM2_JAX_COMPILATION_CACHE` (`off` = none), default `~/.cache/edm2_jax/xla`; a
+    cache directory already configured (e.g. `JAX_COMPILATION_CACHE_DIR`) is kept."""
+    import jax  # here, not at the top: the settings above come before JAX is imported
+
+    path = os.environ.get(CACHE_ENV,
+                          os.path.join(os.path.expanduser("~"), ".cache", "edm2_jax", "xla"))
+    if path != "off" and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
+
+
+# --------------------------------------------------------------------------------------
+# Host allocator and CPU devices
 
 
 def malloc_mode(environ: dict | None = None) -> str:
@@ -134,7 +219,7 @@ def describe(environ: dict | None = None) -> str:
     return f"host allocator {malloc_in_effect(env)} (${MALLOC_ENV}), {dev}; edm2_jax/process.py"
 
 
-def usable_devices(batch_size: int, num_devices: int, fits) -> int:
+def usable_devices(batch_size: int, num_devices: int, fits: Callable[[int], bool]) -> int:
     """How many of the `num_devices` devices to train on: all of them unless the device
     count is the one `reexec()` chose (`$EDM2_JAX_CPU_DEVICES_SET`, not the user's) and
     the batch does not split over them; then the most that `fits(d)` (True when a batch
@@ -164,3 +249,90 @@ def reexec(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *argv[1:]], env)
+
+
+class TrainingSetup:
+    """What the training loop asks the entry point once JAX has started (after
+    `jax.distributed` is set up): `training.loop.train_and_evaluate(..., setup=...)`."""
+
+    def num_devices(self, batch_size: int, fits: Callable[[int], bool]) -> int:
+        """How many of JAX's devices to train on (`usable_devices`)."""
+        import jax
+        return usable_devices(batch_size, jax.device_count(), fits)
+
+    def log_line(self) -> str | None:
+        """The line the run prints about this process: on the CPU backend, `describe()`."""
+        import jax
+        return f"CPU: {describe()}" if jax.default_backend() == "cpu" else None
+
+
+# --------------------------------------------------------------------------------------
+# How the process ends
+
+
+def quiet_background_errors() -> None:
+    """Orbax logs every save at INFO and, after a failed save or restore, each of its
+    threads' errors: the error the process raises says it in one message. Sets absl's
+    verbosity to WARNING, drops Orbax's and background threads' ERROR records, counts
+    the 'Event loop is closed' errors of TensorStore's callbacks (reported by
+    `exit_bounded`), and ignores the never-awaited writes a failed save leaves."""
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+    logging.get_absl_logger().addFilter(_drop_orbax_noise)
+    sys.excepthook, sys.unraisablehook = _quiet_excepthook, _quiet_unraisablehook
+    warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
+
+
+def _drop_orbax_noise(record) -> bool:
+    """absl log filter: Orbax's ERROR records (with their tracebacks) and any from
+    background threads: the exception that reaches the user names the failure once."""
+    return not (record.levelno >= 40 and (
+        threading.current_thread() is not threading.main_thread()
+        or f"{os.sep}orbax{os.sep}" in (record.pathname or "")))
+
+
+_suppressed = {"n": 0}
+
+
+def _closed_loop(value) -> bool:
+    return isinstance(value, RuntimeError) and "Event loop is closed" in str(value)
+
+
+def _quiet_unraisablehook(unraisable) -> None:
+    """sys.unraisablehook: after a failed asynchronous save or restore, TensorStore's
+    callbacks try to reach Orbax's closed event loop, and each prints a traceback
+    ("Event loop is closed"), hundreds of them; those are counted (`exit_bounded`
+    reports them in one line), everything else is printed as usual."""
+    if _closed_loop(unraisable.exc_value):
+        _suppressed["n"] += 1
+        return
+    sys.__unraisablehook__(unraisable)
+
+
+def _quiet_excepthook(kind, value, tb) -> None:
+    """sys.excepthook: the same for the callbacks that report through it."""
+    if _closed_loop(value):
+        _suppressed["n"] += 1
+        return
+    sys.__excepthook__(kind, value, tb)
+
+
+def exit_bounded(rc: int) -> None:
+    """Bound the process's exit: a daemon watchdog ends it (`os._exit(rc)`, with one line
+    naming the threads still running) if the interpreter's shutdown, which joins the
+    remaining non-daemon threads (Orbax's savers), takes more than `EXIT_GRACE_S`."""
+    if _suppressed["n"]:
+        print(f"({_suppressed['n']} 'Event loop is closed' errors of Orbax's background "
+              f"threads suppressed)", file=sys.stderr, flush=True)
+
+    def watchdog():
+        time.sleep(EXIT_GRACE_S)
+        alive = [t.name for t in threading.enumerate() if not t.daemon and t.is_alive()
+                 and t is not threading.main_thread()]
+        print(f"abandoning {len(alive)} background thread(s) still running {EXIT_GRACE_S:.0f} s "
+              f"after the end ({', '.join(alive[:3])}); exiting with status {rc}",
+              file=sys.stderr, flush=True)
+        os._exit(rc)
+
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()

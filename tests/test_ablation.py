@@ -23,7 +23,9 @@ from edm2_jax.analysis import diagnostics
 from edm2_jax.model import mp
 from edm2_jax.model import loss as loss_lib
 from edm2_jax.training import optim as optim_lib
-from edm2_jax.training import train
+from edm2_jax.training import probes
+from edm2_jax.training.state import init_train_state, make_network
+from edm2_jax.training.step import make_train_step
 from edm2_jax.model.networks import Block, Precond, init_variables
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,10 +123,10 @@ def steps():
         c.network.update(NET)
         c.batch_size = 4
         c.optim.update(ref_lr=0.01, t_ref=100, rampup_kimg=0.008, forced_wn=forced)
-        net = train.make_network(c)
+        net = make_network(c)
         tx = optim_lib.make_optimizer(c.optim, 4)
-        state = train.init_train_state(c, net, tx, jax.random.PRNGKey(0))
-        step = jax.jit(train.make_train_step(c, net, tx))
+        state = init_train_state(c, net, tx, jax.random.PRNGKey(0))
+        step = jax.jit(make_train_step(c, net, tx))
         states = [state]
         for _ in range(3):
             states.append(step(states[-1], batch)[0])
@@ -140,16 +142,16 @@ def _unit_norms(w):
 def test_forced_wn_keeps_sqrt_fan_in_through_steps_and_plain_adam_does_not(steps):
     _, _, _, fwn = steps[True]
     _, _, _, plain = steps[False]
-    w0 = diagnostics._weight_leaves(fwn[0]["params"])
+    w0 = probes.weight_leaves(fwn[0]["params"])
     # First step at lr 0: forced WN stores normalize(W0); plain Adam stores W0 untouched.
-    for name, w in diagnostics._weight_leaves(fwn[1]["params"]).items():
+    for name, w in probes.weight_leaves(fwn[1]["params"]).items():
         np.testing.assert_allclose(  # jitted vs eager: a few float32 roundings apart
             w, mp.normalize(w0[name], axis=tuple(range(w.ndim - 1))), rtol=1e-6, atol=1e-7)
-    for name, w in diagnostics._weight_leaves(plain[1]["params"]).items():
+    for name, w in probes.weight_leaves(plain[1]["params"]).items():
         np.testing.assert_array_equal(w, w0[name])
     for t in (1, 2, 3):
-        before = diagnostics._weight_leaves(fwn[t - 1]["params"])
-        after = diagnostics._weight_leaves(fwn[t]["params"])
+        before = probes.weight_leaves(fwn[t - 1]["params"])
+        after = probes.weight_leaves(fwn[t]["params"])
         for name, w in before.items():
             fan_in = math.prod(w.shape[:-1])
             used = mp.force_normalize({"weight": w})["weight"]
@@ -164,21 +166,21 @@ def test_forced_wn_keeps_sqrt_fan_in_through_steps_and_plain_adam_does_not(steps
             assert bool(jnp.all(drift <= step_norm + 1e-5 * _unit_norms(used))), name
     # Plain Adam: the stored weights are what the updates made of them, never renormalised.
     grew = [float(jnp.mean(_unit_norms(w)) / jnp.mean(_unit_norms(w0[n])))
-            for n, w in diagnostics._weight_leaves(plain[3]["params"]).items()]
+            for n, w in probes.weight_leaves(plain[3]["params"]).items()]
     assert max(abs(g - 1) for g in grew) > 1e-4
 
 
 @pytest.mark.slow
 def test_diagnostics_weight_rms_is_one_under_forced_wn(steps):
     c, net, tx, states = steps[True]
-    fn = jax.jit(diagnostics.make_diagnostics_fn(net, tx, sigmas=(0.5, 2.0), act_sigmas=(2.0,),
-                                                 batch_size=4))
+    fn = jax.jit(probes.make_diagnostics_fn(net, tx, sigmas=(0.5, 2.0), act_sigmas=(2.0,),
+                                            batch_size=4))
     probe = {"image": jnp.zeros((2, 8, 8, 1)), "label": jnp.zeros((2, 0)),
              "noise": jax.random.normal(jax.random.PRNGKey(2), (2, 2, 8, 8, 1))}
     out = fn(states[3]["params"], states[3]["buffers"], states[3]["opt_state"],
              states[3]["step"], probe)
     wrms = {k: float(v) for k, v in out.items() if k.startswith("diag/wrms/")}
-    assert len(wrms) == len(diagnostics._weight_leaves(states[3]["params"]))
+    assert len(wrms) == len(probes.weight_leaves(states[3]["params"]))
     # One Adam step of lr <= 0.01 off the unit sphere: |rms - 1| <= ~lr^2 per element.
     assert all(abs(v - 1) < 1e-3 for v in wrms.values()), wrms
 
@@ -248,7 +250,7 @@ def test_no_learned_gains_without_mp_fixed_layers():
 def fresh_diag():
     c = configs.base_config()
     c.network.update(NET, channel_mult=(1,))  # one level: the quickest compile
-    net = train.make_network(c)
+    net = make_network(c)
     c.optim.update(rampup_kimg=0.0)  # lr = ref_lr at step 0
     tx = optim_lib.make_optimizer(c.optim, 4)
     v = init_variables(net, jax.random.PRNGKey(0))
@@ -259,8 +261,8 @@ def fresh_diag():
     probe = {"image": jax.random.uniform(jax.random.PRNGKey(3), (4, 8, 8, 1), minval=-1, maxval=1),
              "label": jnp.zeros((4, 0)),
              "noise": jax.random.normal(jax.random.PRNGKey(4), (3, 4, 8, 8, 1))}
-    fn = jax.jit(diagnostics.make_diagnostics_fn(net, tx, sigmas=sigmas, act_sigmas=sigmas,
-                                                 batch_size=4))
+    fn = jax.jit(probes.make_diagnostics_fn(net, tx, sigmas=sigmas, act_sigmas=sigmas,
+                                            batch_size=4))
     run = lambda params: {k: float(v) for k, v in fn(  # noqa: E731
         params, state["buffers"], state["opt_state"], state["step"], probe).items()}
     # Fresh (gains 0: the U-Net gets no gradient), and with every gain 1.

@@ -1,4 +1,4 @@
-"""The three CPU weight-gradient paths of `mp.conv2d_same` (XLA's filter-gradient
+"""The three weight-gradient paths of the CPU backend's 3x3 convolution (XLA's filter-gradient
 convolution by autodiff, the same convolution on operands relaid out outside XLA's
 fusions, and the shifted-matmul custom VJP) compute the same gradients.
 
@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from edm2_jax import backends
+from edm2_jax.backends import cpu
 from edm2_jax.model import mp
 from tests.tolerances import reorder_tol, scaled_err
 
@@ -34,8 +36,8 @@ def inputs():
 @pytest.mark.parametrize("path", ["matmul", "relayout"])
 def test_custom_vjp_equals_xla_gradient(inputs, path):
     x, w = inputs
-    fn = {"matmul": mp._conv_cpu, "relayout": mp._conv_cpu_relayout}[path]
-    dx_ref, dw_ref = _grads(mp._xla_conv, x, w)
+    fn = {"matmul": cpu.conv_matmul, "relayout": cpu.conv_relayout}[path]
+    dx_ref, dw_ref = _grads(mp.conv_same, x, w)
     dx, dw = _grads(fn, x, w)
     tol = reorder_tol(N * H * H * CI * CO)
     assert scaled_err(dx, dx_ref) <= tol
@@ -49,24 +51,22 @@ def test_relayout_rectangular_kernel(inputs):
     # [C_in, kh, kw, C_out] -> HWIO transpose are per axis.
     x, _ = inputs
     w53 = jax.random.normal(jax.random.PRNGKey(3), (5, 3, CI, 1))
-    dx_ref, dw_ref = _grads(mp._xla_conv, x, w53)
-    dx, dw = _grads(mp._conv_cpu_relayout, x, w53)
+    dx_ref, dw_ref = _grads(mp.conv_same, x, w53)
+    dx, dw = _grads(cpu.conv_relayout, x, w53)
     tol = reorder_tol(N * H * H * CI * CO)
     assert scaled_err(dw, dw_ref) <= tol and scaled_err(dx, dx_ref) <= tol
 
 
-def test_env_selects_the_path(monkeypatch, inputs):
+def test_backend_option_selects_the_path(inputs):
     x, w = inputs
-    if jax.default_backend() != "cpu":
-        pytest.skip("the switch only applies to the CPU backend")
-    monkeypatch.delenv(mp.CPU_CONV_GRAD_ENV, raising=False)
-    assert mp.cpu_conv_grad() == "relayout"
+    assert backends.select("cpu").cpu_conv_grad == "relayout"
+    assert backends.select("cpu").kernels.conv is cpu.conv_relayout
     for mode in ("relayout", "xla", "matmul"):
-        monkeypatch.setenv(mp.CPU_CONV_GRAD_ENV, mode)
-        assert mp.cpu_conv_grad() == mode
-        jaxpr = str(jax.make_jaxpr(jax.grad(lambda w: jnp.sum(mp.conv2d_same(x, w))))(w))
+        conv = backends.select("cpu", cpu_conv_grad=mode).kernels.conv
+        jaxpr = str(jax.make_jaxpr(jax.grad(lambda w: jnp.sum(conv(x, w))))(w))
         assert ("dot_general" in jaxpr) == (mode == "matmul")  # shifted matmuls
         assert ("cond" in jaxpr) == (mode == "relayout")  # the fusion boundary
-    monkeypatch.setenv(mp.CPU_CONV_GRAD_ENV, "fast")
-    with pytest.raises(ValueError, match="EDM2_JAX_CPU_CONV_GRAD"):
-        mp.conv2d_same(x, w)
+    # The 'xla' backend's convolution is the model's own, whatever the CPU option.
+    assert backends.select("xla", cpu_conv_grad="matmul").kernels.conv is mp.conv_same
+    with pytest.raises(ValueError, match="cpu_conv_grad"):
+        backends.select("cpu", cpu_conv_grad="fast")

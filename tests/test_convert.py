@@ -1,4 +1,4 @@
-"""Importing the authors' released EDM2 weights (edm2_jax/release/convert.py).
+"""Importing the authors' released EDM2 weights (edm2_jax/release/pickle_io.py, convert.py).
 
 Claims tested: the converted golden networks reproduce the release's own outputs
 (`precond_tiny_{cond,uncond}.npz`, produced by NVlabs/edm2 on CPU in float32) to 1e-5;
@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from edm2_jax.release import convert as C
+from edm2_jax.release import pickle_io as P
 from edm2_jax.model.networks import Block, precond_from_config
 from tests.testdata import golden as _golden
 from tests.tolerances import forward_terms, reorder_tol
@@ -69,7 +70,7 @@ def assert_matches_release(D, logvar, ref):
 @pytest.mark.parametrize("kind,label_dim", [("cond", 10), ("uncond", 0)])
 def test_converted_golden_reproduces_release_outputs(kind, label_dim):
     path = golden(kind)
-    sd = C.load_state_dict(path)
+    sd = P.load_state_dict(path)
     assert all(not k.startswith("w/") for k in sd)
     assert sd["unet.enc.8x8_block0.attn_qkv.weight"].shape == (192, 64, 1, 1)  # OIHW kept
     assert C.infer_network_config(sd) == dict(TINY, label_dim=label_dim)
@@ -80,7 +81,7 @@ def test_converted_golden_reproduces_release_outputs(kind, label_dim):
 
 
 def test_round_trip_is_exact():
-    sd = C.load_state_dict(golden("cond"))
+    sd = P.load_state_dict(golden("cond"))
     cfg, variables = C.state_dict_to_variables(sd)
     sd2 = C.variables_to_state_dict(variables)
     assert sorted(sd2) == sorted(sd)
@@ -221,7 +222,7 @@ def test_qkv_interleaving_survives_conversion_with_four_heads():
 # --- errors ------------------------------------------------------------------------------
 
 def test_mismatched_weights_give_one_error_listing_everything():
-    sd = C.load_state_dict(golden("cond"))
+    sd = P.load_state_dict(golden("cond"))
     del sd["unet.dec.8x8_in1.conv_res0.weight"]
     sd["unet.dec.8x8_in1.bogus.weight"] = np.zeros((5, 5), np.float32)
     sd["unet.enc.16x16_block0.conv_res1.weight"] = np.zeros((32, 16, 3, 3), np.float32)
@@ -234,16 +235,16 @@ def test_mismatched_weights_give_one_error_listing_everything():
             "got [32, 16, 3, 3]") in msg
     # A wrong hidden field shows up the same way: num_blocks forced to 2 lists the blocks.
     with pytest.raises(ValueError, match=r"missing     unet\.enc\.16x16_block1\.emb_gain: expected \[\]"):
-        C.state_dict_to_variables(C.load_state_dict(golden("cond")), {"num_blocks": 2})
+        C.state_dict_to_variables(P.load_state_dict(golden("cond")), {"num_blocks": 2})
 
 
 def test_non_edm2_files_are_refused_with_the_reason(tmp_path):
     path = tmp_path / "other.npz"
     np.savez(path, **{"w/conv.weight": np.zeros((3, 3), np.float32)})
     with pytest.raises(ValueError, match="not an EDM2 Precond"):
-        C.state_dict_to_variables(C.load_state_dict(path))
+        C.state_dict_to_variables(P.load_state_dict(path))
     with pytest.raises(FileNotFoundError, match="no such file"):
-        C.load_state_dict(tmp_path / "absent.pkl")
+        P.load_state_dict(tmp_path / "absent.pkl")
 
 
 # --- network pickles in the release's persistence format ---------------------------------
@@ -371,7 +372,7 @@ def test_release_pickle_reads_without_the_authors_code(tmp_path):
         for name in ("torch_utils", "dnnlib", "training"):
             with pytest.raises(ImportError):
                 __import__(name)
-        weights = C.load_release(pkl)
+        weights = P.load_release(pkl)
         assert sorted(weights.state_dict) == sorted(sd)
         for k in sd:
             np.testing.assert_array_equal(weights.state_dict[k], sd[k], err_msg=k)
@@ -386,10 +387,10 @@ def test_release_pickle_reads_without_the_authors_code(tmp_path):
 
 def test_release_pickle_hidden_fields_and_fp16_are_respected(tmp_path):
     pytest.importorskip("torch")
-    sd = C.load_state_dict(golden("uncond"))
+    sd = P.load_state_dict(golden("uncond"))
     pkl = tmp_path / "edm2-tiny-0000008-0.100.pkl"
     write_release_pickle(pkl, sd, label_dim=0, dtype="float16", key="net", cph=32, dropout=0.1)
-    weights = C.load_release(pkl)
+    weights = P.load_release(pkl)
     assert weights.info["key"] == "net" and weights.info["dtype"] == "float16"
     for k in sd:   # fp16 in the file, float32 out, equal to the fp16 rounding
         assert weights.state_dict[k].dtype == np.float32
@@ -401,21 +402,21 @@ def test_release_pickle_hidden_fields_and_fp16_are_respected(tmp_path):
 
 def test_missing_torch_is_reported_with_the_install_command(tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    sd = C.load_state_dict(golden("uncond"))
+    sd = P.load_state_dict(golden("uncond"))
     pkl = tmp_path / "net.pkl"
     write_release_pickle(pkl, sd, label_dim=0)
     monkeypatch.setitem(sys.modules, "torch", None)       # `import torch` now fails
     with pytest.raises(ImportError, match=r"pip install edm2-jax\[torch\]"):
-        C.load_state_dict(pkl)
-    assert len(C.load_state_dict(golden("uncond"))) == len(sd)   # npz needs no torch
+        P.load_state_dict(pkl)
+    assert len(P.load_state_dict(golden("uncond"))) == len(sd)   # npz needs no torch
 
 
 def test_torch_saved_network_module_reads(tmp_path):
     torch = pytest.importorskip("torch")
-    sd = C.load_state_dict(golden("uncond"))
+    sd = P.load_state_dict(golden("uncond"))
     path = tmp_path / "network.pt"
     write_release_pickle(path, sd, label_dim=0, save=torch.save)
-    weights = C.load_release(path)
+    weights = P.load_release(path)
     assert weights.info["format"] == "torch" and weights.info["class_name"] == "Precond"
     for k in sd:
         np.testing.assert_array_equal(weights.state_dict[k], sd[k], err_msg=k)
@@ -423,10 +424,10 @@ def test_torch_saved_network_module_reads(tmp_path):
 
 def test_torch_saved_state_dict_reads(tmp_path):
     torch = pytest.importorskip("torch")
-    sd = C.load_state_dict(golden("uncond"))
+    sd = P.load_state_dict(golden("uncond"))
     path = tmp_path / "precond.pt"
     torch.save(collections.OrderedDict((k, torch.tensor(v)) for k, v in sd.items()), path)
-    sd2 = C.load_state_dict(path)
+    sd2 = P.load_state_dict(path)
     assert sorted(sd2) == sorted(sd)
     for k in sd:
         np.testing.assert_array_equal(sd2[k], sd[k], err_msg=k)
@@ -440,12 +441,12 @@ def test_convert_writes_a_checkpoint_load_network_reads_back(tmp_path, capsys):
     src = golden("cond")
     out = C.main_convert(str(src), str(tmp_path / "ckpt"))
     printed = capsys.readouterr().out
-    n_params = sum(int(np.size(v)) for v in C.load_state_dict(src).values()) - 2 * (32 + 128)
+    n_params = sum(int(np.size(v)) for v in P.load_state_dict(src).values()) - 2 * (32 + 128)
     assert f"parameters:   {n_params:,}" in printed and "model_channels=32" in printed
     cfg, variables, meta = load_network(out)
     assert cfg == dict(TINY, label_dim=10)
     assert meta["source"] == os.path.abspath(src) and meta["num_params"] == n_params
-    _, expected = C.state_dict_to_variables(C.load_state_dict(src))
+    _, expected = C.state_dict_to_variables(P.load_state_dict(src))
     jax.tree_util.tree_map(np.testing.assert_array_equal, variables, expected)
     with pytest.raises(FileExistsError):
         C.convert(str(src), out)

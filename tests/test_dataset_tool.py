@@ -249,24 +249,24 @@ def test_eval_decodes_a_latent_net_and_latent_reference_data(tmp_path, monkeypat
     """--mode=eval of a latent net (8x8x4) with --vae: generated latents and the latent
     reference data both reach the metric as uint8 RGB 16x16 (the tiny VAE's 2x), and the
     metric is finite; without --vae it fails naming --vae before any metric is set up."""
-    from edm2_jax.evaluation import evaluate
+    from edm2_jax.evaluation import commands, images, metrics
     vae_dir, net, data = _latent_setup(tmp_path)
     seen = []
     calls = []
-    monkeypatch.setattr(evaluate, "feature_extractor",
+    monkeypatch.setattr(metrics, "feature_extractor",
                         lambda m, d=None: calls.append(m) or (None, _fake_features(seen)))
     with pytest.raises(ValueError, match=r"latent network.*pass --vae=PATH"):
-        evaluate.main_eval(images_dir=None, net_path=net, num_images=8, metrics="fid",
+        commands.main_eval(images_dir=None, net_path=net, num_images=8, metrics="fid",
                            ref=None, data_config=data)
     assert calls == []
-    res = evaluate.main_eval(images_dir=None, net_path=net, num_images=8, metrics="fid",
+    res = commands.main_eval(images_dir=None, net_path=net, num_images=8, metrics="fid",
                              ref=None, data_config=data, vae_path=vae_dir, num_steps=2,
                              batch_size=4)
     assert np.isfinite(res["fid8"]) and res["fid8"] >= 0
     assert seen and all(s[1:] == (16, 16, 3) and d == np.uint8 for s, d in seen)
     # the reference side: the VAE's decodes of the stored means
-    src = evaluate.DecodedSource(LatentFolder(data["path"], use_labels=False),
-                                 V.load_vae(vae_dir), chunk=3)
+    src = images.DecodedSource(LatentFolder(data["path"], use_labels=False),
+                               V.load_vae(vae_dir), chunk=3)
     raw = LatentFolder(data["path"], use_labels=False)[4][0][None]
     want = V.load_vae(vae_dir).decode(V.encode_latents(raw, np.zeros((1, 8, 8, 4), np.float32)))
     np.testing.assert_array_equal(src[4][0], want[0])
@@ -275,19 +275,19 @@ def test_eval_decodes_a_latent_net_and_latent_reference_data(tmp_path, monkeypat
 
 def test_training_eval_and_sweep_need_the_vae_for_latent_runs(tmp_path):
     import ml_collections
-    from edm2_jax.evaluation import evaluate
+    from edm2_jax.training.periodic_eval import TrainingEval
     from edm2_jax.ema import sweep as sigma_sweep
     from tests.test_vae import NET
     vae_dir = _save_tiny_vae(tmp_path / "vae")
     c = ml_collections.ConfigDict(dict(eval=dict(metrics="fid", vae=""),
                                        data=dict(encoder="sd-vae")))
     with pytest.raises(ValueError, match=r"config.eval.vae=PATH"):
-        evaluate.TrainingEval.vae_of(c)
+        TrainingEval.vae_of(c)
     c.eval.vae = vae_dir
-    assert evaluate.TrainingEval.vae_of(c).config == TINY
+    assert TrainingEval.vae_of(c).config == TINY
     c.data.encoder = "none"
     with pytest.raises(ValueError, match="drop --config.eval.vae"):
-        evaluate.TrainingEval.vae_of(c)
+        TrainingEval.vae_of(c)
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"network": NET, "data": {"encoder": "sd-vae"}}))
@@ -299,16 +299,17 @@ def test_training_eval_decodes_a_latent_run(tmp_path, monkeypatch):
     """Evaluation during training (config.eval.*) of a latent run: samples and reference
     latents decoded by config.eval.vae, a finite metric under eval/."""
     from edm2_jax import configs
-    from edm2_jax.evaluation import evaluate
+    from edm2_jax.evaluation import metrics
     from edm2_jax.sampling import generate
+    from edm2_jax.training.periodic_eval import TrainingEval
     vae_dir, net_path, data = _latent_setup(tmp_path)
     seen = []
-    monkeypatch.setattr(evaluate, "feature_extractor",
+    monkeypatch.setattr(metrics, "feature_extractor",
                         lambda m, d=None: (None, _fake_features(seen)))
     c = configs.base_config()
     c.data.update(data)
     c.eval.update(dict(metrics="fid", num_images=4, num_steps=2, batch_size=4, vae=vae_dir))
-    ev = evaluate.TrainingEval(c, log=False)
+    ev = TrainingEval(c, log=False)
     net, variables, _ = generate.load_net(net_path)
     out = ev(net, variables)
     assert np.isfinite(out["eval/fid4"])
@@ -344,7 +345,7 @@ def test_tfds_source(tmp_path, monkeypatch):
 
 
 def test_latent_data_without_vae_and_ref_of_latents_are_refused(tmp_path):
-    from edm2_jax.evaluation import evaluate
+    from edm2_jax.evaluation import commands
     vae_dir = _save_tiny_vae(tmp_path / "vae")
     src = tmp_path / "src"
     src.mkdir()
@@ -354,13 +355,13 @@ def test_latent_data_without_vae_and_ref_of_latents_are_refused(tmp_path):
     data = dict(source="folder", path=str(tmp_path / "lat.zip"), encoder="sd-vae",
                 use_labels=False)
     with pytest.raises(ValueError, match="pass --vae=PATH to decode"):
-        evaluate.main_eval(images_dir=None, net_path=None, num_images=2, metrics="fid",
+        commands.main_eval(images_dir=None, net_path=None, num_images=2, metrics="fid",
                            ref=None, data_config=data, data_split_images="train")
     with pytest.raises(ValueError, match="give --images=the PNG data set"):
-        evaluate.main_ref(dest=str(tmp_path / "r.pkl"), images_dir=None, data_config=data,
+        commands.main_ref(dest=str(tmp_path / "r.pkl"), images_dir=None, data_config=data,
                           split="train", metrics="fid", batch_size=2)
     with pytest.raises(ValueError, match="drop --vae"):
-        evaluate.main_eval(images_dir=str(src), net_path=None, num_images=2, metrics="fid",
+        commands.main_eval(images_dir=str(src), net_path=None, num_images=2, metrics="fid",
                            ref=None, data_config=None, vae_path=vae_dir)
 
 

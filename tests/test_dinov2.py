@@ -20,7 +20,8 @@ import zipfile
 import numpy as np
 import pytest
 
-from edm2_jax.evaluation import evaluate
+from edm2_jax.evaluation import commands
+from edm2_jax.evaluation import metrics as eval_metrics
 from edm2_jax.evaluation import dinov2 as dv
 from edm2_jax.evaluation import fid
 from edm2_jax.evaluation.stats import FeatureStats
@@ -374,26 +375,26 @@ def test_mode_ref_and_eval_wiring_for_fd_dinov2(tmp_path, monkeypatch):
     images = rng.integers(0, 256, (6, 8, 8, 3), dtype=np.uint8)
     for i, im in enumerate(images):
         PIL.Image.fromarray(im).save(folder / f"{i:02d}.png")
-    monkeypatch.setattr(evaluate, "feature_extractor", _fake_extractor)
+    monkeypatch.setattr(eval_metrics, "feature_extractor", _fake_extractor)
     ref = tmp_path / "ref.pkl"
-    res = evaluate.main_ref(dest=str(ref), images_dir=str(folder), data_config=None,
+    res = commands.main_ref(dest=str(ref), images_dir=str(folder), data_config=None,
                             split="test", metrics="fid,fd_dinov2", batch_size=4)
     assert res["num_images"] == 6
     params, fn = _fake_extractor("fd_dinov2")
     np.testing.assert_allclose(fid.load_ref_stats(ref, "fd_dinov2")[0],
                                fn(params, images).mean(0), rtol=1e-12)
-    suite = evaluate.Metrics(["fd_dinov2", "fid"], 6, ref=str(ref))
+    suite = eval_metrics.Metrics(["fd_dinov2", "fid"], 6, ref=str(ref))
     out = suite(images)
     assert out["fd_dinov26"] == pytest.approx(0, abs=1e-8) and "fid6" in out
     assert suite(images[::-1].copy() // 2)["fd_dinov26"] > 1
     fid.save_ref_stats(tmp_path / "fid_only.pkl", FeatureStats.from_features(
         rng.normal(size=(4, 4))))
     with pytest.raises(ValueError, match="no 'fd_dinov2' statistics"):
-        evaluate.Metrics(["fd_dinov2"], 6, ref=str(tmp_path / "fid_only.pkl"))
+        eval_metrics.Metrics(["fd_dinov2"], 6, ref=str(tmp_path / "fid_only.pkl"))
     monkeypatch.undo()
     monkeypatch.delenv(dv.WEIGHTS_ENV, raising=False)
     with pytest.raises(FileNotFoundError, match="--dinov2=PATH"):
-        evaluate.main_eval(images_dir=str(folder), net_path=None, num_images=6,
+        commands.main_eval(images_dir=str(folder), net_path=None, num_images=6,
                            metrics="fd_dinov2", ref=str(ref), data_config=None)
 
 
@@ -401,11 +402,12 @@ def test_eval_during_training_needs_vitl14_weights_before_any_step(tiny, monkeyp
     """`eval.metrics=fd_dinov2` fails when the evaluator is set up (before training),
     naming `eval.dinov2`; a DINOv2 file of another size is refused there too."""
     from edm2_jax import configs
+    from edm2_jax.training.periodic_eval import TrainingEval
     monkeypatch.delenv(dv.WEIGHTS_ENV, raising=False)
     cfg = configs.base_config()
     cfg.eval.metrics = "fd_dinov2"
     with pytest.raises(FileNotFoundError, match="eval.dinov2=PATH"):
-        evaluate.TrainingEval(cfg, log=False)
+        TrainingEval(cfg, log=False)
     cfg.eval.dinov2 = str(tiny[1])
     with pytest.raises(ValueError, match="ViT-L/14"):
-        evaluate.TrainingEval(cfg, log=False)
+        TrainingEval(cfg, log=False)

@@ -1,4 +1,4 @@
-"""`--mode=eval` / `--mode=generate` options (issue 13): guidance and seeds in eval, the
+"""`--mode=eval` / `--mode=generate` options: guidance and seeds in eval, the
 release's seeded random subset of an image folder, the sampler's schedule settings on
 the command line.
 """
@@ -12,7 +12,8 @@ import PIL.Image
 import pytest
 
 from edm2_jax.run import network_dir as checkpoint
-from edm2_jax.evaluation import evaluate
+from edm2_jax.evaluation import commands as eval_commands
+from edm2_jax.evaluation import images as eval_images
 from edm2_jax.sampling import generate
 from edm2_jax import main as main_lib
 from edm2_jax.model.networks import init_variables, precond_from_config
@@ -42,7 +43,7 @@ def test_eval_generates_with_guidance_seeds_and_schedule(nets):
     with the guide, guidance weight, seeds and schedule it was asked for."""
     net_path, guide_path = nets
     kw = dict(num_steps=3, sigma_min=0.01, sigma_max=20.0, rho=3.0)
-    got = np.concatenate(list(evaluate.net_images(
+    got = np.concatenate(list(eval_images.net_images(
         net_path, [7, 3], batch_size=2, guide_path=guide_path, guidance=2.0, class_idx=1,
         progress=False, **kw)))
     net, v, _ = generate.load_net(net_path)
@@ -53,13 +54,13 @@ def test_eval_generates_with_guidance_seeds_and_schedule(nets):
     plain = np.asarray(sample_images(net, v, [7, 3], 1, **kw))
     assert np.abs(got.astype(int) - plain).max() > 8  # the guidance is not ignored
     with pytest.raises(ValueError, match="--guidance=2 needs --guide"):
-        list(evaluate.net_images(net_path, [0], guidance=2.0))
+        list(eval_images.net_images(net_path, [0], guidance=2.0))
 
 
 def _dispatch(argv, monkeypatch):
     """Run main.py's dispatch on `argv`, returning the kwargs it passed to the mode."""
     got = {}
-    monkeypatch.setattr(evaluate, "main_eval", lambda **kw: got.update(kw))
+    monkeypatch.setattr(eval_commands, "main_eval", lambda **kw: got.update(kw))
     monkeypatch.setattr(generate, "main_generate", lambda *a, **kw: got.update(kw, args=a))
     main_lib.FLAGS.unparse_flags()
     try:
@@ -86,10 +87,10 @@ def test_command_line_passes_guidance_seeds_and_schedule(monkeypatch):
 def test_eval_seeds_and_num_images_must_agree(tmp_path):
     kw = dict(images_dir=None, net_path="N", metrics="fid", ref=None, data_config=None)
     with pytest.raises(ValueError, match="gives 5 seeds but --num_images=4"):
-        evaluate.main_eval(num_images=4, seeds="0-4", **kw)
+        eval_commands.main_eval(num_images=4, seeds="0-4", **kw)
     with pytest.raises(ValueError, match="--subset_seed"):
-        evaluate.main_eval(**dict(kw, net_path=None, images_dir=str(tmp_path)), num_images=4,
-                           seeds="0-3")
+        eval_commands.main_eval(**dict(kw, net_path=None, images_dir=str(tmp_path)),
+                                num_images=4, seeds="0-3")
 
 
 def test_image_folder_subset_is_the_releases(tmp_path):
@@ -106,11 +107,12 @@ def test_image_folder_subset_is_the_releases(tmp_path):
     assert [(s["num"], s["seed"]) for s in gold["subsets"]] == [(26, 0), (5, 0), (5, 7), (20, 2**31 + 7)]
     for s in gold["subsets"]:
         want = [str(tmp_path / f) for f in s["files"]]
-        assert evaluate.folder_subset(str(tmp_path), s["num"], s["seed"]) == want
-    assert evaluate.folder_subset(str(tmp_path), 5, 0) != evaluate.folder_subset(str(tmp_path), 5, 1)
-    first = np.concatenate(list(evaluate.folder_images(str(tmp_path), 5, 2, seed=7)))
+        assert eval_images.folder_subset(str(tmp_path), s["num"], s["seed"]) == want
+    assert (eval_images.folder_subset(str(tmp_path), 5, 0)
+            != eval_images.folder_subset(str(tmp_path), 5, 1))
+    first = np.concatenate(list(eval_images.folder_images(str(tmp_path), 5, 2, seed=7)))
     want = [int(n.split("/")[1][:3]) + 13 * (n.split("/")[0] == "b")
-            for n in (p[len(str(tmp_path)) + 1:] for p in evaluate.folder_subset(str(tmp_path), 5, 7))]
+            for n in (p[len(str(tmp_path)) + 1:] for p in eval_images.folder_subset(str(tmp_path), 5, 7))]
     np.testing.assert_array_equal(first[:, 0, 0, 0], want)
 
 

@@ -1,4 +1,4 @@
-"""Fault tolerance of `train.train_and_evaluate`: preemption (SIGTERM), kills at any
+"""Fault tolerance of `loop.train_and_evaluate`: preemption (SIGTERM), kills at any
 moment, corrupt checkpoints, a full disk.
 
 The claims:
@@ -13,7 +13,7 @@ The claims:
 - `benchmarks/chaos.py` (slow): random SIGKILL/SIGTERM, byte flips in checkpoints and
   snapshots, a second trainer started beside the first: no checkpoint corrupt or lost,
   no flip unnoticed, final state bitwise equal to an uninterrupted run.
-- Integrity (issue #16): a byte flip in a checkpoint's array data is set aside and the
+- Integrity: a byte flip in a checkpoint's array data is set aside and the
   run resumes from the one before; in a snapshot or network checkpoint it is refused by
   post-hoc EMA, generate and load_network; a NaN/diverged state is never saved and the
   error names the newest healthy checkpoint and `--config.resume_step`; checkpoints that
@@ -41,7 +41,7 @@ import jax
 import numpy as np
 import pytest
 
-from edm2_jax.training import train
+from edm2_jax.training import loop
 from tests.test_train import (FMNIST_CONFIG, REPO, TINY_OVERRIDES, _restore, _steps,
                               make_image_folder, tiny_config, xla_cache)  # noqa: F401
 
@@ -62,7 +62,7 @@ def full_run(tmp_path_factory, xla_cache):
     root = tmp_path_factory.mktemp("ft")
     data = make_image_folder(root / "data")
     run = root / "full"
-    train.train_and_evaluate(tiny_config(data), str(run))
+    loop.train_and_evaluate(tiny_config(data), str(run))
     assert _steps(run) == [2, 4]
     return dict(data=data, run=run, final=_restore(run, 4)[1], mid=_restore(run, 2)[1])
 
@@ -91,7 +91,7 @@ def test_corrupt_checkpoint_falls_back_and_unfinished_one_is_ignored(full_run, t
     (tmp / "state").mkdir(parents=True)
     (tmp / "state" / "half_written").write_bytes(b"\1" * 100)
 
-    r = train.train_and_evaluate(tiny_config(full_run["data"]), str(run))
+    r = loop.train_and_evaluate(tiny_config(full_run["data"]), str(run))
     err = capsys.readouterr().err
     assert re.search(r"checkpoint 4 is corrupt or unreadable .*moved to checkpoints/4\.corrupt",
                      err), err
@@ -118,13 +118,13 @@ def test_disk_full_while_saving_is_an_error_and_keeps_earlier_checkpoints(
     with monkeypatch.context() as m:
         m.setattr(async_path, "write_text", disk_full)
         m.setattr(async_path, "write_bytes", disk_full)
-        with pytest.raises(train.CheckpointSaveError,
+        with pytest.raises(loop.CheckpointSaveError,
                            match=r"step 4 .*No space left on device.*\[2\] are intact.*"
                                  r"disk .* GiB free of .* free disk space"):
-            train.train_and_evaluate(tiny_config(full_run["data"]), str(run))
+            loop.train_and_evaluate(tiny_config(full_run["data"]), str(run))
     assert _steps(run) == [2]
     assert _equal(_restore(run, 2)[1], full_run["mid"])
-    r = train.train_and_evaluate(tiny_config(full_run["data"]), str(run))
+    r = loop.train_and_evaluate(tiny_config(full_run["data"]), str(run))
     assert r["finished"] and _steps(run) == [2, 4]
     assert not list(run.glob("*/*orbax-checkpoint-tmp*"))  # unfinished saves deleted
     assert _equal(_restore(run, 4)[1], full_run["final"])
@@ -252,7 +252,7 @@ def test_two_hosts_stop_at_the_same_step(full_run, tmp_path, xla_cache):
 
 
 # --------------------------------------------------------------------------------------
-# Integrity, one writer, recoverable NaN, no silent restart (issue #16)
+# Integrity, one writer, recoverable NaN, no silent restart
 
 
 def _sums(root: Path) -> dict:
@@ -278,8 +278,8 @@ def _largest_array_file(item: Path) -> Path:
 
 
 def _verified_state(run: Path) -> dict:
-    from edm2_jax.run import rundir
-    return rundir.restore_latest_state(str(run))  # raises IntegrityError if corrupt
+    from edm2_jax.run import checkpoints
+    return checkpoints.restore_latest_state(str(run))  # raises IntegrityError if corrupt
 
 
 def _same_leaves(a, b) -> bool:
@@ -305,7 +305,7 @@ def test_byte_flip_in_newest_checkpoint_never_restores_silently(full_run, tmp_pa
     _flip(target, int(float(frac) * target.stat().st_size))
     ck2, snaps = _sums(run / "checkpoints" / "2"), _sums(run / "snapshots")
 
-    r = train.train_and_evaluate(tiny_config(full_run["data"]), str(run))
+    r = loop.train_and_evaluate(tiny_config(full_run["data"]), str(run))
     err = capsys.readouterr().err
     assert r["finished"]
     set_aside = (run / "checkpoints" / "4.corrupt").is_dir()
@@ -330,7 +330,7 @@ def test_byte_flips_in_snapshots_and_networks_are_refused_by_every_reader(full_r
     from edm2_jax.sampling import generate
     from edm2_jax.run import integrity
     from edm2_jax.ema import posthoc as phema
-    from edm2_jax.run import rundir
+    from edm2_jax.run import snapshots
     run = tmp_path / "run"
     shutil.copytree(full_run["run"], run)
     [good] = phema.reconstruct(str(run), [0.07], out_dir=str(tmp_path / "ph"), progress=False)
@@ -344,7 +344,7 @@ def test_byte_flips_in_snapshots_and_networks_are_refused_by_every_reader(full_r
     fix = r"mv .*snapshots/4 .*snapshots/4\.corrupt"
     with pytest.raises(integrity.IntegrityError, match=r"snapshot .*snapshots/4: .*checksum "
                                                        r"mismatch.*" + fix):
-        rundir.restore_snapshot(str(run), 4)
+        snapshots.restore_snapshot(str(run), 4)
     with pytest.raises(integrity.IntegrityError, match=r"snapshot .*checksum mismatch.*" + fix):
         phema.reconstruct(str(run), [0.08], out_dir=str(tmp_path / "ph2"), progress=False)
     assert not any(ckpt_lib.is_network_checkpoint(str(p)) for p in (tmp_path / "ph2").glob("*"))
@@ -369,17 +369,17 @@ def test_byte_flips_in_snapshots_and_networks_are_refused_by_every_reader(full_r
 
 
 def test_nonfinite_state_is_never_saved(full_run, tmp_path):
-    from edm2_jax.run import rundir
+    from edm2_jax.run import checkpoints
     run = tmp_path / "run"
     shutil.copytree(full_run["run"], run)
     before = _sums(run)
     state = jax.tree.map(np.copy, full_run["final"])
     state["ema"]["power"]["0.050"]["unet"]["enc_8x8_conv"]["weight"][0, 0, 0, 0] = np.nan
-    mngr = rundir.TrainCheckpoints(str(run))
-    with pytest.raises(rundir.NonFiniteStateError, match=r"step 6 holds NaN/inf values \(in "
+    mngr = checkpoints.TrainCheckpoints(str(run))
+    with pytest.raises(checkpoints.NonFiniteStateError, match=r"step 6 holds NaN/inf values \(in "
                                                          r"ema/power/0\.050/unet/enc_8x8_conv"):
         mngr.save_state(6, state)
-    with pytest.raises(rundir.NonFiniteStateError, match="EMA snapshot at step 6 holds NaN"):
+    with pytest.raises(checkpoints.NonFiniteStateError, match="EMA snapshot at step 6 holds NaN"):
         mngr.save_snapshot(6, 48, state["ema"], (0.05, 0.1), 8)
     mngr.close()
     assert _sums(run) == before
@@ -393,8 +393,8 @@ def test_diverged_run_names_its_newest_healthy_checkpoint_and_is_rescued(full_ru
     command later does not go back to step 2 again."""
     run = _stopped_at_2(full_run, tmp_path)
     ck2 = _sums(run / "checkpoints" / "2")
-    with pytest.raises(train.NonFiniteLossError) as e:
-        train.train_and_evaluate(tiny_config(full_run["data"], **{"optim.ref_lr": 1e30}),
+    with pytest.raises(loop.NonFiniteLossError) as e:
+        loop.train_and_evaluate(tiny_config(full_run["data"], **{"optim.ref_lr": 1e30}),
                                  str(run))
     msg = str(e.value)
     assert "diverged" in msg and "newest healthy checkpoint is step 2" in msg, msg
@@ -402,16 +402,17 @@ def test_diverged_run_names_its_newest_healthy_checkpoint_and_is_rescued(full_ru
     assert _steps(run) == [2] and _steps(run, "snapshots") == []
     assert _sums(run / "checkpoints" / "2") == ck2
 
-    r = train.train_and_evaluate(tiny_config(full_run["data"], resume_step=2), str(run))
+    r = loop.train_and_evaluate(tiny_config(full_run["data"], resume_step=2), str(run))
     assert r["finished"] and _steps(run) == [2, 4]
     assert _equal(_restore(run, 4)[1], full_run["final"])
     assert json.loads((run / "config.json").read_text())["resume_step"] == 2
-    r = train.train_and_evaluate(tiny_config(full_run["data"], resume_step=2,
+    r = loop.train_and_evaluate(tiny_config(full_run["data"], resume_step=2,
                                              total_kimg=0.048), str(run))
     assert r["finished"] and _steps(run) == [2, 4, 6]  # continued from 4, not from 2
 
 
 def test_all_checkpoints_corrupt_is_an_error_every_time_until_start_over(full_run, tmp_path):
+    from edm2_jax.run import checkpoints
     run = tmp_path / "run"
     shutil.copytree(full_run["run"], run)
     for step in (2, 4):
@@ -419,13 +420,13 @@ def test_all_checkpoints_corrupt_is_an_error_every_time_until_start_over(full_ru
         p.write_bytes(b"\0" * p.stat().st_size)
     snaps, samples = _sums(run / "snapshots"), _sums(run / "samples")
     for _ in range(2):
-        with pytest.raises(train.rundir.NoCheckpointError,
+        with pytest.raises(checkpoints.NoCheckpointError,
                            match=r"none restores \(set aside: checkpoints/2\.corrupt, "
                                  r"checkpoints/4\.corrupt\); nothing was trained.*"
                                  r"--config\.start_over=True"):
-            train.train_and_evaluate(tiny_config(full_run["data"]), str(run))
+            loop.train_and_evaluate(tiny_config(full_run["data"]), str(run))
         assert _steps(run) == [] and _sums(run / "snapshots") == snaps
-    r = train.train_and_evaluate(tiny_config(full_run["data"], start_over=True), str(run))
+    r = loop.train_and_evaluate(tiny_config(full_run["data"], start_over=True), str(run))
     assert r["finished"] and _steps(run) == [2, 4]
     [old] = run.glob("discarded-*")
     assert _sums(old / "snapshots") == snaps and _sums(old / "samples") == samples
@@ -434,16 +435,16 @@ def test_all_checkpoints_corrupt_is_an_error_every_time_until_start_over(full_ru
 
 
 def test_second_trainer_on_a_workdir_is_refused_naming_the_holder(full_run, tmp_path):
-    from edm2_jax.run import rundir
+    from edm2_jax.run import lock
     run = _stopped_at_2(full_run, tmp_path)
     before = _sums(run)
-    with rundir.RunLock(str(run)):
-        with pytest.raises(rundir.RunLockedError,
+    with lock.RunLock(str(run)):
+        with pytest.raises(lock.RunLockedError,
                            match=rf"in use by another training process \(host .*, pid "
                                  rf"{os.getpid()}, since .*\)\. Wait for it to finish"):
-            train.train_and_evaluate(tiny_config(full_run["data"]), str(run))
+            loop.train_and_evaluate(tiny_config(full_run["data"]), str(run))
         assert _sums(run) == before
-    r = train.train_and_evaluate(tiny_config(full_run["data"]), str(run))  # released
+    r = loop.train_and_evaluate(tiny_config(full_run["data"]), str(run))  # released
     assert r["finished"] and _steps(run) == [2, 4]
 
 
@@ -454,10 +455,10 @@ def test_config_json_is_written_only_after_every_check(full_run, tmp_path):
     (run / "config.json").unlink()
     before = _sums(run)
     with pytest.raises(ValueError, match="does not match the current model"):
-        train.train_and_evaluate(tiny_config(full_run["data"],
+        loop.train_and_evaluate(tiny_config(full_run["data"],
                                              **{"network.model_channels": 16}), str(run))
     assert _sums(run) == before
-    r = train.train_and_evaluate(tiny_config(full_run["data"]), str(run))
+    r = loop.train_and_evaluate(tiny_config(full_run["data"]), str(run))
     assert r["finished"]
     assert json.loads((run / "config.json").read_text())["network"]["model_channels"] == 8
     assert _equal(_restore(run, 4)[1], full_run["final"])
@@ -609,7 +610,7 @@ def _bad_input_cases(full_run, tmp: Path) -> list:
 
 @pytest.mark.slow
 def test_cli_bad_inputs_name_problem_and_fix_before_any_compile(full_run, tmp_path, xla_cache):
-    """Each bad input of issue #16 item 6: exit 1, `error:` naming the problem and the
+    """Each bad input the CLI refuses: exit 1, `error:` naming the problem and the
     fix, no traceback, nothing compiled (JAX_LOG_COMPILES), no workdir created."""
     for argv, pattern, absent in _bad_input_cases(full_run, tmp_path):
         env = dict(_cli_env(xla_cache), JAX_LOG_COMPILES="1")

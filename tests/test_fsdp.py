@@ -26,7 +26,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from edm2_jax.training import sharding as shard_lib
-from edm2_jax.training import train
+from edm2_jax.training import loop
+from edm2_jax.training import step as step_lib
 from tests.test_train import (REPO, STEP_TOL, _steps, make_image_folder,  # noqa: F401
                               random_batch, random_state, state_err, step_config,
                               step_reduction_terms, tiny_config, xla_cache)
@@ -74,8 +75,8 @@ def run_steps_on_mesh(config, mesh, num_accum: int = 1, steps: int = 2,
     step of the same compiled function (`broken_inputs`)."""
     state, net, tx = random_state(config)
     shardings = shard_lib.state_shardings(mesh, state)
-    fn = train.jit_train_step(train.make_train_step(config, net, tx, num_accum), mesh,
-                              shardings)
+    fn = step_lib.jit_train_step(step_lib.make_train_step(config, net, tx, num_accum), mesh,
+                                 shardings)
     states, metrics = [], []
     for i in range(steps):
         state, m = fn(state, random_batch(config, i))
@@ -133,7 +134,7 @@ def _mesh_cases_npz(out: str, cases: list[int]) -> None:
         config = step_config()
         config.batch_per_device = per_device
         mesh = shard_lib.make_mesh(data=data, fsdp=fsdp)
-        num_accum = train.num_micro_batches(config, mesh.size)
+        num_accum = step_lib.num_micro_batches(config, mesh.size)
         assert num_accum == (2 if per_device else 1)
         controls = case == CONTROL_CASE
         states, metrics, shard_shapes, *broken = run_steps_on_mesh(config, mesh, num_accum,
@@ -293,7 +294,7 @@ def _fsdp_run(data: str, workdir: str) -> None:
     """In a process with 8 simulated CPU devices: the tiny run to step 2 on a
     data 2 x fsdp 4 mesh."""
     assert jax.device_count() == 8, jax.devices()
-    train.train_and_evaluate(tiny_config(data, total_kimg=0.016, **{"mesh.fsdp": 4}), workdir)
+    loop.train_and_evaluate(tiny_config(data, total_kimg=0.016, **{"mesh.fsdp": 4}), workdir)
 
 
 @pytest.mark.slow
@@ -310,10 +311,10 @@ def test_fsdp_run_checkpoints_and_resumes_on_one_device(tmp_path, xla_cache):
     so it must agree to tol + sum over the gains of |dgain| / |gain| at step 2. Measured
     on an AMD EPYC: step 2 2.2e-6; gains' relative errors <= 7.7e-7 (sum 9.6e-7); step 4
     5.0e-6 against 4.4e-5."""
-    from edm2_jax.run import rundir as ct
+    from edm2_jax.run import network_dir, snapshots
     data = make_image_folder(tmp_path / "data")
     single, sharded = tmp_path / "single", tmp_path / "fsdp"
-    train.train_and_evaluate(tiny_config(data), str(single))
+    loop.train_and_evaluate(tiny_config(data), str(single))
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(REPO)!r})
@@ -330,16 +331,16 @@ def test_fsdp_run_checkpoints_and_resumes_on_one_device(tmp_path, xla_cache):
     assert _steps(sharded) == [2]
 
     def state(run, step):  # numpy, readable on 1 device although written by 8
-        return ct.restore_numpy(str(run / "checkpoints" / str(step) / "default"))
+        return network_dir.restore_numpy(str(run / "checkpoints" / str(step) / "default"))
 
     tol = reorder_tol(step_reduction_terms(tiny_config(data)))
     ref2 = state(single, 2)
     err2 = state_err(state(sharded, 2), ref2)
     assert err2[0] <= tol, err2
-    ema, _ = ct.restore_snapshot(str(sharded), 2)  # the EMA snapshot, on 1 device
+    ema, _ = snapshots.restore_snapshot(str(sharded), 2)  # the EMA snapshot, on 1 device
     assert tree_err(ema, ref2["ema"])[0] <= tol
     # Resumed on one device (mesh.fsdp 4 -> 1 may change between restarts).
-    res = train.train_and_evaluate(tiny_config(data), str(sharded))
+    res = loop.train_and_evaluate(tiny_config(data), str(sharded))
     assert res["finished"] and _steps(sharded) == [2, 4]
     carried = sum(abs(float(x) - float(y)) / max(abs(float(y)), 1e-30)
                   for x, y in zip(jax.tree.leaves(state(sharded, 2)["params"]),

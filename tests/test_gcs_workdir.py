@@ -1,4 +1,4 @@
-"""`--workdir=gs://...` end to end against a local GCS emulator (issue 13, item 5).
+"""`--workdir=gs://...` end to end against a local GCS emulator.
 
 The emulator (`gcp-storage-emulator`, in-memory) runs in this process on 127.0.0.1 at a
 free port. Both storage clients are pointed at it and nothing else:
@@ -137,17 +137,17 @@ def gcs():
 def test_paths_on_gcs(gcs):
     """paths.py on the emulator: atomic write, listing, rename of a directory."""
     from edm2_jax import paths
-    from edm2_jax.run import rundir
+    from edm2_jax.run import layout
     root, fs = gcs
     d = f"{root}/paths"
-    rundir.write_config(d, {"a": 1})
-    assert rundir.read_config(d) == {"a": 1}
+    layout.write_config(d, {"a": 1})
+    assert layout.read_config(d) == {"a": 1}
     assert fs.exists(f"{BUCKET}/paths/config.json")
     assert not fs.exists(f"{BUCKET}/paths/config.json.tmp")
     for n in ("3/x", "3/sub/y", "12/z", "12/commit_success.txt", "3/commit_success.txt",
               "15/x"):  # 15: an unfinished save (Orbax's commit file missing)
         paths.Path(f"{d}/checkpoints/{n}").write_text(n)
-    assert rundir.step_dirs(f"{d}/checkpoints") == [f"{d}/checkpoints/12", f"{d}/checkpoints/3"]
+    assert layout.step_dirs(f"{d}/checkpoints") == [f"{d}/checkpoints/12", f"{d}/checkpoints/3"]
     paths.rename(f"{d}/checkpoints/3", f"{d}/checkpoints/3.corrupt")
     assert paths.listdir(f"{d}/checkpoints") == ["12", "15", "3.corrupt"]
     assert paths.read_text(f"{d}/checkpoints/3.corrupt/sub/y") == "3/sub/y"
@@ -157,14 +157,14 @@ def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  
     from edm2_jax import paths
     from edm2_jax.sampling import generate
     from edm2_jax.ema import posthoc as phema
-    from edm2_jax.run import rundir
-    from edm2_jax.training import train
+    from edm2_jax.run import checkpoints, layout, records, snapshots, stats
+    from edm2_jax.training import loop
     root, fs = gcs
     run = f"{root}/run"
     data = make_image_folder(tmp_path / "data")
 
     # Train 2 steps (checkpoint 2, snapshot 2), entirely in the bucket.
-    r = train.train_and_evaluate(tiny_config(data, total_kimg=0.016), run)
+    r = loop.train_and_evaluate(tiny_config(data, total_kimg=0.016), run)
     assert r["finished"]
     b = f"{BUCKET}/run"
     for f in ("config.json", "stats.jsonl", "samples/000000000.png",
@@ -172,23 +172,23 @@ def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  
         assert fs.exists(f"{b}/{f}"), f
     assert not fs.exists(f"{b}/train.lock")  # removed at the end
     assert fs.glob(f"{b}/tb/events.out.tfevents.*")
-    assert rundir.step_record(f"{run}/checkpoints/2")["digests"]
-    n_stats = len(rundir.read_stats(run))
+    assert records.step_record(f"{run}/checkpoints/2")["digests"]
+    n_stats = len(stats.read_stats(run))
 
     # A lock object left behind (a killed trainer) is named in a warning, not obeyed.
     paths.Path(f"{run}/train.lock").write_text(json.dumps({"host": "elsewhere", "pid": 7}))
     capsys.readouterr()
     # Resume to step 4: continues at the saved step 2.
-    r = train.train_and_evaluate(tiny_config(data), run)
+    r = loop.train_and_evaluate(tiny_config(data), run)
     out = capsys.readouterr()
     assert "host elsewhere, pid 7" in out.err and "not enforced" in out.err
     assert f"Resuming in {run} at step 2" in out.out, out.out
     assert r["finished"]
-    assert rundir.step_dirs(f"{run}/checkpoints") == [f"{run}/checkpoints/4",
+    assert layout.step_dirs(f"{run}/checkpoints") == [f"{run}/checkpoints/4",
                                                       f"{run}/checkpoints/2"]
-    assert [s for s, _ in rundir.list_snapshots(run)] == [2, 4]
-    assert int(rundir.restore_latest_state(run)["step"]) == 4
-    assert len(rundir.read_stats(run)) > n_stats  # appended to, earlier lines kept
+    assert [s for s, _ in snapshots.list_snapshots(run)] == [2, 4]
+    assert int(checkpoints.restore_latest_state(run)["step"]) == 4
+    assert len(stats.read_stats(run)) > n_stats  # appended to, earlier lines kept
     assert fs.exists(f"{b}/samples/000000000.png")  # named by kimg
     assert not fs.exists(f"{b}/train.lock")
 
@@ -209,13 +209,13 @@ def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  
     png = fs.cat(f"{BUCKET}/images1/000000.png")
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     # --mode=eval --images=gs://...: the same files and pixels as a local copy of the folder.
-    from edm2_jax.evaluation import evaluate
+    from edm2_jax.evaluation import images as eval_images
     fs.get(f"{BUCKET}/images1", str(tmp_path / "images1"), recursive=True)
-    assert [f.rsplit("/", 1)[1] for f in evaluate.folder_subset(f"{root}/images1", 2)] == \
-        [f.rsplit("/", 1)[1] for f in evaluate.folder_subset(str(tmp_path / "images1"), 2)]
+    assert [f.rsplit("/", 1)[1] for f in eval_images.folder_subset(f"{root}/images1", 2)] == \
+        [f.rsplit("/", 1)[1] for f in eval_images.folder_subset(str(tmp_path / "images1"), 2)]
     np.testing.assert_array_equal(
-        next(evaluate.folder_images(f"{root}/images1", 2, batch_size=2)),
-        next(evaluate.folder_images(str(tmp_path / "images1"), 2, batch_size=2)))
+        next(eval_images.folder_images(f"{root}/images1", 2, batch_size=2)),
+        next(eval_images.folder_images(str(tmp_path / "images1"), 2, batch_size=2)))
     # The same net read from the bucket and from a local copy gives the same images.
     local = tmp_path / "phema_local"
     fs.get(outs[0][5:], str(local), recursive=True)

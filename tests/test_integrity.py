@@ -1,9 +1,9 @@
-"""Integrity checks and input errors (issue #16), without training:
+"""Integrity checks and input errors, without training:
 
 - the array digest (edm2_jax/run/integrity.py) is the same computed jitted or in NumPy, for
   every dtype a train state holds, and changes with any one flipped element;
 - NaN/inf is found by both;
-- every bad input of issue #16 item 6 that needs no run is refused with a message
+- every bad input that needs no run is refused with a message
   naming the problem and the fix, before anything is written or compiled.
 The runs with faults injected (byte flips, concurrent trainers, NaN, disk full, all
 checkpoints corrupt, the CLI's messages) are in tests/test_fault_tolerance.py.
@@ -21,7 +21,8 @@ import pytest
 from edm2_jax.run import network_dir as ckpt_lib
 from edm2_jax import configs
 from edm2_jax.release import convert
-from edm2_jax.evaluation import evaluate
+from edm2_jax.evaluation import commands as eval_commands
+from edm2_jax.evaluation import images as eval_images
 from edm2_jax.sampling import generate
 from edm2_jax.run import integrity
 from edm2_jax.evaluation import fid
@@ -91,7 +92,7 @@ def test_check_names_the_arrays_that_differ():
 
 
 # --------------------------------------------------------------------------------------
-# Bad inputs (issue #16, item 6)
+# Bad inputs
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -139,14 +140,14 @@ def test_garbage_reference_statistics_name_the_file(tmp_path, suffix):
 
 
 def test_eval_refuses_bad_inputs_before_generating(tmp_path, monkeypatch):
-    monkeypatch.setattr(evaluate, "net_images", lambda *a, **k: pytest.fail("generated"))
+    monkeypatch.setattr(eval_images, "net_images", lambda *a, **k: pytest.fail("generated"))
     kw = dict(images_dir=None, net_path="nets/x", metrics="fid", data_config=None)
     with pytest.raises(ValueError, match=r"--num_images=0: the metrics need at least 2"):
-        evaluate.main_eval(num_images=0, ref=None, **kw)
+        eval_commands.main_eval(num_images=0, ref=None, **kw)
     ref = tmp_path / "bad.pkl"
     ref.write_bytes(pickle.dumps([1, 2, 3]))
     with pytest.raises(ValueError, match=rf"{ref} has no 'fid' statistics"):
-        evaluate.main_eval(num_images=10, ref=str(ref), **kw)
+        eval_commands.main_eval(num_images=10, ref=str(ref), **kw)
 
 
 def test_generate_refuses_a_directory_that_is_both_run_and_network(tmp_path):

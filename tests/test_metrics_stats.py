@@ -196,24 +196,25 @@ def test_classifier_cache_loads_without_training(tiny_classifier, fmnist, monkey
 
 
 def test_features_metrics_of_a_set_against_itself(tiny_classifier, fmnist):
-    from edm2_jax.evaluation import classifier
+    from edm2_jax.evaluation import classifier_metrics
     clf = tiny_classifier[0]
     images = fmnist[1].images[:300]
     feats = clf.features(images)
     assert feats.shape == (300, clf.feature_dim) and feats.dtype == np.float32
-    m = classifier.evaluate_features_metrics(images, images, clf, kid_subsets=3)
+    m = classifier_metrics.evaluate_features_metrics(images, images, clf, kid_subsets=3)
     assert abs(m["fd_cls"]) < 1e-6
     assert m["precision_cls"] == 1.0 and m["recall_cls"] == 1.0
     # Held-out real images score far better against the training images than noise does.
     noise = np.random.default_rng(0).integers(0, 256, images.shape, dtype=np.uint8)
-    far = classifier.evaluate_features_metrics(noise, fmnist[0], clf, kid_subsets=3)
-    near = classifier.evaluate_features_metrics(images, fmnist[0], clf, kid_subsets=3)
+    far = classifier_metrics.evaluate_features_metrics(noise, fmnist[0], clf, kid_subsets=3)
+    near = classifier_metrics.evaluate_features_metrics(images, fmnist[0], clf, kid_subsets=3)
     assert far["fd_cls"] > 10 * near["fd_cls"] and far["kid_cls"] > 10 * abs(near["kid_cls"])
     assert near["precision_cls"] > far["precision_cls"] + 0.5
     assert near["recall_cls"] > far["recall_cls"] + 0.5
     assert far["num_ref"] == len(fmnist[0]) and "fid" not in far
     ref_feats = clf.features(fmnist[0].images)  # reference features extracted once
-    assert classifier.evaluate_features_metrics(images, ref_feats, clf, kid_subsets=3) == near
+    assert classifier_metrics.evaluate_features_metrics(images, ref_feats, clf,
+                                                        kid_subsets=3) == near
     with pytest.raises(ValueError, match="uint8"):
         clf.features(images.astype(np.float32))
     with pytest.raises(ValueError, match=r"\[N, 32, 32, 1\]"):

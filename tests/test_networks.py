@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from edm2_jax import backends
 from edm2_jax.model import mp
 from edm2_jax.model import presets
 from edm2_jax.model.networks import Block, Precond, UNet, count_params, init_variables, precond_from_config
@@ -213,35 +214,37 @@ def test_mp_silu_gradient_is_the_closed_form():
                                atol=1e-6)
 
 
-def test_clip_act_gradient_is_torch_clamps():
-    # torch.clamp passes the gradient where min <= x <= max (the limits included).
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
+def test_clip_act_gradient_is_torch_clamps(backend):
+    # torch.clamp passes the gradient where min <= x <= max (the limits included), on
+    # every backend's kernels.
+    clip_act = backends.select(backend).kernels.clip_act
     x = jnp.array([-300.0, -256.0, -255.9, 0.0, 255.9, 256.0, 1e4])
-    y, vjp = jax.vjp(lambda x: mp.clip_act(x, 256.0), x)
+    y, vjp = jax.vjp(lambda x: clip_act(x, 256.0), x)
     np.testing.assert_array_equal(np.asarray(y), np.float32([-256, -256, -255.9, 0, 255.9, 256, 256]))
     g = vjp(jnp.full_like(x, 3.0))[0]
-    want = [0, 3, 3, 3, 3, 3, 0] if jax.default_backend() == "cpu" else [0, 1.5, 3, 3, 3, 1.5, 0]
-    np.testing.assert_array_equal(np.asarray(g), want)
+    np.testing.assert_array_equal(np.asarray(g), [0, 3, 3, 3, 3, 3, 0])
 
 
-def test_cpu_fusion_barriers_leave_gradients_unchanged(tiny, monkeypatch):
-    # mp_silu / clip_act residuals behind lax.cond on CPU (mp._cpu_barrier) vs plain
+def test_cpu_fusion_barriers_leave_gradients_unchanged(tiny):
+    # mp_silu / clip_act residuals behind lax.cond (backends.cpu.barrier) vs plain
     # autodiff: the same gradients up to float32 rounding of SiLU's derivative.
-    net, v = tiny
+    _, v = tiny
     x = 3 * jax.random.normal(jax.random.PRNGKey(12), (2, 16, 16, 3))
     sigma = jnp.array([0.5, 2.0])
     labels = jax.nn.one_hot(jnp.array([0, 9]), 10)
     params = set_gains(v["params"], 0.5)
 
-    def grads():
+    def grads(barriers):
+        net = Precond(**TINY, kernels=backends.select("cpu", cpu_barriers=barriers).kernels)
+
         def loss(params):
             D = net.apply({"params": params, "buffers": v["buffers"]}, x, sigma, labels)
             return jnp.mean((D - x) ** 2)
         return jax.jit(jax.grad(loss))(params)
 
-    monkeypatch.setenv(mp.CPU_BARRIERS_ENV, "0")
-    g0 = grads()
-    monkeypatch.setenv(mp.CPU_BARRIERS_ENV, "1")
-    g1 = grads()
+    g0 = grads(False)
+    g1 = grads(True)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g0), jax.tree_util.tree_leaves(g1)):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         # a few ulps per element, summed over ~1e3-1e4 terms: 1e-5 of the gradient's norm

@@ -21,6 +21,7 @@ from scipy import integrate
 from edm2_jax.run import network_dir as checkpoint
 from edm2_jax.ema import power as ema
 from edm2_jax.ema import posthoc as phema
+from edm2_jax.ema import streaming
 from tests.testdata import golden
 from tests.tolerances import tree_magnitude, weighted_sum_tol
 
@@ -191,21 +192,22 @@ def tiny_run(tmp_path_factory):
     tracking sigma_rel 0.05, 0.075, 0.10. Keeps every 10th step's EMAs in memory, and
     writes a run directory whose snapshots (every 50 steps) hold only 0.05 and 0.10
     (no buffers: those come from the state checkpoint)."""
-    from edm2_jax.run import rundir as ct
+    from edm2_jax.run import checkpoints
     from edm2_jax.training import optim
-    from edm2_jax.training import train
+    from edm2_jax.training import state as state_lib
+    from edm2_jax.training import step as step_lib
     c = _tiny_config()
-    net = train.make_network(c)
+    net = state_lib.make_network(c)
     tx = optim.make_optimizer(c.optim, BATCH)
     # An 'rbg' key: XLA:CPU compiles threefry-heavy init/steps ~5x slower.
-    state = jax.jit(lambda r: train.init_train_state(c, net, tx, r))(
+    state = jax.jit(lambda r: state_lib.init_train_state(c, net, tx, r))(
         jax.random.key(0, impl="rbg"))
-    step_fn = jax.jit(train.make_train_step(c, net, tx))
+    step_fn = jax.jit(step_lib.make_train_step(c, net, tx))
     images = np.random.default_rng(0).uniform(-1, 1, (64, 8, 8, 1)).astype(np.float32)
     workdir = tmp_path_factory.mktemp("run")
     with open(workdir / "config.json", "w") as f:
         json.dump(json.loads(c.to_json_best_effort()), f)
-    mngrs = ct.TrainCheckpoints(str(workdir))
+    mngrs = checkpoints.TrainCheckpoints(str(workdir))
     snaps = []  # (nimg, {sigma_rel: params tree (numpy)})
     for i in range(STEPS):
         j = (i * BATCH) % 64
@@ -337,14 +339,14 @@ def test_main_phema_prints_outputs(tiny_run, tmp_path, capsys):
 
 
 def _synthetic_run(root: Path, n_steps=5, with_buffers=True):
-    from edm2_jax.run import rundir as ct
+    from edm2_jax.run import checkpoints
     rng = np.random.default_rng(1)
     shapes = {"unet": {"enc_8x8_conv": {"weight": (3, 3, 2, 4)}, "emb_label": {"weight": (5, 4)}},
               "out_gain": (1,)}
     buffers = {"unet": {"emb_fourier": {"freqs": rng.normal(size=8).astype(np.float32)}}}
     with open(root / "config.json", "w") as f:
         json.dump({"network": {"img_resolution": 8}}, f)
-    m = ct.TrainCheckpoints(str(root))
+    m = checkpoints.TrainCheckpoints(str(root))
     snaps = []
     for k in range(1, n_steps + 1):
         trees = {s: jax.tree.map(lambda sh: rng.normal(size=sh).astype(np.float32), shapes,
@@ -409,19 +411,19 @@ def test_reader_paths_agree(tmp_path, monkeypatch):
     def no_orbax(*a):
         pytest.fail("read through Orbax")
     with monkeypatch.context() as m:
-        m.setattr(phema.streaming, "_EmaReader", no_orbax)
-        m.setattr(phema.streaming, "_CHUNK", 7)  # tensors of 72, 20 and 1 elements
-        m.setattr(phema.streaming, "_PREFETCH", 0)
+        m.setattr(streaming, "_EmaReader", no_orbax)
+        m.setattr(streaming, "_CHUNK", 7)  # tensors of 72, 20 and 1 elements
+        m.setattr(streaming, "_PREFETCH", 0)
         check(run("small_chunks"))
     with monkeypatch.context() as m:
-        m.setattr(phema.streaming, "orbax_tree_keys", lambda d: None)
+        m.setattr(streaming, "orbax_tree_keys", lambda d: None)
         check(run("orbax"))
 
     def fail(*a, **kw):
         raise ValueError("unknown layout")
     with monkeypatch.context() as m:
-        m.setattr(phema.streaming, "_TensorStoreReader", fail)
-        m.setattr(phema.streaming, "_warned_fallback", False)
+        m.setattr(streaming, "_TensorStoreReader", fail)
+        m.setattr(streaming, "_warned_fallback", False)
         with pytest.warns(UserWarning, match="Orbax's restore instead.*unknown layout"):
             check(run("fallback"))
     # The same snapshots as imported release snapshots in the per-array layout.
@@ -433,14 +435,14 @@ def test_reader_paths_agree(tmp_path, monkeypatch):
                                     low_memory=True)
     assert not os.path.exists(nets / "edm2-t-0000001-0.050" / "variables" / "manifest.ocdbt")
     with monkeypatch.context() as m:
-        m.setattr(phema.streaming, "_EmaReader", no_orbax)
+        m.setattr(streaming, "_EmaReader", no_orbax)
         check(run("per_array", nets))
 
 
 def test_snapshots_of_another_network_are_refused(tmp_path):
     snaps, _ = _synthetic_run(tmp_path, n_steps=2)
-    from edm2_jax.run import rundir as ct
-    m = ct.TrainCheckpoints(str(tmp_path))
+    from edm2_jax.run import checkpoints
+    m = checkpoints.TrainCheckpoints(str(tmp_path))
     other = {"unet": {"enc_8x8_conv": {"weight": np.zeros((3, 3, 2, 5), np.float32)},
                       "emb_label": {"weight": np.zeros((5, 4), np.float32)}},
              "out_gain": np.zeros(1, np.float32)}

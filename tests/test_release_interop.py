@@ -1,4 +1,4 @@
-"""What the authors' release writes, edm2-jax reads, and back (issue 13), checked against
+"""What the authors' release writes, edm2-jax reads, and back, checked against
 what the release did on the same inputs: golden files made by running it
 (`tests/data/release_interop/`, made by `make_golden.py` there; origins in
 `tests/data/README.md`). The release is not imported here.
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from edm2_jax.run import network_dir as checkpoint
-from edm2_jax.release import convert
+from edm2_jax.release import convert, pickle_io
 from edm2_jax.ema import posthoc as phema
 from tests.testdata import golden
 from tests.tolerances import EPS32
@@ -77,7 +77,7 @@ def release_run(tmp_path_factory):
     Returns `(run, {file name: state dict})`."""
     _torch()
     from edm2_jax.model import networks
-    from edm2_jax.release import training_state as release_state
+    from edm2_jax.release import export
     gold = _json("phema_rundir.json")
     cfg = dict(_tiny_config().network.to_dict())
     variables = jax.device_get(networks.init_variables(networks.precond_from_config(cfg),
@@ -90,7 +90,7 @@ def release_run(tmp_path_factory):
         v = dict(variables, params=jax.tree.map(
             lambda a: rs.standard_normal(a.shape).astype(np.float16).astype(np.float32),
             variables["params"]))
-        release_state.export_network_pickle(v, cfg, str(run / name))
+        export.export_network_pickle(v, cfg, str(run / name))
         written[name] = convert.variables_to_state_dict(v)
     (run / "training-options.json").write_text("{}")
     return run, written
@@ -173,7 +173,7 @@ def test_preset_durations_are_the_releases():
                            (c.snapshot_kimg, d["snapshot"]["nimg"]),
                            (c.checkpoint_kimg, d["checkpoint"]["nimg"])):
             assert round(ours * 1000) == nimg, (name, ours, nimg)
-    assert configs.base_config().checkpoint_kimg * 1000 == 128 << 20  # not 128Ki (issue 13)
+    assert configs.base_config().checkpoint_kimg * 1000 == 128 << 20  # 128Mi images, not 128Ki
 
 
 @pytest.mark.parametrize("shape_chw", [(3, 5, 5), (4, 8, 8)])  # 75 (not 16k) and 256 values
@@ -242,9 +242,9 @@ def test_release_training_state_converts_and_continues(tmp_path):
     (|g|^2 for the second moment)."""
     from edm2_jax.ema import power as ema_lib
     from edm2_jax.training import optim as optim_lib
-    from edm2_jax.release import training_state as release_state
-    from edm2_jax.run import rundir
-    from edm2_jax.training import train
+    from edm2_jax.modes import release as release_mode
+    from edm2_jax.run import checkpoints, layout
+    from edm2_jax.training import setup
     path = str(golden(STATE_TINY))
     data = _read_release_state(path)
     step = _npz("state_tiny_step.npz")
@@ -260,12 +260,12 @@ def test_release_training_state_converts_and_continues(tmp_path):
 
     config = _tiny_config()
     run = str(tmp_path / "run")
-    assert release_state.import_training_state(path, run, config) == 3
-    model = train.setup_model(config)
-    managers = rundir.TrainCheckpoints(run)
-    state, resumed, managers = train.restore_or_init(config, model, managers)
+    assert release_mode.import_training_state(path, run, config) == 3
+    model = setup.setup_model(config)
+    managers = checkpoints.TrainCheckpoints(run)
+    state, resumed, managers = setup.restore_or_init(config, model, managers)
     managers.close()
-    assert resumed and int(state["step"]) == 3 and rundir.read_config(run) is not None
+    assert resumed and int(state["step"]) == 3 and layout.read_config(run) is not None
     state = jax.device_get(state)
 
     def sd(tree):
@@ -319,26 +319,26 @@ def test_release_training_state_converts_and_continues(tmp_path):
 
 def test_training_state_that_does_not_fit_the_config_is_refused(tmp_path):
     _torch()
-    from edm2_jax.release import training_state as release_state
+    from edm2_jax.modes import release as release_mode
     path = str(golden(STATE_TINY))
     c = _tiny_config()
     c.ema.sigma_rels = (0.05, 0.2)
     with pytest.raises(ValueError, match=r"tracks power EMAs \['0.050', '0.100'\]"):
-        release_state.import_training_state(path, str(tmp_path / "a"), c)
+        release_mode.import_training_state(path, str(tmp_path / "a"), c)
     c = _tiny_config()
     c.batch_size = 5
     with pytest.raises(ValueError, match="not a whole number of --config.batch_size=5"):
-        release_state.import_training_state(path, str(tmp_path / "b"), c)
+        release_mode.import_training_state(path, str(tmp_path / "b"), c)
     c = _tiny_config()
     c.network.model_channels = 2
     with pytest.raises(ValueError, match="wrong shape"):
-        release_state.import_training_state(path, str(tmp_path / "c"), c)
-    assert release_state.import_training_state(path, str(tmp_path / "d"), _tiny_config()) == 3
+        release_mode.import_training_state(path, str(tmp_path / "c"), c)
+    assert release_mode.import_training_state(path, str(tmp_path / "d"), _tiny_config()) == 3
     with pytest.raises(FileExistsError, match="already holds a run"):
-        release_state.import_training_state(path, str(tmp_path / "d"), _tiny_config())
+        release_mode.import_training_state(path, str(tmp_path / "d"), _tiny_config())
 
 
-class _RecordingUnpickler(convert.ReleaseUnpickler):
+class _RecordingUnpickler(pickle_io.ReleaseUnpickler):
     """Our reader of release pickles, noting the globals the pickle names."""
 
     def __init__(self, f):
@@ -388,7 +388,8 @@ def test_export_round_trip_and_the_release_reads_it(tmp_path, monkeypatch):
     it (`make_golden.py --release=PATH --check-export` does that)."""
     torch = _torch()
     from edm2_jax.model import networks
-    from edm2_jax.release import training_state as release_state
+    from edm2_jax.release import export
+    from edm2_jax.modes import release as release_mode
     facts = _json("export_facts.json")
     cfg = dict(_tiny_config().network.to_dict())
     net = networks.precond_from_config(cfg)
@@ -397,7 +398,7 @@ def test_export_round_trip_and_the_release_reads_it(tmp_path, monkeypatch):
         lambda a: np.random.RandomState(a.size).standard_normal(a.shape).astype(np.float32),
         variables["params"])
     src = checkpoint.save_network(str(tmp_path / "ours"), variables, cfg)
-    pkl = release_state.main_export(src, str(tmp_path / "ours-0000001-0.100.pkl"))
+    pkl = release_mode.main_export(src, str(tmp_path / "ours-0000001-0.100.pkl"))
     back = convert.convert(pkl, str(tmp_path / "back"))
     cfg2, v2, _ = checkpoint.load_network(back)
     for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(v2)):
@@ -415,7 +416,7 @@ def test_export_round_trip_and_the_release_reads_it(tmp_path, monkeypatch):
     assert loader in facts["pickle_globals"] and loader in u.seen
     assert all(g in facts["pickle_globals"] for g in u.seen), u.seen
     meta = obj["ema"]
-    assert isinstance(meta, convert.PersistentObject)
+    assert isinstance(meta, pickle_io.PersistentObject)
     assert [meta.type, meta.version] in facts["persistent_types"]
     assert facts["precond_meta"]["class_name"] == "Precond" and facts["precond_is_torch_module"]
     assert _module_src_base(meta.module_src, meta.class_name) == ".".join(facts["precond_class"])
@@ -448,7 +449,7 @@ def test_export_round_trip_and_the_release_reads_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "training", pkg)
     monkeypatch.setitem(sys.modules, "training.networks_edm2", pkg.networks_edm2)
     module = types.ModuleType("_exported_module")
-    exec(meta.module_src, module.__dict__)  # noqa: S102 - our own source (release_state._EXPORT_SRC)
+    exec(meta.module_src, module.__dict__)  # noqa: S102 - our own source (export._EXPORT_SRC)
     cls = module.__dict__[meta.class_name]
     built = cls.__new__(cls)
     built.__setstate__(meta.state)
@@ -458,7 +459,7 @@ def test_export_round_trip_and_the_release_reads_it(tmp_path, monkeypatch):
     again.__setstate__(dict(built.__dict__))
     assert again.kw == kwargs and not again.training
     with pytest.raises(FileExistsError):
-        release_state.export_network_pickle(variables, cfg, pkl)
+        export.export_network_pickle(variables, cfg, pkl)
 
 
 @pytest.mark.slow  # ~1-2 min on 2 cores: a training run of 3 steps (one compile)
@@ -467,18 +468,19 @@ def test_mode_train_continues_a_converted_release_state(tmp_path, capsys):
     of the tiny run) converted into a run: `train_and_evaluate` resumes it at step 1 and
     trains to the end (step 4)."""
     _torch()
-    from edm2_jax.release import training_state as release_state
-    from edm2_jax.run import rundir
-    from edm2_jax.training import train
+    from edm2_jax.modes import release as release_mode
+    from edm2_jax.run import layout
+    from edm2_jax.training import loop
+    from edm2_jax.training import setup
     from tests.test_train import make_image_folder, tiny_config
-    _, config = train.setup_data(tiny_config(make_image_folder(tmp_path / "data")))
+    _, config = setup.setup_data(tiny_config(make_image_folder(tmp_path / "data")))
     n = config.network.to_dict()
     theirs = _json("export_facts.json")["net_kwargs"]["TRAIN_NET"]
     assert {k: list(n[k]) if isinstance(n[k], tuple) else n[k] for k in theirs} == theirs
     run = str(tmp_path / "run")
-    assert release_state.import_training_state(str(golden(STATE_TRAIN)), run, config) == 1
+    assert release_mode.import_training_state(str(golden(STATE_TRAIN)), run, config) == 1
     capsys.readouterr()
-    train.train_and_evaluate(config, run)
+    loop.train_and_evaluate(config, run)
     assert f"Resuming in {run} at step 1" in capsys.readouterr().out
-    steps = rundir.step_dirs(f"{run}/{rundir.CHECKPOINTS}")
+    steps = layout.step_dirs(f"{run}/{layout.CHECKPOINTS}")
     assert [int(s.rsplit("/", 1)[-1]) for s in steps] == [4, 2, 1]  # 1: the converted state

@@ -25,7 +25,9 @@ from edm2_jax import data as data_lib
 from edm2_jax.ema import power as ema_lib
 from edm2_jax.training import optim as optim_lib
 from edm2_jax.training import sharding as shard_lib
-from edm2_jax.training import train
+from edm2_jax.training import loop
+from edm2_jax.training import state as state_lib
+from edm2_jax.training import step as step_lib
 from edm2_jax.model.mp import force_normalize
 from edm2_jax.model.networks import init_variables
 from tests.tolerances import EPS32, reorder_tol, scaled_err, tree_err
@@ -143,7 +145,7 @@ def random_state(config, seed: int = 0, weight_scale: float = 3.0) -> tuple:
     every gradient but its own). Host numpy arrays, so that donation cannot consume them.
     Filled from numpy: flax's own init compiles slowly on a busy CPU.
     Returns `(state, net, tx)`."""
-    net = train.make_network(config)
+    net = state_lib.make_network(config)
     tx = optim_lib.make_optimizer(config.optim, int(config.batch_size))
     shapes = jax.eval_shape(lambda k: init_variables(net, k), jax.random.PRNGKey(0))
     rng = np.random.default_rng(seed)
@@ -159,8 +161,8 @@ def random_state(config, seed: int = 0, weight_scale: float = 3.0) -> tuple:
              "ema": ema_lib.init_ema_state(v["params"], tuple(config.ema.sigma_rels),
                                            float(config.ema.trad_halflife_kimg)),
              "rng": np.asarray(jax.random.PRNGKey(seed + 1))}
-    # Same pytree as train.init_train_state builds.
-    ref = jax.eval_shape(lambda r: train.init_train_state(config, net, tx, r),
+    # Same pytree as state_lib.init_train_state builds.
+    ref = jax.eval_shape(lambda r: state_lib.init_train_state(config, net, tx, r),
                          jax.random.PRNGKey(0))
     assert jax.tree.structure(ref) == jax.tree.structure(state)
     return jax.device_get(state), net, tx
@@ -178,8 +180,8 @@ def run_steps(config, num_accum: int = 1, num_devices: int = 1, steps: int = 1):
     """`steps` jitted steps from `random_state` on a mesh of `num_devices`; returns the
     states after each step and the metrics, as numpy."""
     state, net, tx = random_state(config)
-    fn = train.jit_train_step(train.make_train_step(config, net, tx, num_accum),
-                              shard_lib.make_mesh(num_devices))
+    fn = step_lib.jit_train_step(step_lib.make_train_step(config, net, tx, num_accum),
+                                 shard_lib.make_mesh(num_devices))
     states, metrics = [], []
     for i in range(steps):
         state, m = fn(state, random_batch(config, i))
@@ -199,15 +201,15 @@ def two_steps():
 
 def test_micro_batch_count_and_its_errors():
     c = step_config(batch_size=16)
-    assert train.num_micro_batches(c, 1) == 1
+    assert step_lib.num_micro_batches(c, 1) == 1
     c.batch_per_device = 4
-    assert train.num_micro_batches(c, 1) == 4
-    assert train.num_micro_batches(c, 2) == 2
+    assert step_lib.num_micro_batches(c, 1) == 4
+    assert step_lib.num_micro_batches(c, 2) == 2
     with pytest.raises(ValueError, match="not divisible by the 3 devices"):
-        train.num_micro_batches(c, 3)
+        step_lib.num_micro_batches(c, 3)
     c.batch_per_device = 3
     with pytest.raises(ValueError, match="not a multiple of batch_per_device"):
-        train.num_micro_batches(c, 1)
+        step_lib.num_micro_batches(c, 1)
 
 
 def test_step_force_normalises_then_adam_then_ema(two_steps):
@@ -363,8 +365,8 @@ def runs(tmp_path_factory, xla_cache):
     root = tmp_path_factory.mktemp("runs")
     data = make_image_folder(root / "data")
     full, half, pristine = root / "full", root / "half", root / "half_pristine"
-    r_full = train.train_and_evaluate(tiny_config(data), str(full))
-    r_half = train.train_and_evaluate(tiny_config(data, total_kimg=0.016), str(half))
+    r_full = loop.train_and_evaluate(tiny_config(data), str(full))
+    r_half = loop.train_and_evaluate(tiny_config(data, total_kimg=0.016), str(half))
     shutil.copytree(half, pristine)
     return dict(data=data, full=full, half=half, pristine=pristine, r_full=r_full,
                 r_half=r_half)
@@ -387,11 +389,11 @@ def test_run_writes_its_outputs(runs):
     stats = [json.loads(line) for line in (full / "stats.jsonl").read_text().splitlines()]
     assert [s["step"] for s in stats] == [2, 4]
     assert all(np.isfinite(s["loss/loss"]) for s in stats)
-    from edm2_jax.run import rundir as ct
-    (step, meta), = ct.list_snapshots(str(full))
+    from edm2_jax.run import snapshots
+    (step, meta), = snapshots.list_snapshots(str(full))
     assert step == 4 and meta["nimg"] == 32 and meta["batch_size"] == 8
     assert meta["ema_keys"] == ["0.050", "0.100"]
-    ema, _ = ct.restore_snapshot(str(full), 4)
+    ema, _ = snapshots.restore_snapshot(str(full), 4)
     _, state = _restore(full, 4)
     assert _worst(ema, state["ema"]) == 0
 
@@ -401,7 +403,7 @@ def test_resume_is_bitwise_identical(runs, monkeypatch):
     ends in exactly the state of the uninterrupted run; a finished run does nothing."""
     half = runs["half"]
     assert runs["r_half"]["finished"] and _steps(half) == [2]
-    r = train.train_and_evaluate(tiny_config(runs["data"]), str(half))
+    r = loop.train_and_evaluate(tiny_config(runs["data"]), str(half))
     assert r["finished"] and r["step"] == 4 and _steps(half) == [2, 4]
     (sa, a), (sb, b) = _restore(runs["full"]), _restore(half)
     assert sa == sb == 4
@@ -415,9 +417,9 @@ def test_resume_is_bitwise_identical(runs, monkeypatch):
     for x, y in zip(jax.tree.leaves(a2), jax.tree.leaves(b2)):
         assert np.array_equal(x, y)
     # A finished run: nothing is built, trained or written.
-    monkeypatch.setattr(train, "make_train_step", lambda *a, **k: pytest.fail("trained"))
+    monkeypatch.setattr(step_lib, "make_train_step", lambda *a, **k: pytest.fail("trained"))
     before = sorted(p.name for p in half.rglob("*"))
-    r = train.train_and_evaluate(tiny_config(runs["data"]), str(half))
+    r = loop.train_and_evaluate(tiny_config(runs["data"]), str(half))
     assert r == {"kimg": 0.032, "finished": True}
     assert sorted(p.name for p in half.rglob("*")) == before
 
@@ -425,10 +427,10 @@ def test_resume_is_bitwise_identical(runs, monkeypatch):
 def test_config_mismatch_fails_before_any_step(runs, tmp_path, monkeypatch):
     run = _fresh_copy(runs, tmp_path)
     saved = (run / "config.json").read_text()
-    monkeypatch.setattr(train, "make_train_step", lambda *a, **k: pytest.fail("trained"))
+    monkeypatch.setattr(step_lib, "make_train_step", lambda *a, **k: pytest.fail("trained"))
     cfg = tiny_config(runs["data"], **{"network.model_channels": 16, "optim.ref_lr": 0.02})
     with pytest.raises(ValueError) as e:
-        train.train_and_evaluate(cfg, str(run))
+        loop.train_and_evaluate(cfg, str(run))
     msg = str(e.value)
     assert "network.model_channels: checkpoint 8 vs now 16" in msg
     assert "optim.ref_lr" not in msg  # may change on resume (the rescue of a diverged run)
@@ -444,17 +446,17 @@ class _StopBeforeCompiling(Exception):
 def test_labels_wanted_but_data_unlabelled(tmp_path, monkeypatch):
     data = make_image_folder(tmp_path / "data", labels=False)
     with pytest.raises(ValueError, match="no dataset.json.*use_labels=False"):
-        train.train_and_evaluate(tiny_config(data), str(tmp_path / "run"))
+        loop.train_and_evaluate(tiny_config(data), str(tmp_path / "run"))
     assert not (tmp_path / "run" / "config.json").exists()
     # The fix the message names: an unconditional run, although the config's network
     # asked for 10 classes (the data decide). Stopped once its config is recorded.
     def stop(*args, **kwargs):
         raise _StopBeforeCompiling
-    monkeypatch.setattr(train, "jit_train_step", stop)  # config.json is written by then
+    monkeypatch.setattr(step_lib, "jit_train_step", stop)  # config.json is written by then
     cfg = tiny_config(data, **{"data.use_labels": False})
     assert cfg.network.label_dim == 10
     with pytest.raises(_StopBeforeCompiling):
-        train.train_and_evaluate(cfg, str(tmp_path / "run"))
+        loop.train_and_evaluate(cfg, str(tmp_path / "run"))
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["network"]["label_dim"] == 0 and saved["data"]["use_labels"] is False
 
@@ -463,7 +465,7 @@ def test_missing_fashion_mnist_names_the_package(tmp_path):
     c = _load_fmnist_config("tiny")
     c.data.path = "/nonexistent"
     with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
-        train.train_and_evaluate(c, str(tmp_path / "run"))
+        loop.train_and_evaluate(c, str(tmp_path / "run"))
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -478,9 +480,9 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(runs, tmp_path, monke
         for batch in make_iterator(*args, **kwargs):
             yield dict(batch, image=np.full_like(batch["image"], np.nan))
 
-    monkeypatch.setattr(train.data_lib, "make_iterator", nan_iterator)
-    with pytest.raises(train.NonFiniteLossError, match="non-finite loss.*step 2.*ref_lr"):
-        train.train_and_evaluate(tiny_config(runs["data"]), str(run))
+    monkeypatch.setattr(loop.data_lib, "make_iterator", nan_iterator)
+    with pytest.raises(loop.NonFiniteLossError, match="non-finite loss.*step 2.*ref_lr"):
+        loop.train_and_evaluate(tiny_config(runs["data"]), str(run))
     assert _steps(run) == [2]
     assert _steps(run, "snapshots") == [2]
     step, state = _restore(run)
@@ -540,13 +542,13 @@ def test_eval_during_training_logs_the_metric_of_the_snapshot_ema(tmp_path, monk
     on disk (same seeds, same classifier from the cache), and the tracked EMA is the one
     evaluated (the online weights give other numbers)."""
     from edm2_jax.sampling import generate
-    from edm2_jax.evaluation.evaluate import Metrics
+    from edm2_jax.evaluation.metrics import Metrics
     from edm2_jax.evaluation.classifier import TrainConfig
     monkeypatch.setenv("EDM2_JAX_CACHE", str(tmp_path / "cache"))
     data = make_image_folder(tmp_path / "data")
     run = tmp_path / "run"
     cfg = tiny_config(data, **EVAL_OVERRIDES)
-    train.train_and_evaluate(cfg, str(run))
+    loop.train_and_evaluate(cfg, str(run))
     rows = [json.loads(line) for line in (run / "stats.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/fd_cls" in r]
     assert [r["step"] for r in evals] == [4]  # one snapshot, at the end
@@ -575,11 +577,11 @@ def test_eval_of_an_untracked_ema_fails_before_any_step(tmp_path):
     data = make_image_folder(tmp_path / "data")
     cfg = tiny_config(data, **EVAL_OVERRIDES, **{"eval.sigma_rel": 0.2})
     with pytest.raises(ValueError, match=r"eval.sigma_rel=0.2 is not a tracked EMA"):
-        train.train_and_evaluate(cfg, str(tmp_path / "run"))
+        loop.train_and_evaluate(cfg, str(tmp_path / "run"))
     assert _steps(tmp_path / "run") == []
     cfg = tiny_config(data, **{**EVAL_OVERRIDES, "eval.metrics": "cls,is"})
     with pytest.raises(ValueError, match=r"unknown metrics \['is'\]"):
-        train.train_and_evaluate(cfg, str(tmp_path / "run2"))
+        loop.train_and_evaluate(cfg, str(tmp_path / "run2"))
 
 
 def test_mode_eval_of_the_reference_set_itself_is_the_perfect_score(tmp_path, monkeypatch):
@@ -587,7 +589,7 @@ def test_mode_eval_of_the_reference_set_itself_is_the_perfect_score(tmp_path, mo
     identical sets, so FD 0 (to float64 round-off of a rank-deficient covariance),
     precision and recall 1; an image folder of the same files gives the same numbers;
     asking for more images than exist is an error naming --num_images."""
-    from edm2_jax.evaluation.evaluate import main_eval
+    from edm2_jax.evaluation.commands import main_eval
     from edm2_jax.evaluation.classifier import TrainConfig
     monkeypatch.setenv("EDM2_JAX_CACHE", str(tmp_path / "cache"))
     data = make_image_folder(tmp_path / "data")

@@ -1,4 +1,4 @@
-"""The SD VAE in Flax and the release's latent conventions (issue 12): encode and decode
+"""The SD VAE in Flax and the release's latent conventions: encode and decode
 parity with diffusers' `AutoencoderKL` on random weights at two architectures, the weights
 readers and their errors, the latent scale/bias against the formula by hand, the
 release's latent datasets (zip and folder, `{"labels": null}`, wrong shapes) and their

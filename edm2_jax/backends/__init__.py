@@ -1,1 +1,84 @@
-"""backends."""
+"""Hardware backends: the kernels the network receives, chosen for the machine.
+
+Role: the model (`edm2_jax.model`) is the paper's math and never asks which machine it
+runs on; a `Backend` names the kernel set (`mp.Kernels`) to build it with
+(`precond_from_config(cfg, kernels=backend.kernels)`) and how the training step runs
+on that machine (`unroll_micro_batches`). Every backend computes the same function:
+values equal, gradients equal up to float32 summation order.
+
+    'xla'  the model's own math (plain autodiff): GPU, TPU, and CPU when asked for.
+    'cpu'  XLA:CPU kernels (`backends/cpu.py`): fusion barriers and a chosen 3x3-conv
+           weight-gradient path; the micro-batch loop unrolled.
+
+Selected by `config.backend` (`kernels`: 'auto' | 'xla' | 'cpu', `cpu_conv_grad`,
+`cpu_barriers`): `from_config(config)`, or `select(...)` directly.
+
+May import: jax, numpy and `edm2_jax.model` (and `edm2_jax.paths`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from edm2_jax.backends import cpu
+from edm2_jax.model.mp import MODEL_MATH, Kernels
+
+NAMES = ("auto", "xla", "cpu")
+DEFAULTS = {"kernels": "auto", "cpu_conv_grad": "relayout", "cpu_barriers": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A backend: what the network is built with and how the training step runs.
+
+    Attributes:
+      name: 'xla' or 'cpu' (never 'auto': `select` resolves it).
+      kernels: the kernel set the network takes (`Precond(kernels=...)`).
+      unroll_micro_batches: True: the training step's `lax.scan` over micro-batches is
+        unrolled (on XLA:CPU an unrolled body runs faster, the sums are the same in the
+        same order); False: the loop stays rolled (compile time grows with unrolling).
+      cpu_conv_grad, cpu_barriers: the CPU options it was selected with (they change
+        the kernels only when `name == 'cpu'`).
+    """
+
+    name: str
+    kernels: Kernels
+    unroll_micro_batches: bool
+    cpu_conv_grad: str = "relayout"
+    cpu_barriers: bool = True
+
+
+def select(name: str = "auto", *, cpu_conv_grad: str = "relayout",
+           cpu_barriers: bool = True) -> Backend:
+    """The backend `name`: 'xla', 'cpu', or 'auto' ('cpu' when `jax.default_backend()` is
+    'cpu', else 'xla'). `cpu_conv_grad` ('relayout' | 'xla' | 'matmul') and
+    `cpu_barriers` set the CPU kernels (`backends/cpu.py`). Raises ValueError for any
+    other `name` or `cpu_conv_grad`, naming the valid ones."""
+    if name not in NAMES:
+        raise ValueError(f"backend kernels={name!r}: expected one of {NAMES}")
+    if cpu_conv_grad not in cpu.CONV_GRADS:
+        raise ValueError(f"backend cpu_conv_grad={cpu_conv_grad!r}: expected one of "
+                         f"{cpu.CONV_GRADS} (python benchmarks/conv_grad.py says which is "
+                         "faster here)")
+    if name == "auto":
+        name = "cpu" if jax.default_backend() == "cpu" else "xla"
+    options = dict(cpu_conv_grad=cpu_conv_grad, cpu_barriers=bool(cpu_barriers))
+    if name == "cpu":
+        return Backend("cpu", cpu.kernels(cpu_conv_grad, bool(cpu_barriers)), True, **options)
+    return Backend("xla", MODEL_MATH, False, **options)
+
+
+def from_config(config: Any) -> Backend:
+    """`select` with the fields of `config.backend` (a ConfigDict or mapping with
+    `kernels`, `cpu_conv_grad`, `cpu_barriers`); a config without `backend`, or a
+    `backend` missing fields, takes `DEFAULTS` ('auto', 'relayout', True). Raises
+    ValueError for an unknown field or value."""
+    get = config.get if hasattr(config, "get") else lambda k, d=None: getattr(config, k, d)
+    fields = dict(DEFAULTS, **dict(get("backend", None) or {}))
+    unknown = sorted(set(fields) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown config.backend fields {unknown}; valid: {sorted(DEFAULTS)}")
+    return select(fields["kernels"], cpu_conv_grad=fields["cpu_conv_grad"],
+                  cpu_barriers=fields["cpu_barriers"])

@@ -1,4 +1,16 @@
-"""Training data: sources behind one interface, and the batch pipeline.
+"""Training data: sources behind one interface (`base.Source`), the batch pipeline, and
+the dataset tool that writes data sets in the EDM2 release's formats.
+
+Layer: above `edm2_jax.model`, below the run directory and everything after it. Modules
+here may import `edm2_jax.paths` and `edm2_jax.model` (the SD-VAE: `vae.check_encoder`,
+the latent channel counts, and the encoder/decoder of `dataset_tool encode` / `decode`),
+never run/, training/ or any later layer.
+
+  base.py            the `Source` base class, `XFlip`, the image-fitting transforms
+  fashion_mnist.py, image_folder.py, latents.py, tfds_source.py    the sources
+  pipeline.py        shuffled, sharded, resumable batches (`make_iterator`)
+  dataset_tool.py    `python -m edm2_jax.data.dataset_tool convert|encode|decode`
+  dataset_inputs.py, dataset_convert.py    what the dataset tool reads and writes
 
     from edm2_jax import configs, data
     cfg = configs.base_config()

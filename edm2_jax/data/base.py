@@ -22,7 +22,7 @@ are raised lazily but always name the offending file.
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import abc
 
 import numpy as np
 import PIL.Image
@@ -31,27 +31,36 @@ NO_LABEL = -1  # label returned by sources opened with use_labels=False (label_d
 TRANSFORMS = ("center-crop-dhariwal", "center-crop", "none")
 
 
-@runtime_checkable
-class Source(Protocol):
-    """Random-access labelled images; see the module docstring for the contract."""
+class Source(abc.ABC):
+    """Random-access labelled images; see the module docstring for the contract.
+
+    A subclass sets `name`, `resolution`, `num_channels` and `label_dim` (attributes or
+    properties) and implements `__len__` and `_load(i)`, which is called only with
+    `0 <= i < len(self)`. `source[i]` outside that range raises IndexError naming the
+    source and its size.
+    """
 
     name: str
+    resolution: int       # H == W, pixels (latent sources: latent pixels)
+    num_channels: int     # C the network sees
+    label_dim: int        # number of classes L; 0 = unconditional
+    encoder: str = "none"  # 'none' (pixels) or 'sd-vae' (raw latents, `latents.LatentFolder`)
 
+    @abc.abstractmethod
     def __len__(self) -> int: ...
 
-    def __getitem__(self, i: int) -> tuple[np.ndarray, int]: ...
+    @abc.abstractmethod
+    def _load(self, i: int) -> tuple[np.ndarray, int]:
+        """Item `i` (already range-checked) -> (image, label)."""
 
     @property
-    def resolution(self) -> int: ...
+    def num_images(self) -> int:
+        return len(self)
 
-    @property
-    def num_channels(self) -> int: ...
-
-    @property
-    def label_dim(self) -> int: ...
-
-    @property
-    def num_images(self) -> int: ...
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"index {i} out of range for {self.name} with {len(self)} images")
+        return self._load(i)
 
 
 def describe(source: Source) -> str:
@@ -68,7 +77,7 @@ def network_kwargs(source: Source) -> dict:
                 label_dim=int(source.label_dim))
 
 
-class XFlip:
+class XFlip(Source):
     """Doubles a source with mirrored copies, as the release's `--xflip`: index `i < N` is
     `source[i]`, index `N + i` is `source[i]` flipped left-right. Off by default."""
 
@@ -82,14 +91,8 @@ class XFlip:
     def __len__(self) -> int:
         return 2 * len(self.source)
 
-    @property
-    def num_images(self) -> int:
-        return len(self)
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+    def _load(self, i: int) -> tuple[np.ndarray, int]:
         n = len(self.source)
-        if not 0 <= i < 2 * n:
-            raise IndexError(f"index {i} out of range for {self.name} with {2 * n} images")
         image, label = self.source[i % n]
         return (image[:, ::-1] if i >= n else image), label
 

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from edm2_jax.data.base import NO_LABEL
+from edm2_jax.data.base import NO_LABEL, Source
 
 DEFAULT_PATH = "/usr/share/datasets/fashion-mnist"
 INSTALL_HINT = "sudo apt-get install dataset-fashion-mnist"
@@ -53,7 +53,7 @@ def _read_idx(fname: str, magic: int, dims: tuple[int, ...]) -> np.ndarray:
     return np.frombuffer(data, np.uint8, offset=header.nbytes).reshape(n, *dims)
 
 
-class FashionMNIST:
+class FashionMNIST(Source):
     """Fashion-MNIST split as a `Source`: uint8 [32, 32, 1] images, labels in [0, 10).
 
     Args:
@@ -96,11 +96,5 @@ class FashionMNIST:
     def __len__(self) -> int:
         return len(self.images)
 
-    @property
-    def num_images(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
-        if not 0 <= i < len(self.images):
-            raise IndexError(f"index {i} out of range for {self.name} with {len(self)} images")
+    def _load(self, i: int) -> tuple[np.ndarray, int]:
         return self.images[i], (int(self.labels[i]) if self.label_dim else NO_LABEL)

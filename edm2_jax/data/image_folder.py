@@ -29,7 +29,7 @@ import zlib
 import numpy as np
 import PIL.Image
 
-from edm2_jax.data.base import NO_LABEL
+from edm2_jax.data.base import NO_LABEL, Source
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 # PIL mode -> channels of the uint8 array we return (P, 1 and CMYK are converted on decode).
@@ -52,7 +52,7 @@ def _png_header(head: bytes) -> tuple[int, int, str] | None:
     return None if mode is None else (width, height, mode)
 
 
-class ImageFolder:
+class ImageFolder(Source):
     """A directory or `.zip` of same-sized square images (+ optional dataset.json) as a `Source`.
 
     Args:
@@ -66,7 +66,6 @@ class ImageFolder:
     """
 
     EXTENSIONS = IMAGE_EXTENSIONS  # the files this source reads; others are ignored
-    encoder = "none"               # pixels (vae.ENCODERS); the latent sources say 'sd-vae'
 
     def __init__(self, path: str, *, use_labels: bool = True, resolution: int = 0):
         if not path:
@@ -220,15 +219,9 @@ class ImageFolder:
     def __len__(self) -> int:
         return len(self.fnames)
 
-    @property
-    def num_images(self) -> int:
-        return len(self.fnames)
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+    def _load(self, i: int) -> tuple[np.ndarray, int]:
         """Decode image `i` -> (uint8 [R, R, C], label). ValueError naming the file if it
         cannot be decoded or does not match the size seen when the data set was opened."""
-        if not 0 <= i < len(self.fnames):
-            raise IndexError(f"index {i} out of range for {self.name} with {len(self)} images")
         fname = self.fnames[i]
         try:
             with PIL.Image.open(io.BytesIO(self._read(fname))) as img:

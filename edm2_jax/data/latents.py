@@ -103,11 +103,9 @@ class LatentFolder(ImageFolder):
             side = self._shape(fname, shape, dtype, side)
         self.resolution, self.num_channels = side, vae.LATENT_CHANNELS
 
-    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+    def _load(self, i: int) -> tuple[np.ndarray, int]:
         """Raw latents `i` -> (float32 `[R, R, 8]` channels-last, label). ValueError
         naming the file if it cannot be read or does not have the data set's shape."""
-        if not 0 <= i < len(self.fnames):
-            raise IndexError(f"index {i} out of range for {self.name} with {len(self)} images")
         fname = self.fnames[i]
         try:
             array = np.load(io.BytesIO(self._read(fname)), allow_pickle=False)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from edm2_jax.data.base import NO_LABEL, check_transform, fit_resolution
+from edm2_jax.data.base import NO_LABEL, Source, check_transform, fit_resolution
 
 PIP_HINT = "pip install tensorflow-datasets array_record"
 
@@ -54,7 +54,7 @@ def open_tfds(name: str, *, split: str = "train", data_dir: str = "", use_labels
                       resolution=resolution, transform=transform)
 
 
-class TFDSSource:
+class TFDSSource(Source):
     """A random-access tfds data source (anything with `__len__`, `__getitem__ -> dict` and
     `dataset_info.features`) as a `Source`.
 
@@ -99,15 +99,9 @@ class TFDSSource:
     def __len__(self) -> int:
         return len(self._ds)
 
-    @property
-    def num_images(self) -> int:
-        return len(self._ds)
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+    def _load(self, i: int) -> tuple[np.ndarray, int]:
         """Example `i` -> (uint8 [R, R, C] image, label); ValueError naming the example if
         its image is not uint8 with `num_channels` channels."""
-        if not 0 <= i < len(self._ds):
-            raise IndexError(f"index {i} out of range for {self.name} with {len(self)} images")
         example = self._ds[i]
         image = np.asarray(example["image"])
         image = image[..., None] if image.ndim == 2 else image

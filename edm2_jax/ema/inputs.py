@@ -6,15 +6,15 @@ kimg -> nimg rule (`RELEASE_NAME_RE`, `parse_release_name`, `release_kimg_to_nim
 reading a release pickle as a snapshot (`release_pickle_variables`),
 `import_release_snapshots` and `input_network`.
 
-  * a training run (`rundir.py`): `WORKDIR/snapshots/<step>/` written by
-    `rundir.TrainCheckpoints.save_snapshot` (Orbax Composite: `ema` =
+  * a training run (`run/snapshots.py`): `WORKDIR/snapshots/<step>/` written by
+    `checkpoints.TrainCheckpoints.save_snapshot` (Orbax Composite: `ema` =
     `{'power': {'0.050': params, ...}}`, `meta` = JSON with `nimg`, `sigma_rels`,
     `ema_keys`). One snapshot holds every tracked EMA at `nimg = meta['nimg']`.
     Net config: `WORKDIR/config.json['network']`; MPFourier buffers: the snapshot's
     `buffers` item when present, else the latest `WORKDIR/checkpoints/<step>`
-    (`rundir.run_buffers`).
+    (`snapshots.run_buffers`).
   * imported release snapshots: a directory whose sub-directories are network checkpoints
-    (`checkpoint.save_network`), one per raw power-EMA snapshot of the release, e.g.
+    (`network_dir.save_network`), one per raw power-EMA snapshot of the release, e.g.
     written by `import_release_snapshots` from the published
     `edm2-img512-xs-0134217-0.050.pkl` files. Convention for each one's time and width:
     `meta['nimg']` and `meta['sigma_rel']` when the meta has them; otherwise parsed from
@@ -45,11 +45,12 @@ from typing import Sequence
 from tqdm import tqdm
 
 from edm2_jax.run import network_dir as ckpt_lib
-from edm2_jax.release import convert
+from edm2_jax.release import convert, pickle_io
 from edm2_jax.ema import power as ema_lib
 from edm2_jax import paths
 from edm2_jax.run import integrity
-from edm2_jax.run import rundir
+from edm2_jax.run import layout
+from edm2_jax.run import snapshots
 
 # Release snapshot names: `edm2-img512-xs-0134217-0.050.pkl` -> kimg 134217, sigma_rel 0.050.
 RELEASE_NAME_RE = re.compile(r"-(\d+)-(\d*\.\d+)(?:\.[A-Za-z0-9]+)?$")
@@ -101,11 +102,11 @@ def parse_release_name(name: str) -> tuple[int, float] | None:
 @functools.lru_cache(maxsize=1)
 def release_pickle_variables(path: str) -> tuple[dict, dict]:
     """`(net_config, variables)` of the release network pickle `path` (its `'ema'`
-    network, float32 numpy, this project's layout; `convert.load_release` and
+    network, float32 numpy, this project's layout; `pickle_io.load_release` and
     `convert.state_dict_to_variables`). The last file read is cached: post-hoc EMA asks
     for one snapshot's layout, then its tensors. Raises what those raise (ImportError
     without torch)."""
-    weights = convert.load_release(path)
+    weights = pickle_io.load_release(path)
     return convert.state_dict_to_variables(weights.state_dict,
                                            convert.net_config_from_release(weights))
 
@@ -157,17 +158,17 @@ def find_snapshots(workdir: str) -> tuple[str, list[SnapshotFile]]:
     FileNotFoundError naming the layouts when there are none.
     """
     workdir = paths.normalize(workdir)  # local or gs:// (paths.py)
-    snap_dir = os.path.join(workdir, rundir.SNAPSHOTS)
+    snap_dir = os.path.join(workdir, layout.SNAPSHOTS)
     if paths.listdir(snap_dir):
         files = []
-        for step, meta in rundir.list_snapshots(workdir):
+        for step, meta in snapshots.list_snapshots(workdir):
             by_key = {ema_lib.ema_key(s): float(s) for s in meta["sigma_rels"]}
             keys = [k for k in meta["ema_keys"] if k in by_key]
             files.append(SnapshotFile(
-                label=f"{rundir.SNAPSHOTS}/{step}", nimg=int(meta["nimg"]),
+                label=f"{layout.SNAPSHOTS}/{step}", nimg=int(meta["nimg"]),
                 sigma_rels=tuple(by_key[k] for k in keys),
                 tree_paths=tuple(("power", k) for k in keys),
-                directory=rundir.snapshot_item(workdir, step, "ema")))
+                directory=layout.snapshot_item(workdir, step, "ema")))
         if files:
             return "run", sorted(files, key=lambda f: f.nimg)
     files = []
@@ -195,9 +196,9 @@ def find_snapshots(workdir: str) -> tuple[str, list[SnapshotFile]]:
 
 def input_network(kind: str, workdir: str, files: Sequence[SnapshotFile]) -> tuple[dict, dict]:
     """`(net_config, buffers)` (numpy buffers) of the snapshots `find_snapshots` found:
-    a run's (`rundir`), or, for network checkpoints and pickles, the first one's."""
+    a run's (`run.snapshots`), or, for network checkpoints and pickles, the first one's."""
     if kind == "run":
-        return rundir.network_config(workdir), rundir.run_buffers(workdir)
+        return layout.network_config(workdir), snapshots.run_buffers(workdir)
     if kind == "pickles":
         net_config, variables = release_pickle_variables(files[0].directory)
         return net_config, variables["buffers"]
@@ -212,7 +213,7 @@ def input_checker(kind: str, workdir: str, f: SnapshotFile):
     """`checker(name, array)` (`integrity.LeafChecker`) of snapshot `f`'s arrays, named
     `'/'.join(tree_path + key path)`: its recorded checksums and finiteness."""
     if kind == "run":
-        return rundir.snapshot_checker(workdir, int(f.label.rsplit("/", 1)[1]))
+        return snapshots.snapshot_checker(workdir, int(f.label.rsplit("/", 1)[1]))
     if kind == "pickles":  # no checksums recorded: finiteness only
         return integrity.LeafChecker(None, f.directory, "Re-download or re-copy the file.")
     return ckpt_lib.network_checker(os.path.dirname(f.directory))

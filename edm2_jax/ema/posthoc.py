@@ -1,9 +1,11 @@
 """Post-hoc EMA: any power-function EMA, after training, from saved snapshots
-(paper Sec. 3.2 and App. C.3, Algorithm 3; docs/recipe.md §5).
+(paper Sec. 3.2 and App. C.3, Algorithm 3; docs/recipe.md §5). This module gathers the
+public API of the post-hoc modules of `edm2_jax.ema` in one namespace
+(`posthoc.reconstruct`, `posthoc.solve_weights`, ...); it defines nothing itself.
 
 Training saves snapshots of a few power-function EMAs (`sigma_rel` 0.05 and 0.10 every
 8Mi in the paper); any other EMA length is the least-squares combination of the
-snapshots' profiles, applied to their weights. Like the authors' release (the math in
+snapshots' profiles, applied to their weights. As in the authors' release (the math in
 `training/phema.py`, the I/O in `reconstruct_phema.py`), the math is apart from the I/O:
 
     solver.py          profile inner products, the Algorithm-3 solve, its profile
@@ -12,10 +14,10 @@ snapshots' profiles, applied to their weights. Like the authors' release (the ma
                        release snapshots) and the network they belong to; the release's
                        file naming
     streaming.py       reading snapshot EMAs tensor by tensor in bounded memory
-                       (TensorStore, Orbax as the fallback; glibc tuning)
+                       (TensorStore, Orbax as the fallback)
     reconstruction.py  `reconstruct`: solve, stream the snapshots into accumulators,
                        write network checkpoints; `--mode=phema`
-    sigma_sweep.py     `sweep`: the sigma_rel sweep with its CSV and plot;
+    sweep.py           `sweep`: the sigma_rel sweep with its CSV and plot;
                        `--mode=phema_sweep`
 
 Command line (dispatched by main.py):
@@ -23,9 +25,8 @@ Command line (dispatched by main.py):
 [--at_kimg=...] [--outdir=...] [--per_tensor='emb=0.10']`; RUN may also be a release
 run directory (`network-snapshot-<kimg>-<sigma_rel>.pkl`) or downloaded raw snapshots.
 
-This package re-exports the public API of its modules (`phema.reconstruct`,
-`phema.solve_weights`, ...). (No module is named after a function it exports, so that
-`phema.reconstruct` and `phema.sweep` are always the functions.)
+No module is named after a function it exports, so that `posthoc.reconstruct` and
+`posthoc.sweep` are always the functions.
 """
 from edm2_jax.ema.inputs import (RELEASE_NAME_RE, SnapshotFile, find_snapshots,
                                    import_release_snapshots, input_network,

@@ -12,7 +12,7 @@ freed. Memory: the outputs plus a few tensors (figures in benchmarks/README.md,
 "Post-hoc EMA").
 
 Outputs: network checkpoints `OUT_DIR/phema-<kimg:07d>-<sigma_rel:.3f>/` (default
-`OUT_DIR = WORKDIR/phema`) loadable with `checkpoint.load_network`; their meta records
+`OUT_DIR = WORKDIR/phema`) loadable with `network_dir.load_network`; their meta records
 `sigma_rel`, `nimg`, the input snapshots and their weights, and `profile_error` (the
 relative L2 distance between the reconstructed and the wanted profile).
 
@@ -256,64 +256,61 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
         else:
             todo.append(k)
 
-    with streaming.mmap_large_allocations():
-        for b0 in range(0, len(todo), batch_outputs):
-            batch = todo[b0:b0 + batch_outputs]
-            cols = np.array(batch + [len(sigma_rels) + j for j in range(len(per_tensor))])
-            acc, nbytes, t0 = None, 0, time.time()  # acc[j]: flat output batch[j]
-            active = [fi for fi in range(len(files))
-                      if any(np.any(X[i, cols] != 0)
-                             for i, (f2, _) in enumerate(inputs) if f2 == fi)]
-            bar = tqdm(active, desc=f"phema {b0 // batch_outputs + 1}/"
-                       f"{math.ceil(len(todo) / batch_outputs)}", unit="snapshot",
-                       disable=not progress, dynamic_ncols=True)
-            for fi in bar:
-                f = files[fi]
-                rows = [i for i, (f2, _) in enumerate(inputs) if f2 == fi]
-                rows = [i for i in rows if np.any(X[i, cols] != 0)]
-                tree_keys = (streaming.orbax_tree_keys(f.directory)
-                             if f.fmt == "orbax" else None)
-                context = streaming.ts_context()  # one per file
-                for i in rows:
-                    tree_path = f.tree_paths[inputs[i][1]]
-                    if acc is None:  # the layout from the first EMA read
-                        layout = streaming.flat_layout(streaming.ema_tree(f, tree_path),
-                                                       per_tensor)
-                        acc = _Accumulators(len(batch), layout.size, device)
-                    try:
-                        reader = streaming.make_reader(f, tree_path, layout, context, tree_keys)
-                    except streaming.StructureError as e:
-                        raise ValueError(
-                            f"{f.label}: the EMA at {'/'.join(tree_path)} has other tensors "
-                            f"than the first snapshot ({e}); all snapshots must come from the "
-                            f"same network") from None
-                    # w[g]: weights of this input in the batch's outputs for tensor group g
-                    # (0: each output's own sigma_rel, g > 0: per_tensor[g - 1]'s).
-                    w = [X[i, batch]] + [np.full(len(batch), X[i, len(sigma_rels) + g])
-                                         for g in range(len(per_tensor))]
-                    w = [acc.weights(wg) for wg in w]
-                    checked = _checked_reader(reader, input_checker(kind, workdir, f),
-                                              tree_path, layout)
-                    for offset, g, chunk in layout.chunks(checked):
-                        acc.add(offset, chunk, w[g])
-                        nbytes += chunk.nbytes
-                        del chunk
-                    del reader, checked
-                    streaming.release_free_memory()
-                del context
-                bar.set_postfix_str(f"{nbytes / max(time.time() - t0, 1e-9) / 1e9:.2f} GB/s")
-            bar.close()
-            # Write the outputs one at a time, each straight from its accumulator (views of
-            # it on the host), and drop each accumulator as soon as it is written: the first
-            # output costs no more than the accumulators themselves.
-            for j, k in enumerate(batch):
-                flat = acc.pop_host(j)
-                ckpt_lib.save_network(paths[k], {"params": layout.unflatten(flat),
-                                                 "buffers": buffers},
-                                      net_config, meta_of(k), low_memory=True)
-                del flat
-                streaming.release_free_memory()
-            del acc
+    for b0 in range(0, len(todo), batch_outputs):
+        batch = todo[b0:b0 + batch_outputs]
+        cols = np.array(batch + [len(sigma_rels) + j for j in range(len(per_tensor))])
+        acc, nbytes, t0 = None, 0, time.time()  # acc[j]: flat output batch[j]
+        active = [fi for fi in range(len(files))
+                  if any(np.any(X[i, cols] != 0)
+                         for i, (f2, _) in enumerate(inputs) if f2 == fi)]
+        bar = tqdm(active, desc=f"phema {b0 // batch_outputs + 1}/"
+                   f"{math.ceil(len(todo) / batch_outputs)}", unit="snapshot",
+                   disable=not progress, dynamic_ncols=True)
+        for fi in bar:
+            f = files[fi]
+            rows = [i for i, (f2, _) in enumerate(inputs) if f2 == fi]
+            rows = [i for i in rows if np.any(X[i, cols] != 0)]
+            tree_keys = (streaming.orbax_tree_keys(f.directory)
+                         if f.fmt == "orbax" else None)
+            context = streaming.ts_context()  # one per file
+            for i in rows:
+                tree_path = f.tree_paths[inputs[i][1]]
+                if acc is None:  # the layout from the first EMA read
+                    layout = streaming.flat_layout(streaming.ema_tree(f, tree_path),
+                                                   per_tensor)
+                    acc = _Accumulators(len(batch), layout.size, device)
+                try:
+                    reader = streaming.make_reader(f, tree_path, layout, context, tree_keys)
+                except streaming.StructureError as e:
+                    raise ValueError(
+                        f"{f.label}: the EMA at {'/'.join(tree_path)} has other tensors "
+                        f"than the first snapshot ({e}); all snapshots must come from the "
+                        f"same network") from None
+                # w[g]: weights of this input in the batch's outputs for tensor group g
+                # (0: each output's own sigma_rel, g > 0: per_tensor[g - 1]'s).
+                w = [X[i, batch]] + [np.full(len(batch), X[i, len(sigma_rels) + g])
+                                     for g in range(len(per_tensor))]
+                w = [acc.weights(wg) for wg in w]
+                checked = _checked_reader(reader, input_checker(kind, workdir, f),
+                                          tree_path, layout)
+                for offset, g, chunk in layout.chunks(checked):
+                    acc.add(offset, chunk, w[g])
+                    nbytes += chunk.nbytes
+                    del chunk
+                del reader, checked
+            del context
+            bar.set_postfix_str(f"{nbytes / max(time.time() - t0, 1e-9) / 1e9:.2f} GB/s")
+        bar.close()
+        # Write the outputs one at a time, each straight from its accumulator (views of
+        # it on the host), and drop each accumulator as soon as it is written: the first
+        # output costs no more than the accumulators themselves.
+        for j, k in enumerate(batch):
+            flat = acc.pop_host(j)
+            ckpt_lib.save_network(paths[k], {"params": layout.unflatten(flat),
+                                             "buffers": buffers},
+                                  net_config, meta_of(k), low_memory=True)
+            del flat
+        del acc
     return paths
 
 

@@ -10,20 +10,16 @@ Owns:
     them in layout order with a bounded prefetch (`_PREFETCH`); `_EmaReader`, the
     fallback, reads through Orbax's restore in about `_PARTS` parts; `_PickleReader`
     serves a release network pickle, read whole; `make_reader` checks the EMA's tensors
-    against the layout and picks one;
-  * glibc memory tuning while reading (`mmap_large_allocations`,
-    `release_free_memory`): Orbax/TensorStore decode with many threads, and glibc keeps
-    what they free in per-thread arenas.
+    against the layout and picks one.
+
+The library leaves the process's allocator alone; how the host allocator affects the
+memory of reading many snapshots is for the entry point (`edm2_jax/process.py`).
 
 Measured memory and throughput: benchmarks/README.md, "Post-hoc EMA".
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -170,7 +166,6 @@ class _EmaReader:
 
     def __call__(self, n: int) -> np.ndarray:
         if n not in self.loaded:
-            release_free_memory()  # the previous part, freed in TensorStore's arenas
             part = [m for m, p in self.part_of.items() if p == self.part_of[n]]
             trees = ckpt_lib.restore_partial(
                 self.directory, [self.tree_path + self.layout.keys[m] for m in part], self.md)
@@ -329,54 +324,3 @@ def make_reader(f: SnapshotFile, tree_path: tuple, layout: FlatLayout, context,
             tuple(m.shape) for m in jax.tree.leaves(ema_md)] != list(layout.shapes):
         raise StructureError("other tensor names or shapes")
     return _EmaReader(f.directory, md, tree_path, layout)
-
-
-# --------------------------------------------------------------------------------------
-# glibc memory tuning
-
-
-@functools.lru_cache(maxsize=None)
-def _libc():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-def release_free_memory() -> None:
-    """Hand freed heap memory back to the OS (glibc `malloc_trim`; no-op elsewhere).
-    Orbax/TensorStore read with many threads, and glibc keeps what they free in
-    per-thread arenas: without this the RSS grows by ~0.7 of an EMA per snapshot read
-    through Orbax's restore."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-# glibc `mallopt` parameter number of M_MMAP_THRESHOLD (malloc.h); the threshold while
-# reading snapshots, and glibc's ceiling for its dynamic one, restored afterwards.
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD = 1 << 20
-_MMAP_THRESHOLD_MAX = 32 << 20
-
-
-@contextlib.contextmanager
-def mmap_large_allocations():
-    """While reading snapshots, let glibc serve allocations of >= 1 MiB with their own
-    mmap (M_MMAP_THRESHOLD; no-op elsewhere), so that the tensors TensorStore's threads
-    decode go back to the OS when freed instead of fragmenting per-thread arenas (reading
-    32 snapshot EMAs of img512-xxs, the RSS crept up by ~0.4 parameter copies without
-    this, ~0.05 with it). A fixed 1 MiB costs a page fault per 4 KiB of each fresh large
-    buffer, small next to decoding it, but would slow XLA's per-step temporaries later
-    on; glibc's dynamic threshold (128 KiB rising to 32 MiB with use) cannot be switched
-    back on, so afterwards the threshold is set to its usual steady state, 32 MiB."""
-    libc = _libc()
-    ok = libc is not None and hasattr(libc, "mallopt")
-    if ok:
-        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
-    try:
-        yield
-    finally:
-        if ok:
-            libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)

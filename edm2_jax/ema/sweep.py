@@ -14,8 +14,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from edm2_jax.run import network_dir as ckpt_lib
-from edm2_jax.evaluation import evaluate
-from edm2_jax.run import rundir
+from edm2_jax.evaluation import metrics as metrics_lib
+from edm2_jax.evaluation.images import net_images
+from edm2_jax.run import layout
 from edm2_jax import paths as paths_lib
 from edm2_jax.ema.reconstruction import reconstruct
 
@@ -23,7 +24,7 @@ from edm2_jax.ema.reconstruction import reconstruct
 def run_data_config(workdir: str) -> dict | None:
     """The `data` section of a training run's `WORKDIR/config.json` (the reference data
     of a sweep's metric when no `--config` is given), or None when there is none."""
-    config = rundir.read_config(workdir)
+    config = layout.read_config(workdir)
     data = config.get("data") if config is not None else None
     return dict(data) if isinstance(data, dict) and data.get("source") else None
 
@@ -104,26 +105,25 @@ def main_sweep(workdir: str, sigma_rels: Sequence[float], *, metrics: str = "fid
     (or a pixel-space run with it) fails before any reconstruction. Raises ValueError for an unknown metric or when there is no
     reference data (and, for fid / fd_dinov2, no `ref`). Returns `(csv_path, png_path)`."""
     metric = metrics.split(",")[0].strip()
-    if metric not in evaluate.METRICS:
+    if metric not in metrics_lib.METRICS:
         raise ValueError(f"--metrics={metric}: the sweep measures one of "
-                         f"{', '.join(evaluate.METRICS)}")
-    key = "fd_cls" if metric == "cls" else evaluate.metric_key(metric, num_images)
-    has_ref = metric in evaluate.FD_METRICS and ref
+                         f"{', '.join(metrics_lib.METRICS)}")
+    key = "fd_cls" if metric == "cls" else metrics_lib.metric_key(metric, num_images)
+    has_ref = metric in metrics_lib.FD_METRICS and ref
     data_config = data_config if data_config is not None else run_data_config(workdir)
     if data_config is None and not has_ref:
         raise ValueError(f"--metrics={metric} needs reference data: pass --config "
                          f"(its data section)"
-                         f"{' or --ref' if metric in evaluate.FD_METRICS else ''}; "
+                         f"{' or --ref' if metric in metrics_lib.FD_METRICS else ''}; "
                          f"{workdir} has no config.json with a data section")
     from edm2_jax.sampling import generate
     vae = generate.check_vae(workdir, vae_path)  # latent run: --vae, before anything heavy
     # References (Inception / DINOv2 stats, classifier features) once for the whole sweep.
-    suite = evaluate.Metrics([metric], num_images, ref=ref, data_config=data_config,
-                             ref_split=ref_split, dinov2=dinov2, vae=vae)
+    suite = metrics_lib.Metrics([metric], num_images, ref=ref, data_config=data_config,
+                                ref_split=ref_split, dinov2=dinov2, vae=vae)
 
     def metric_fn(net_path: str) -> float:
-        imgs = evaluate.net_images(net_path, range(num_images), batch_size, num_steps=num_steps,
-                                   vae=vae)
+        imgs = net_images(net_path, range(num_images), batch_size, num_steps=num_steps, vae=vae)
         return suite(np.concatenate(list(imgs)))[key]
 
     csv_path, png = sweep(workdir, sigma_rels, metric_fn, at_kimg=at_kimg, out_dir=out_dir,

@@ -1,15 +1,11 @@
-"""Classifier-feature metrics for small data sets where Inception-v3 is a poor judge.
+"""The project's small image classifier of a labelled data set, trained once and cached:
+the feature space of the `cls` metrics (`classifier_metrics`) on small data sets where
+Inception-v3 is a poor judge.
 
 Inception-v3 was trained on 299x299 ImageNet photographs; on 32x32 grey-scale
-Fashion-MNIST its features say little. Instead the project trains a small CNN once on the
-data set's own train split, checks it on the test split, caches it, and measures
-generated images in its penultimate feature space:
-
-- `fd_cls`: Frechet distance of the classifier features (the FID formula, Heusel et al.
-  2017 Eq. 6, but *not* FID: the features are not Inception's, so numbers are comparable
-  only between runs that use the same cached classifier);
-- `kid_cls`: KID (Binkowski et al. 2018) on the same features;
-- `precision_cls`, `recall_cls`: improved precision/recall (Kynkaanniemi et al. 2019), k = 3.
+Fashion-MNIST its features say little. Instead a small CNN (`SmallCNN`) is trained on the
+data set's own train split, checked on the test split and cached; `Classifier.features`
+gives its normalised penultimate features.
 
     from edm2_jax import data
     from edm2_jax.evaluation import classifier
@@ -17,8 +13,6 @@ generated images in its penultimate feature space:
     test = data.make_source({'source': 'fashion_mnist', 'split': 'test'})
     clf, acc = classifier.get_classifier(train, test)  # trains once (~minutes on CPU), then cached
     feats = clf.features(images_uint8)                 # [N, 128] float32
-    m = classifier.evaluate_features_metrics(gen_uint8, train, clf)
-    # {'fd_cls': ..., 'kid_cls': ..., 'precision_cls': ..., 'recall_cls': ..., ...}
 
 The cache lives in `~/.cache/edm2_jax/classifier-<source>-<hash>/` (override with the
 `cache_dir` argument or the EDM2_JAX_CACHE environment variable); the hash covers the
@@ -42,8 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
-from edm2_jax.evaluation import stats
 
 Array = jax.Array
 CACHE_VERSION = 1  # bump when the architecture or training procedure changes meaning
@@ -361,61 +353,5 @@ def get_classifier(source_train, source_test, cache_dir: str | None = None,
     return clf, clf.test_accuracy
 
 
-# ---------------------------------------------------------------------------------------
-# Metrics.
-
-def evaluate_features_metrics(gen_uint8, ref, classifier: Classifier, *,
-                              kid_subsets: int = 100, kid_subset_size: int = 1000,
-                              pr_k: int = 3, pr_num_ref: int | None = None,
-                              seed: int = 0) -> dict:
-    """FD, KID and precision/recall of generated images against reference images, all in
-    the classifier's feature space (never call `fd_cls` FID: the features are not
-    Inception-v3's).
-
-    Args:
-      gen_uint8: uint8 `[N_g, H, W, C]` generated images.
-      ref: uint8 `[N_r, H, W, C]` reference images, a data `Source` (all its images), or
-        float `[N_r, feature_dim]` reference features from `classifier.features` (to
-        extract them once when evaluating many checkpoints).
-      classifier: from `get_classifier`.
-      kid_subsets, kid_subset_size: KID subsets (100 of min(1000, N_g, N_r) as StyleGAN).
-      pr_k: neighbourhood size of precision/recall.
-      pr_num_ref: reference images used for precision/recall, drawn at random with `seed`;
-        None = min(N_r, N_g): equal set sizes, as Kynkaanniemi et al. (the k-NN radii
-        depend on the set size). FD and KID always use every reference image.
-    Returns: dict with float `fd_cls`, `kid_cls`, `precision_cls`, `recall_cls` and int
-      `num_gen`, `num_ref`.
-    Raises ValueError for images of the wrong dtype / shape, or fewer than `pr_k + 1`
-    images in a set.
-    """
-    gen_feats = classifier.features(classifier.check_images(gen_uint8, "gen_uint8"))
-    if isinstance(ref, np.ndarray) and np.issubdtype(ref.dtype, np.floating):
-        if ref.ndim != 2 or ref.shape[1] != classifier.feature_dim:
-            raise ValueError(f"reference features must be [N, {classifier.feature_dim}] from "
-                             f"classifier.features(images), got shape {ref.shape}")
-        ref_feats = ref
-    else:
-        ref_images = ref if isinstance(ref, np.ndarray) else source_arrays(ref)[0]
-        ref_feats = classifier.features(classifier.check_images(ref_images, "reference images"))
-    if len(gen_feats) < pr_k + 1 or len(ref_feats) < pr_k + 1:
-        raise ValueError(f"need at least {pr_k + 1} generated and reference images, got "
-                         f"{len(gen_feats)} and {len(ref_feats)}")
-    mu_g, sigma_g = stats.FeatureStats.from_features(gen_feats).mean_cov()
-    mu_r, sigma_r = stats.FeatureStats.from_features(ref_feats).mean_cov()
-    n_pr = min(len(ref_feats), len(gen_feats)) if pr_num_ref is None else int(pr_num_ref)
-    pr_idx = np.random.default_rng(seed).choice(len(ref_feats), min(n_pr, len(ref_feats)),
-                                                replace=False)
-    precision, recall = stats.precision_recall(ref_feats[pr_idx], gen_feats, k=pr_k)
-    return {
-        "fd_cls": stats.frechet_distance(mu_g, sigma_g, mu_r, sigma_r),
-        "kid_cls": stats.kid(gen_feats, ref_feats, kid_subsets, kid_subset_size, seed),
-        "precision_cls": precision,
-        "recall_cls": recall,
-        "num_gen": len(gen_feats),
-        "num_ref": len(ref_feats),
-    }
-
-
-__all__ = ["Classifier", "SmallCNN", "TrainConfig", "default_cache_dir",
-           "evaluate_features_metrics", "get_classifier", "num_stages", "source_arrays",
-           "train_classifier"]
+__all__ = ["Classifier", "SmallCNN", "TrainConfig", "default_cache_dir", "get_classifier",
+           "num_stages", "source_arrays", "train_classifier"]

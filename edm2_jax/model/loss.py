@@ -10,7 +10,8 @@ with `ln sigma ~ N(P_mean, P_std^2)` and `logvar` the network's uncertainty head
 training objective is the per-image sum of `loss` over pixels and channels, averaged over
 the batch (`objective = mean(per_image_loss)`, i.e. `sum(loss) / batch` as in the release).
 
-Owns the loss and the training objective: `edm2_loss_per_element` (the one signature:
+Owns the loss and the training objective: `uncertainty_loss` (Eq. 21 of the network's
+outputs) and its inverse `weighted_mse`, `edm2_loss_per_element` (the one signature:
 variables, network, images, labels and the random draws), `edm2_loss` (per image, with
 the logged means) and `edm2_objective` (the scalar the training step differentiates).
 
@@ -24,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -41,6 +43,26 @@ def loss_weight(sigma: Array, sigma_data: float = 0.5) -> Array:
     """EDM loss weight `lambda(sigma) = (sigma^2 + sigma_data^2) / (sigma sigma_data)^2`
     (= 1 / c_out^2, which gives the network target unit variance). Same shape as `sigma`."""
     return (sigma**2 + sigma_data**2) / (sigma * sigma_data) ** 2
+
+
+def uncertainty_loss(denoised: Array, images: Array, sigma: Array, logvar: Array,
+                     sigma_data: float = 0.5) -> Array:
+    """The per-element loss with learned uncertainty (Eq. 21),
+    `weight(sigma) / exp(logvar) * (D - y)^2 + logvar`, of the denoised images `D` and
+    the clean images `y` (`[B, H, W, C]`), the noise levels `sigma` and the network's
+    `logvar` (`[B]`). Returns float32 `[B, H, W, C]`."""
+    lv = logvar.astype(jnp.float32)[:, None, None, None]
+    weight = loss_weight(sigma[:, None, None, None], sigma_data)
+    return weight / jnp.exp(lv) * jnp.square(denoised.astype(jnp.float32) - images) + lv
+
+
+def weighted_mse(loss: Any, logvar: Any) -> Any:
+    """The weighted MSE `weight * (D - y)^2` that a value of the Eq. 21 loss holds:
+    `(loss - logvar) * exp(logvar)`, for `loss` and `logvar` of broadcastable shapes. JAX
+    arrays give JAX arrays; NumPy arrays and Python floats (logged records) stay NumPy,
+    in their own precision."""
+    exp = jnp.exp if isinstance(loss, jax.Array) or isinstance(logvar, jax.Array) else np.exp
+    return (loss - logvar) * exp(logvar)
 
 
 def edm2_loss_per_element(
@@ -119,9 +141,7 @@ def edm2_loss_per_element(
     denoised, logvar = net.apply(
         {"params": params, "buffers": buffers}, images + noise_unit * s, sigma, labels,
         train=train, return_logvar=True, rngs=rngs)
-    lv = logvar.astype(jnp.float32)[:, None, None, None]
-    weight = loss_weight(s, sigma_data)
-    loss = weight / jnp.exp(lv) * jnp.square(denoised.astype(jnp.float32) - images) + lv
+    loss = uncertainty_loss(denoised, images, sigma, logvar, sigma_data)
     return loss, logvar.astype(jnp.float32), sigma
 
 
@@ -144,7 +164,7 @@ def edm2_loss(params: Any, buffers: Any, net: Any, images: Array, labels: Array 
     lv = logvar[:, None, None, None]
     aux = {
         "loss": jnp.mean(loss),
-        "weighted_mse": jnp.mean((loss - lv) * jnp.exp(lv)),
+        "weighted_mse": jnp.mean(weighted_mse(loss, lv)),
         "logvar": jnp.mean(logvar),
         "sigma": jnp.mean(sigma),
         "log_sigma": jnp.mean(jnp.log(sigma)),

@@ -10,13 +10,17 @@ weights `[in, out]`; the output unit is always the last axis, so "fan-in axes" a
 the others. Everything here is a pure function or a parameter-holding `linen` module
 with no training logic; forced weight normalisation (`force_normalize`) is a pure
 function over the params pytree that the training step applies to the online weights.
+
+`Kernels` names the three ops whose computation a backend may replace (`mp_silu`,
+`clip_act`, the spatial convolution) by the same function computed another way;
+its defaults are the math of this module, plain autodiff (`edm2_jax.backends`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +31,8 @@ DType = Any
 
 BUFFERS = "buffers"  # Variable collection of fixed, never-trained arrays (MPFourier).
 
+
+# Normalisation (Equations 47 and 66).
 
 def normalize(x: Array, axis: int | Sequence[int] | None = None, eps: float = 1e-4) -> Array:
     """Scale `x` to unit RMS over `axis` (Eq. 47 / 66 normalisation).
@@ -58,101 +64,52 @@ def pixel_norm(x: Array, eps: float = 1e-4) -> Array:
     return normalize(x, axis=-1, eps=eps)
 
 
-# On the CPU backend XLA fuses the elementwise producers of a backward-pass operand into
-# the YNN fusion (matmul / convolution + epilogue) that consumes it, and a YNN fusion
-# cannot take scalar constants: each one becomes a broadcast materialised at activation
-# size every step (1 and 1/0.596 for SiLU's derivative), and the clip's gradient
-# recomputes the whole mp_sum chain. `_cpu_barrier` computes a residual behind a
-# `lax.cond` (a fusion boundary XLA keeps; both branches are the same function of
-# traced data, so the value is the function's) so that it is materialised once in the
-# forward pass. Measured in benchmarks/README.md (session 6); `EDM2_JAX_CPU_BARRIERS=0`
-# restores plain autodiff (the same values up to float32 rounding).
-CPU_BARRIERS_ENV = "EDM2_JAX_CPU_BARRIERS"
+# Magnitude-preserving SiLU (Equation 81).
 
-
-def _cpu_barrier(fn, *args: Array, key: Array | None = None):
-    """`fn(*args)`, computed behind a fusion boundary (a `lax.cond`; see above). The
-    cond's predicate is read from `key` (default `args[0]`): pass a replicated array
-    (a weight) where one is at hand, so that a sharded run needs no collective for it."""
-    key = args[0] if key is None else key
-    return jax.lax.cond(jnp.isfinite(key.reshape(-1)[0]), fn, fn, *args)
-
-
-def _mp_silu(x: Array) -> Array:
+def mp_silu(x: Array) -> Array:
+    """`silu(x) / 0.596` (Eq. 81): unit variance for unit-variance Gaussian `x`.
+    Any shape and float dtype; the result keeps both."""
     return jax.nn.silu(x) / 0.596
 
 
-def _mp_silu_grad(x: Array) -> Array:
-    s = jax.nn.sigmoid(x)
-    return (s + x * (s * (1 - s))) / 0.596
-
-
-def _barriers_on() -> bool:
-    return jax.default_backend() == "cpu" and os.environ.get(CPU_BARRIERS_ENV, "1") != "0"
-
-
-def mp_silu(x: Array) -> Array:
-    """Magnitude-preserving SiLU, `silu(x) / 0.596` (Eq. 81).
-
-    On CPU its gradient, `(s + x s (1 - s)) / 0.596` with `s = sigmoid(x)` (the formula
-    autodiff takes, up to float32 rounding), is computed in the forward pass behind
-    `_cpu_barrier` and kept as the residual instead of `x`; elsewhere plain autodiff.
-    """
-    return _mp_silu_cpu(x) if _barriers_on() else _mp_silu(x)
-
-
-@jax.custom_vjp
-def _mp_silu_cpu(x: Array) -> Array:
-    return _mp_silu(x)
-
-
-def _mp_silu_fwd(x):
-    return _mp_silu(x), _cpu_barrier(_mp_silu_grad, x)
-
-
-def _mp_silu_bwd(g, dy):
-    return (dy * g.astype(dy.dtype),)
-
-
-_mp_silu_cpu.defvjp(_mp_silu_fwd, _mp_silu_bwd)
-
-
-def clip_act(x: Array, limit: float) -> Array:
-    """`x` clipped to `[-limit, limit]` (the blocks' activation clipping, `clip_act`).
-
-    On CPU the gradient is taken from a mask `-limit <= x <= limit` computed in the
-    forward pass behind `_cpu_barrier` (the gradient of `torch.clamp`, the release's);
-    elsewhere `jnp.clip`'s autodiff. The two differ only where `x` equals a limit
-    exactly (`jnp.clip` passes half of the gradient there).
-    """
-    return _clip_act_cpu(x, limit) if _barriers_on() else jnp.clip(x, -limit, limit)
-
+# Activation clipping (the blocks' `clip_act`).
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _clip_act_cpu(x: Array, limit: float) -> Array:
+def clip_act(x: Array, limit: float) -> Array:
+    """`x` clipped to `[-limit, limit]`, with the gradient of the release's `torch.clamp`.
+
+    The gradient passes unchanged where `-limit <= x <= limit` (the limits included)
+    and is 0 elsewhere; `jnp.clip`'s autodiff would pass half of it at a limit.
+    `limit` is a Python float; `x` any shape and float dtype, kept.
+    """
     return jnp.clip(x, -limit, limit)
 
 
+def clip_mask(x: Array, limit: float) -> Array:
+    """Where `clip_act(x, limit)` passes the gradient: `-limit <= x <= limit` (bool)."""
+    return (x >= -limit) & (x <= limit)
+
+
 def _clip_act_fwd(x, limit):
-    inside = _cpu_barrier(lambda x: (x >= -limit) & (x <= limit), x)
-    return jnp.clip(x, -limit, limit), inside
+    return jnp.clip(x, -limit, limit), clip_mask(x, limit)
 
 
 def _clip_act_bwd(limit, inside, dy):
     return (jnp.where(inside, dy, jnp.zeros_like(dy)),)
 
 
-_clip_act_cpu.defvjp(_clip_act_fwd, _clip_act_bwd)
+clip_act.defvjp(_clip_act_fwd, _clip_act_bwd)
 
+
+# Magnitude-preserving sum (Equation 88).
 
 def mp_sum(a: Array, b: Array, t: float = 0.5) -> Array:
-    """Magnitude-preserving sum `((1-t) a + t b) / sqrt((1-t)^2 + t^2)` (Eq. 88).
-
-    `t` is the weight of `b` (the residual "balance"); unit-variance independent
-    inputs give a unit-variance output.
-    """
+    """`((1-t) a + t b) / sqrt((1-t)^2 + t^2)` (Eq. 88): `t` is the weight of `b` (the
+    residual "balance"); unit-variance independent inputs give a unit-variance output."""
     return ((1 - t) * a + t * b) / math.sqrt((1 - t) ** 2 + t**2)
 
+
+# Magnitude-preserving concatenation (Equation 103).
 
 def mp_cat(a: Array, b: Array, t: float = 0.5, axis: int = -1) -> Array:
     """Magnitude-preserving concatenation along `axis` (Eq. 103).
@@ -167,6 +124,8 @@ def mp_cat(a: Array, b: Array, t: float = 0.5, axis: int = -1) -> Array:
     wb = c / math.sqrt(nb) * t
     return jnp.concatenate([wa * a, wb * b], axis=axis)
 
+
+# The standard layers of the ablation's configs C-F (Sec. 2).
 
 def plain_sum(a: Array, b: Array, t: float = 0.5) -> Array:
     """Standard (not magnitude-preserving) counterpart of `mp_sum`: `a + t / (1-t) b`.
@@ -200,6 +159,8 @@ def group_rms_norm(x: Array, eps: float = 1e-4, max_groups: int = 32) -> Array:
     return g.reshape(x.shape)
 
 
+# Resampling with the [1, 1] filter (Figure 21).
+
 def resample(x: Array, mode: str = "keep") -> Array:
     """Resampling with the [1,1] filter on NHWC `x`.
 
@@ -217,118 +178,42 @@ def resample(x: Array, mode: str = "keep") -> Array:
     raise ValueError(f"resample: unknown mode {mode!r}; expected 'keep', 'down' or 'up'")
 
 
-def _xla_conv(x: Array, w: Array) -> Array:
+# Convolution (the spatial kernel of MPConv).
+
+def conv_same(x: Array, w: Array) -> Array:
+    """NHWC `x` [N, H, W, in] * HWIO `w` [kh, kw, in, out] -> [N, H, W, out] float32:
+    stride 1, 'same' zero padding (odd kernels), XLA's convolution and its autodiff."""
     return jax.lax.conv_general_dilated(
         x, w, window_strides=(1, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
         preferred_element_type=jnp.float32)
 
 
-@jax.custom_vjp
-def _conv_cpu(x: Array, w: Array) -> Array:
-    return _xla_conv(x, w)
+# The ops a backend may compute its own way.
 
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The ops of the network that a backend may replace, with their signatures.
 
-def _conv_cpu_fwd(x, w):
-    return _xla_conv(x, w), (x, w)
+    A replacement computes the same function: the same values, gradients equal up to
+    float32 summation order. The defaults are this module's math (plain autodiff, and
+    `clip_act`'s mask); `edm2_jax.backends.select` builds the other sets.
 
-
-def _conv_cpu_bwd(res, dy):
-    # The weight gradient as kh*kw shifted matmuls. Exact same math as XLA's.
-    x, w = res
-    kh, kw, ci, co = w.shape
-    n, h, wd, _ = x.shape
-    dx = jax.vjp(lambda x_: _xla_conv(x_, w).astype(dy.dtype), x)[1](dy)[0]
-    xp = jnp.pad(x, ((0, 0), (kh // 2, kh // 2), (kw // 2, kw // 2), (0, 0)))
-    dyf = dy.reshape(-1, co).astype(x.dtype)
-    dw = jnp.stack([
-        jnp.matmul(xp[:, i:i + h, j:j + wd, :].reshape(-1, ci).T, dyf,
-                   preferred_element_type=jnp.float32)
-        for i in range(kh) for j in range(kw)]).reshape(w.shape)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_conv_cpu.defvjp(_conv_cpu_fwd, _conv_cpu_bwd)
-
-
-@jax.custom_vjp
-def _conv_cpu_relayout(x: Array, w: Array) -> Array:
-    return _xla_conv(x, w)
-
-
-def _conv_cpu_relayout_bwd(res, dy):
-    # XLA's own filter-gradient convolution, i.e. the same kernels and the same float32
-    # sums as plain autodiff, with its operands relaid out up front. XLA:CPU computes the
-    # weight gradient as a convolution whose contraction runs over the batch, so it copies
-    # x to [C_in, H, W, N] and dy to [H, W, N, C_out]. Left to itself it fuses those
-    # copies with the elementwise ops that produced x and dy (MP-SiLU, scaling, mp_sum),
-    # and a fused transpose is emitted as a plain loop that reads its inputs with a
-    # stride of H*W*C: 5-10x slower than copying the materialised array. A `cond` is a
-    # fusion boundary XLA keeps (`optimization_barrier` is gone before fusion on CPU); its
-    # predicate is traced and both branches are the same function, so the value is
-    # unchanged whatever it reads. Measured in benchmarks/README.md ("relayout").
-    x, w = res
-    kh, kw, _, _ = w.shape
-
-    def relayout(x, dy):
-        return jnp.transpose(x, (3, 1, 2, 0)), jnp.transpose(dy.astype(x.dtype), (1, 2, 0, 3))
-
-    xt, dyt = _cpu_barrier(relayout, x, dy, key=w)
-    dw = jax.lax.conv_general_dilated(
-        xt, dyt, window_strides=(1, 1), padding=((kh // 2, kh // 2), (kw // 2, kw // 2)),
-        dimension_numbers=("NHWC", "HWIO", "NHWC"), preferred_element_type=jnp.float32)
-    dw = jnp.transpose(dw, (1, 2, 0, 3))  # [C_in, kh, kw, C_out] -> HWIO
-    dx = jax.vjp(lambda x_: _xla_conv(x_, w).astype(dy.dtype), x)[1](dy)[0]
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_conv_cpu_relayout.defvjp(_conv_cpu_fwd, _conv_cpu_relayout_bwd)
-
-
-# How 3x3 convolutions get their weight gradient on the CPU backend:
-#   'relayout' (default): XLA's own filter-gradient convolution on operands copied to
-#       its layout outside any fusion (the custom VJP above);
-#   'xla': plain autodiff, XLA's filter-gradient convolution with the relayouts fused;
-#   'matmul': the shifted-matmul custom VJP.
-# All three are the same math. Which is fastest depends on the CPU and the jaxlib:
-# measure with `python benchmarks/conv_grad.py`. On an AMD EPYC (2 cores, jaxlib
-# 0.10.2) the fashion_mnist step takes relayout < xla < matmul (benchmarks/README.md);
-# an older jaxlib on another machine measured 'matmul' 3.6x faster per convolution.
-CPU_CONV_GRAD_ENV = "EDM2_JAX_CPU_CONV_GRAD"
-_CPU_CONV_GRADS = ("relayout", "xla", "matmul")
-
-
-def cpu_conv_grad() -> str:
-    """The CPU weight-gradient path in force: `$EDM2_JAX_CPU_CONV_GRAD` or 'relayout'.
-
-    Read when a network is traced. Raises ValueError for a value other than
-    'relayout', 'xla' or 'matmul' (the same math; 'relayout' and 'xla' run the same
-    convolution, 'matmul' differs from them in float32 summation order only).
+    Attributes:
+      mp_silu: `x -> silu(x) / 0.596` (Eq. 81), any shape.
+      clip_act: `(x, limit) -> clip(x, -limit, limit)` with `torch.clamp`'s gradient.
+      conv: `(x [N, H, W, in], w [kh, kw, in, out]) -> [N, H, W, out]` float32, stride
+        1, 'same' padding; called for kernels larger than 1x1 (1x1 is a matmul).
     """
-    mode = os.environ.get(CPU_CONV_GRAD_ENV, "relayout") or "relayout"
-    if mode not in _CPU_CONV_GRADS:
-        raise ValueError(f"{CPU_CONV_GRAD_ENV}={mode!r}: expected one of {_CPU_CONV_GRADS} "
-                         "(python benchmarks/conv_grad.py says which is faster here)")
-    return mode
+
+    mp_silu: Callable[[Array], Array] = mp_silu
+    clip_act: Callable[[Array, float], Array] = clip_act
+    conv: Callable[[Array, Array], Array] = conv_same
 
 
-def conv2d_same(x: Array, w: Array) -> Array:
-    """NHWC x HWIO convolution, stride 1, 'same' zero padding, float32 output.
+MODEL_MATH = Kernels()
 
-    1x1 kernels are matmuls. On the CPU backend the weight gradient of larger kernels
-    takes the path `cpu_conv_grad()` names (identical math, see above); on other
-    backends XLA's convolution and its own gradient.
-    """
-    kh, kw, ci, co = w.shape
-    if kh == kw == 1:
-        return jnp.matmul(x, w.reshape(ci, co), preferred_element_type=jnp.float32)
-    if jax.default_backend() == "cpu":
-        mode = cpu_conv_grad()
-        if mode == "matmul":
-            return _conv_cpu(x, w)
-        if mode == "relayout":
-            return _conv_cpu_relayout(x, w)
-    return _xla_conv(x, w)
 
+# Magnitude-preserving Fourier features (Equation 75).
 
 class MPFourier(nn.Module):
     """Magnitude-preserving Fourier features of a scalar (Eq. 75).
@@ -361,6 +246,8 @@ class MPFourier(nn.Module):
         return jnp.sqrt(2.0) * jnp.cos(y + phases.value.astype(jnp.float32))
 
 
+# Magnitude-preserving convolution and dense layer (Equations 47 and 66).
+
 class MPConv(nn.Module):
     """Magnitude-preserving convolution / dense layer without bias (Eq. 47, 66).
 
@@ -376,10 +263,11 @@ class MPConv(nn.Module):
 
     Attributes:
       in_channels, out_channels: channel counts (last axis of input / output).
-      kernel: `()` for dense, `(k, k)` for a conv.
+      kernel: `()` for dense, `(k, k)` for a conv (1x1 is computed as a matmul).
       dtype: compute dtype of the matmul / convolution (float32 or bfloat16).
       normalize_weight: True (configs D-G): the weight normalisation of Eq. 47/66 in
         the forward pass; False (config C): a standard layer.
+      conv: the spatial convolution (`Kernels.conv`; default `conv_same`).
     Call: `x` `[..., in]` (dense) or `[N, H, W, in]` (conv), scalar `gain` -> float32.
     """
 
@@ -388,6 +276,7 @@ class MPConv(nn.Module):
     kernel: tuple[int, ...] = ()
     dtype: DType = jnp.float32
     normalize_weight: bool = True
+    conv: Callable[[Array, Array], Array] = conv_same
 
     @nn.compact
     def __call__(self, x: Array, gain: Array | float = 1.0) -> Array:
@@ -402,12 +291,15 @@ class MPConv(nn.Module):
             w = weight if isinstance(gain, float) and gain == 1.0 else weight * gain
             w = w.astype(self.dtype)
         x = x.astype(self.dtype)
-        if not self.kernel:
-            y = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+        if math.prod(self.kernel) == 1:  # dense, or a 1x1 conv
+            y = jnp.matmul(x, w.reshape(self.in_channels, self.out_channels),
+                           preferred_element_type=jnp.float32)
         else:
-            y = conv2d_same(x, w)
+            y = self.conv(x, w)
         return y.astype(jnp.float32)
 
+
+# Forced weight normalisation (Section 2.3, Equation 66).
 
 def _is_mp_weight(path: tuple, leaf: Array) -> bool:
     last = path[-1]

@@ -1,7 +1,7 @@
 """The EDM2 U-Net (paper Figure 21) and EDM preconditioning with learned uncertainty.
 
 NHWC throughout. Parameter tree of `Precond` (names mirror the authors' release so
-that `convert.py` is a renaming, not a re-derivation):
+that `release/convert.py` is a renaming, not a re-derivation):
 
     params['unet']['out_gain']                              scalar
     params['unet']['emb_noise' | 'emb_label']['weight']     [in, out]
@@ -13,6 +13,13 @@ that `convert.py` is a renaming, not a re-derivation):
 
 The `attn_qkv` output channels are laid out [head][channel-in-head][q, k, v], as in
 the release.
+
+Each hyperparameter is declared once, with the release's name and default: `BlockFields`
+(what every block shares) and `UNetFields` (the U-Net's own) are inherited by `Block`,
+`UNet` and `Precond`, so `Precond(**cfg)` takes the flat names of a config.json
+`network` or a network.json (`CONFIG_FIELDS`). The field `kernels` (`mp.Kernels`) is how
+the network is computed, never part of its config: the model's own math by default, a
+backend's set from `edm2_jax.backends` (the same function).
 
 The paper's ablation (Sec. 2, Table 1) as three switches of the one network, their
 defaults being config G (the release; bit-identical to the network without them). The
@@ -37,6 +44,7 @@ training step's (`config.optim.forced_wn`, `config.optim.t_ref`). docs/ablation.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Sequence
 
@@ -44,13 +52,58 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from edm2_jax.model.mp import (MPConv, MPFourier, clip_act, group_rms_norm, mp_cat, mp_silu, mp_sum,
-                         normalize, pixel_norm, plain_cat, plain_sum, resample)
+from edm2_jax.model.mp import (MODEL_MATH, Kernels, MPConv, MPFourier, group_rms_norm, mp_cat,
+                               mp_sum, normalize, pixel_norm, plain_cat, plain_sum, resample)
 
 Array = jax.Array
 
 
-class Block(nn.Module):
+# The U-Net's hyperparameters, each declared once (release names and defaults).
+
+class BlockFields(nn.Module):
+    """The hyperparameters every block shares; `Block`, `UNet` and `Precond` inherit them
+    (keyword-only). `kernels` is the backend's kernel set (`mp.Kernels`, default the
+    model's own math); it is how the network is computed, not part of its config."""
+
+    _: dataclasses.KW_ONLY
+    channels_per_head: int = 64
+    dropout: float = 0.0
+    res_balance: float = 0.3
+    attn_balance: float = 0.3
+    clip_act: float | None = 256
+    dtype: Any = jnp.float32
+    mp_learned_layers: bool = True      # the ablation's switches (module docstring)
+    group_norm: bool = False
+    mp_fixed_layers: bool = True
+    kernels: Kernels = MODEL_MATH
+
+
+class UNetFields(BlockFields):
+    """The U-Net's own hyperparameters on top of `BlockFields`; `UNet` and `Precond`
+    inherit them."""
+
+    img_resolution: int
+    img_channels: int
+    label_dim: int = 0
+    model_channels: int = 192
+    channel_mult: Sequence[int] = (1, 2, 3, 4)
+    channel_mult_noise: int | None = None
+    channel_mult_emb: int | None = None
+    num_blocks: int = 3
+    attn_resolutions: Sequence[int] = (16, 8)
+    label_balance: float = 0.5
+    concat_balance: float = 0.5
+
+
+def fields_of(module: nn.Module, cls: type) -> dict:
+    """`{name: value}` of `module` for the fields `cls` declares (an ancestor of it)."""
+    return {f.name: getattr(module, f.name) for f in dataclasses.fields(cls)
+            if f.name not in ("parent", "name")}
+
+
+# Encoder and decoder blocks (Figure 21).
+
+class Block(BlockFields):
     """Encoder or decoder block of the EDM2 U-Net (Figure 21).
 
     Call: `x` `[N, H, W, in]` float32, `emb` `[N, emb_channels]`, `train` enables
@@ -64,38 +117,31 @@ class Block(nn.Module):
     flavor: str = "enc"                 # 'enc' or 'dec'
     resample_mode: str = "keep"         # 'keep', 'down' or 'up'
     attention: bool = False
-    channels_per_head: int = 64
-    dropout: float = 0.0
-    res_balance: float = 0.3
-    attn_balance: float = 0.3
-    clip_act: float | None = 256
-    dtype: Any = jnp.float32
-    mp_learned_layers: bool = True      # the ablation's switches (module docstring)
-    group_norm: bool = False
-    mp_fixed_layers: bool = True
+
+    def _conv(self, cin: int, cout: int, kernel: tuple, name: str, dtype: Any = None) -> MPConv:
+        return MPConv(cin, cout, kernel, self.dtype if dtype is None else dtype,
+                      normalize_weight=self.mp_learned_layers, conv=self.kernels.conv, name=name)
 
     @nn.compact
     def __call__(self, x: Array, emb: Array, train: bool = False) -> Array:
         cin, cout = self.in_channels, self.out_channels
         if self.flavor not in ("enc", "dec"):
             raise ValueError(f"Block.flavor must be 'enc' or 'dec', got {self.flavor!r}")
-        conv = lambda i, o, k, name, dtype=self.dtype: MPConv(  # noqa: E731
-            i, o, k, dtype, normalize_weight=self.mp_learned_layers, name=name)
-        act = mp_silu if self.mp_fixed_layers else jax.nn.silu
+        act = self.kernels.mp_silu if self.mp_fixed_layers else jax.nn.silu
         add = mp_sum if self.mp_fixed_layers else plain_sum
         x = resample(x, self.resample_mode)
         if self.flavor == "enc":
             if cin != cout:
-                x = conv(cin, cout, (1, 1), "conv_skip")(x)
+                x = self._conv(cin, cout, (1, 1), "conv_skip")(x)
             if not self.group_norm:
                 x = pixel_norm(x)
 
         # Residual branch.
-        y = conv(cout if self.flavor == "enc" else cin, cout, (3, 3), "conv_res0")(
+        y = self._conv(cout if self.flavor == "enc" else cin, cout, (3, 3), "conv_res0")(
             act(group_rms_norm(x) if self.group_norm else x))
         # The embedding path stays float32 whatever `dtype` is, as the release's fp16 mode
         # keeps it (a [N, cemb] x [cemb, cout] matmul: negligible cost).
-        emb_linear = conv(self.emb_channels, cout, (), "emb_linear", jnp.float32)
+        emb_linear = self._conv(self.emb_channels, cout, (), "emb_linear", jnp.float32)
         if self.mp_fixed_layers:
             emb_gain = self.param("emb_gain", nn.initializers.zeros, (), jnp.float32)
             c = emb_linear(emb, gain=emb_gain) + 1
@@ -106,17 +152,17 @@ class Block(nn.Module):
         y = act(y * c[:, None, None, :])
         if train and self.dropout > 0:
             y = nn.Dropout(self.dropout, deterministic=False)(y)
-        y = conv(cout, cout, (3, 3), "conv_res1")(y)
+        y = self._conv(cout, cout, (3, 3), "conv_res1")(y)
 
         if self.flavor == "dec" and cin != cout:
-            x = conv(cin, cout, (1, 1), "conv_skip")(x)
+            x = self._conv(cin, cout, (1, 1), "conv_skip")(x)
         x = add(x, y, self.res_balance)
 
         # As in the release, heads = out // channels_per_head; zero heads = no attention.
         if self.attention and cout // self.channels_per_head > 0:
             x = add(x, self._attention(x), self.attn_balance)
         if self.clip_act:
-            x = clip_act(x, float(self.clip_act))
+            x = self.kernels.clip_act(x, float(self.clip_act))
         return x
 
     def _attention(self, x: Array) -> Array:
@@ -127,19 +173,19 @@ class Block(nn.Module):
             raise ValueError(f"attention: {c} channels do not split into {heads} heads of "
                              f"channels_per_head={self.channels_per_head}; change channels_per_head")
         cph = c // heads
-        qkv = MPConv(c, 3 * c, (1, 1), self.dtype, normalize_weight=self.mp_learned_layers,
-                     name="attn_qkv")(x)
+        qkv = self._conv(c, 3 * c, (1, 1), "attn_qkv")(x)
         qkv = normalize(qkv.reshape(n, h * w, heads, cph, 3), axis=3)
         q, k, v = (qkv[..., i].astype(self.dtype) for i in range(3))
         logits = jnp.einsum("nqhc,nkhc->nhqk", q, k / jnp.asarray(math.sqrt(cph), self.dtype),
                             preferred_element_type=jnp.float32)
         weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
         y = jnp.einsum("nhqk,nkhc->nqhc", weights, v, preferred_element_type=jnp.float32)
-        return MPConv(c, c, (1, 1), self.dtype, normalize_weight=self.mp_learned_layers,
-                      name="attn_proj")(y.reshape(n, h, w, c))
+        return self._conv(c, c, (1, 1), "attn_proj")(y.reshape(n, h, w, c))
 
 
-class UNet(nn.Module):
+# The U-Net (Figure 21).
+
+class UNet(UNetFields):
     """EDM2 U-Net, config G of the paper (Figure 21), or C-F by the switches of the module
     docstring. Raw network `F`.
 
@@ -147,38 +193,13 @@ class UNet(nn.Module):
     one-hot (or None when `label_dim == 0`) -> `[N, H, W, img_channels]` float32.
     """
 
-    img_resolution: int
-    img_channels: int
-    label_dim: int = 0
-    model_channels: int = 192
-    channel_mult: Sequence[int] = (1, 2, 3, 4)
-    channel_mult_noise: int | None = None
-    channel_mult_emb: int | None = None
-    num_blocks: int = 3
-    attn_resolutions: Sequence[int] = (16, 8)
-    label_balance: float = 0.5
-    concat_balance: float = 0.5
-    channels_per_head: int = 64
-    dropout: float = 0.0
-    res_balance: float = 0.3
-    attn_balance: float = 0.3
-    clip_act: float | None = 256
-    dtype: Any = jnp.float32
-    mp_learned_layers: bool = True      # the ablation's switches (module docstring)
-    group_norm: bool = False
-    mp_fixed_layers: bool = True
-
     def setup(self):
         mc = self.model_channels
         cblock = [mc * m for m in self.channel_mult]
         cnoise = mc * self.channel_mult_noise if self.channel_mult_noise else cblock[0]
         cemb = mc * self.channel_mult_emb if self.channel_mult_emb else max(cblock)
-        bkw = dict(emb_channels=cemb, channels_per_head=self.channels_per_head,
-                   dropout=self.dropout, res_balance=self.res_balance,
-                   attn_balance=self.attn_balance, clip_act=self.clip_act, dtype=self.dtype,
-                   mp_learned_layers=self.mp_learned_layers, group_norm=self.group_norm,
-                   mp_fixed_layers=self.mp_fixed_layers)
-        nw = dict(normalize_weight=self.mp_learned_layers)
+        bkw = dict(fields_of(self, BlockFields), emb_channels=cemb)
+        nw = dict(normalize_weight=self.mp_learned_layers, conv=self.kernels.conv)
 
         if self.mp_fixed_layers:
             self.out_gain = self.param("out_gain", nn.initializers.zeros, (), jnp.float32)
@@ -225,7 +246,7 @@ class UNet(nn.Module):
 
     def __call__(self, x: Array, c_noise: Array, labels: Array | None = None,
                  train: bool = False) -> Array:
-        act, add, cat = ((mp_silu, mp_sum, mp_cat) if self.mp_fixed_layers
+        act, add, cat = ((self.kernels.mp_silu, mp_sum, mp_cat) if self.mp_fixed_layers
                          else (jax.nn.silu, plain_sum, plain_cat))
         emb = self.emb_noise(self.emb_fourier(c_noise))
         if self.emb_label is not None:
@@ -254,55 +275,30 @@ class UNet(nn.Module):
         return self.out_conv(x, gain=self.out_gain)
 
 
-class Precond(nn.Module):
+# EDM preconditioning with the learned uncertainty (EDM Table 1; EDM2 Sec. 2).
+
+class Precond(UNetFields):
     """EDM preconditioning (Karras et al. 2022, Table 1) around the EDM2 U-Net, with
     the learned uncertainty head of EDM2 (Sec. 2, Eq. 21 of the paper's appendix).
 
     `D(x, sigma) = c_skip x + c_out F(c_in x, c_noise, labels)` with
     `c_skip = sd^2 / (sigma^2 + sd^2)`, `c_out = sigma sd / sqrt(sigma^2 + sd^2)`,
     `c_in = 1 / sqrt(sd^2 + sigma^2)`, `c_noise = ln(sigma) / 4`, `sd = sigma_data`.
-    `logvar(sigma) = MPConv_dense(MPFourier(logvar_channels)(c_noise))`.
+    `logvar(sigma) = MPConv_dense(MPFourier(logvar_channels)(c_noise))`; the uncertainty
+    head is config G's whatever the ablation's switches.
 
-    Call: `x` `[N, H, W, C]`, `sigma` `[N]` or scalar (> 0), `labels` `[N, label_dim]`
-    (None -> zeros when the net is conditional, i.e. the unconditional slot), `train`
-    (dropout), `return_logvar` -> `D` `[N, H, W, C]` float32 (and `logvar` `[N]` float32).
-    Preconditioning and the output are float32 whatever `dtype` is.
+    Fields: those of `UNetFields` and `BlockFields`, plus `sigma_data` and
+    `logvar_channels`. Call: `x` `[N, H, W, C]`, `sigma` `[N]` or scalar (> 0), `labels`
+    `[N, label_dim]` (None -> zeros when the net is conditional, i.e. the unconditional
+    slot), `train` (dropout), `return_logvar` -> `D` `[N, H, W, C]` float32 (and
+    `logvar` `[N]` float32). Preconditioning and the output are float32 whatever `dtype` is.
     """
 
-    img_resolution: int
-    img_channels: int
-    label_dim: int = 0
-    model_channels: int = 192
-    channel_mult: Sequence[int] = (1, 2, 3, 4)
-    channel_mult_noise: int | None = None
-    channel_mult_emb: int | None = None
-    num_blocks: int = 3
-    attn_resolutions: Sequence[int] = (16, 8)
-    label_balance: float = 0.5
-    concat_balance: float = 0.5
-    channels_per_head: int = 64
-    dropout: float = 0.0
-    res_balance: float = 0.3
-    attn_balance: float = 0.3
-    clip_act: float | None = 256
     sigma_data: float = 0.5
     logvar_channels: int = 128
-    dtype: Any = jnp.float32
-    mp_learned_layers: bool = True      # the ablation's switches (module docstring); the
-    group_norm: bool = False            # uncertainty head `logvar` is config G's in all
-    mp_fixed_layers: bool = True
 
     def setup(self):
-        self.unet = UNet(
-            img_resolution=self.img_resolution, img_channels=self.img_channels,
-            label_dim=self.label_dim, model_channels=self.model_channels,
-            channel_mult=tuple(self.channel_mult), channel_mult_noise=self.channel_mult_noise,
-            channel_mult_emb=self.channel_mult_emb, num_blocks=self.num_blocks,
-            attn_resolutions=tuple(self.attn_resolutions), label_balance=self.label_balance,
-            concat_balance=self.concat_balance, channels_per_head=self.channels_per_head,
-            dropout=self.dropout, res_balance=self.res_balance, attn_balance=self.attn_balance,
-            clip_act=self.clip_act, dtype=self.dtype, mp_learned_layers=self.mp_learned_layers,
-            group_norm=self.group_norm, mp_fixed_layers=self.mp_fixed_layers)
+        self.unet = UNet(**fields_of(self, UNetFields))
         self.logvar_fourier = MPFourier(self.logvar_channels)
         self.logvar_linear = MPConv(self.logvar_channels, 1, (), jnp.float32)
 
@@ -325,6 +321,12 @@ class Precond(nn.Module):
         return D_x, logvar
 
 
+# The fields a network config (config.json's `network`, network.json) may hold: every
+# field of `Precond` but the kernels, which are the backend's choice, not the network's.
+CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(Precond)
+                      if f.name not in ("parent", "name", "kernels"))
+
+
 def precond_coefficients(sigma: Array, sigma_data: float, ndim: int):
     """EDM preconditioning coefficients (docs/recipe.md §3; paper Appendix B.6).
 
@@ -341,10 +343,14 @@ def precond_coefficients(sigma: Array, sigma_data: float, ndim: int):
     return c_skip, c_out, c_in, jnp.log(sigma) / 4
 
 
-def precond_from_config(net_cfg: Any, dtype: Any = None) -> Precond:
-    """Build a `Precond` from a network config (mapping or ConfigDict with the field
-    names of `Precond`). Unknown keys raise `ValueError` naming them."""
-    fields = {f for f in Precond.__dataclass_fields__ if f not in ("parent", "name")}
+def precond_from_config(net_cfg: Any, dtype: Any = None, kernels: Kernels | None = None
+                        ) -> Precond:
+    """Build a `Precond` from a network config (a flat mapping or ConfigDict with names of
+    `CONFIG_FIELDS`, as config.json and network.json hold them), computed with `kernels`
+    (default the model's own math; `edm2_jax.backends.select(...).kernels`). `dtype`
+    overrides the config's (a string such as 'bfloat16' is accepted there). Unknown
+    keys, `kernels` among them, raise `ValueError` naming them."""
+    fields = set(CONFIG_FIELDS)
     kw = dict(net_cfg)
     unknown = sorted(set(kw) - fields)
     if unknown:
@@ -356,7 +362,7 @@ def precond_from_config(net_cfg: Any, dtype: Any = None) -> Precond:
         kw["dtype"] = dtype
     elif isinstance(kw.get("dtype"), str):
         kw["dtype"] = jnp.dtype(kw["dtype"])
-    return Precond(**kw)
+    return Precond(**kw, kernels=MODEL_MATH if kernels is None else kernels)
 
 
 def init_variables(net: Precond, rng: Array, batch: int = 1) -> dict:

@@ -1,32 +1,18 @@
-"""Import the authors' released EDM2 weights (NVlabs/edm2, PyTorch) into this project.
-
-Sources understood by `load_release` / `load_state_dict`:
-
-* the authors' network pickles (`edm2-img64-s-1073741-0.075.pkl`, training
-  `network-snapshot-*.pkl`, post-hoc EMA outputs): `pickle.dump` of a dict
-  (`dnnlib.EasyDict`) whose `'ema'` (or `'net'`) entry is the `Precond` module. Their
-  classes are wrapped by the release's `torch_utils.persistence`, so every such object
-  pickles as a call `_reconstruct_persistent_obj(meta)` with
-  `meta = {type, version, module_src, class_name, state}` and `state` the object's
-  `__dict__` (torch's `_parameters` / `_buffers` / `_modules` plus `_init_args` /
-  `_init_kwargs`). A restricted unpickler maps those names to inert stand-ins, so the
-  authors' code is never imported or executed; only `torch` is needed, for the tensors.
-* a `torch.save`d `state_dict()` of their `Precond` (`.pt` / `.pth`), or a `torch.save`d
-  dict holding one under `'ema'` / `'net'`.
-* an `.npz` with the `state_dict` keys, optionally prefixed `w/` (the golden files).
+"""The released EDM2 weights (NVlabs/edm2, PyTorch) in this project's layout, and back.
 
 State-dict keys are the release's (`unet.enc.8x8_block0.attn_qkv.weight`), arrays
-float32 numpy in the release's layout (conv OIHW, dense `[out, in]`). In this project
-(see `networks.py`) the same weights live at
+float32 numpy in the release's layout (conv OIHW, dense `[out, in]`), as `pickle_io`
+reads them. In this project (see `model/networks.py`) the same weights live at
 `params['unet']['enc_8x8_block0']['attn_qkv']['weight']`, convs HWIO and dense
 `[in, out]`; `MPFourier` `freqs` / `phases` go to the `'buffers'` collection. The
 `attn_qkv` output channels keep the release's [head][channel-in-head][q, k, v] order
 (docs/recipe.md §2), so the conversion is a renaming plus a transpose.
 
-Like any pickle, a network pickle can run code when it is read by an unrestricted
-unpickler; ours resolves only torch / numpy / container classes and maps every other
-global to an inert placeholder, but the tensors themselves go through torch's own
-loader, so convert files you trust.
+Owns the architecture read from shapes (`infer_network_config`), the key and layout
+mapping (`release_key_to_path`, `to_jax_layout`, ... ; `state_dict_to_variables`,
+`variables_to_state_dict`), the Precond kwargs of a release network
+(`net_config_from_release`) and, last, `convert` / `main_convert`: a release network into
+a network checkpoint (`run.network_dir`).
 
 Command line: `python -m edm2_jax.main --mode=convert --src=FILE --workdir=DIR`.
 """
@@ -36,11 +22,16 @@ import functools
 import json
 import math
 import os
-import pickle
-import zipfile
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
+import jax
 import numpy as np
+
+from edm2_jax import paths
+from edm2_jax.model.networks import CONFIG_FIELDS, init_variables, precond_from_config
+from edm2_jax.release.pickle_io import ReleaseWeights, load_release, strip_prefixes, to_numpy
+from edm2_jax.run import layout
+from edm2_jax.run.network_dir import save_network
 
 # Precond kwargs that the weight shapes determine; the others must come from the pickle's
 # recorded init kwargs / module attributes, from `net_overrides`, or stay at the defaults.
@@ -49,364 +40,6 @@ SHAPE_FIELDS = ("img_resolution", "img_channels", "label_dim", "model_channels",
                 "attn_resolutions", "logvar_channels")
 HIDDEN_FIELDS = ("channels_per_head", "dropout", "res_balance", "attn_balance", "clip_act",
                  "label_balance", "concat_balance", "sigma_data")
-# Positional order of the release's Precond.__init__ (for pickles that recorded init_args).
-_PRECOND_POSITIONAL = ("img_resolution", "img_channels", "label_dim", "use_fp16",
-                       "sigma_data", "logvar_channels")
-_TORCH_HINT = "pip install edm2-jax[torch]  (or: pip install torch)"
-
-
-class ReleaseWeights(NamedTuple):
-    """What `load_release` read from a file.
-
-    state_dict: release key -> float32 numpy array (release layout).
-    net_kwargs: Precond kwargs recorded in a network pickle (init kwargs and module
-      attributes such as `sigma_data`, `dropout`, `channels_per_head`), already in this
-      project's field names; `{}` for state dicts and npz files.
-    info: provenance, e.g. `{'format': 'pickle', 'key': 'ema', 'class_name': 'Precond',
-      'dtype': 'float16', 'use_fp16': True}`.
-    """
-    state_dict: dict
-    net_kwargs: dict
-    info: dict
-
-
-# ---------------------------------------------------------------------------------------
-# Stand-ins for the release's pickled classes.
-
-class EasyDict(dict):
-    """Stand-in for `dnnlib.util.EasyDict`: a dict with attribute access."""
-
-    def __getattr__(self, name):
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def __setattr__(self, name, value):
-        self[name] = value
-
-
-class PersistentObject:
-    """Stand-in for an object of a `torch_utils.persistence`-wrapped class.
-
-    Holds what the pickle recorded: `class_name` (e.g. 'Precond', 'MPConv'),
-    `module_src` (the authors' source, kept as text and never executed), `version` and
-    `state` (the original `__dict__`: `_parameters`, `_buffers`, `_modules`,
-    `_init_args`, `_init_kwargs`, plain attributes).
-    """
-
-    def __init__(self, meta: Mapping):
-        self.class_name = str(meta.get("class_name", "?"))
-        self.module_src = meta.get("module_src", "")
-        self.version = meta.get("version")
-        self.type = meta.get("type")
-        self.state = dict(meta.get("state") or {})
-
-    def __repr__(self):
-        return f"<persistent {self.class_name}>"
-
-
-def _reconstruct_persistent_obj(meta):
-    return PersistentObject(meta)
-
-
-class _Opaque:
-    """Inert placeholder for any other global a pickle names (the authors' dataset or
-    loss classes, functions, ...): records its arguments and state, runs nothing."""
-
-    _global = "?"
-
-    def __new__(cls, *args, **kwargs):
-        return object.__new__(cls)
-
-    def __init__(self, *args, **kwargs):
-        self.args, self.kwargs, self.items, self.list = args, kwargs, {}, []
-
-    def __setstate__(self, state):
-        self.__dict__["state"] = state
-
-    def __setitem__(self, key, value):
-        self.__dict__.setdefault("items", {})[key] = value
-
-    def append(self, value):
-        self.__dict__.setdefault("list", []).append(value)
-
-    def extend(self, values):
-        self.__dict__.setdefault("list", []).extend(values)
-
-    def __repr__(self):
-        return f"<opaque {self._global}>"
-
-
-_opaque_types: dict = {}
-
-
-def _opaque(module: str, name: str) -> type:
-    key = f"{module}.{name}"
-    if key not in _opaque_types:
-        _opaque_types[key] = type(name, (_Opaque,), {"_global": key})
-    return _opaque_types[key]
-
-
-_SAFE_BUILTINS = {"set", "frozenset", "slice", "range", "complex", "bytearray", "bytes",
-                  "object", "dict", "list", "tuple", "int", "float", "bool", "str"}
-
-
-def _import_torch():
-    try:
-        import torch  # noqa: F401
-    except ImportError as e:
-        raise ImportError(f"reading PyTorch weights needs torch: {_TORCH_HINT}") from e
-    return torch
-
-
-class ReleaseUnpickler(pickle.Unpickler):
-    """Unpickler for the release's network pickles without the authors' code.
-
-    `torch_utils.persistence._reconstruct_persistent_obj` -> `PersistentObject`,
-    `dnnlib[.util].EasyDict` -> `EasyDict`; torch, numpy, collections and a few safe
-    builtins resolve normally (torch is imported on first use, ImportError naming
-    `pip install edm2-jax[torch]` if absent); any other global becomes an inert
-    `_Opaque` placeholder.
-    """
-
-    def find_class(self, module: str, name: str):
-        root = module.split(".")[0]
-        if root == "torch_utils" and name == "_reconstruct_persistent_obj":
-            return _reconstruct_persistent_obj
-        if root == "dnnlib" and name == "EasyDict":
-            return EasyDict
-        if root == "torch":
-            _import_torch()
-            return super().find_class(module, name)
-        if root in ("numpy", "collections", "copyreg", "_codecs"):
-            return super().find_class(module, name)
-        if module in ("builtins", "__builtin__") and name in _SAFE_BUILTINS:
-            return super().find_class(module, name)
-        return _opaque(module, name)
-
-
-class _PickleModule:
-    """`pickle_module` for `torch.load` that uses `ReleaseUnpickler`."""
-    __name__ = "edm2_jax_release_pickle"
-    Unpickler = ReleaseUnpickler
-
-    @staticmethod
-    def load(f, **kwargs):
-        return ReleaseUnpickler(f, **kwargs).load()
-
-
-# ---------------------------------------------------------------------------------------
-# Reading files.
-
-def _to_numpy(value) -> np.ndarray:
-    if isinstance(value, np.ndarray) or np.isscalar(value):
-        return np.asarray(value, np.float32)
-    torch = _import_torch()
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", torch.float32).numpy().copy()
-    raise TypeError(f"not an array: {type(value).__name__}")
-
-
-def _is_array(value) -> bool:
-    if isinstance(value, np.ndarray):
-        return True
-    t = type(value)
-    return t.__module__.startswith("torch") and hasattr(value, "detach")
-
-
-def _dtype_name(value) -> str:
-    return str(value.dtype).replace("torch.", "")
-
-
-def _module_state(obj) -> dict | None:
-    """The `__dict__` of a torch module / persistent stand-in, or None."""
-    if isinstance(obj, PersistentObject):
-        return obj.state
-    state = getattr(obj, "__dict__", None)
-    if isinstance(state, dict) and "_parameters" in state:
-        return state
-    return None
-
-
-def _walk_module(obj, prefix: str, out: dict, modules: dict) -> None:
-    """Flatten parameters and persistent buffers of a module tree into `out` (as
-    torch's `state_dict` would name them); record `modules[prefix] = obj`."""
-    state = _module_state(obj)
-    if state is None:
-        raise ValueError(f"{prefix or 'root'}: expected a torch module, got {type(obj).__name__}")
-    modules[prefix] = obj
-    skip = set(state.get("_non_persistent_buffers_set") or ())
-    for group in ("_parameters", "_buffers"):
-        for name, value in (state.get(group) or {}).items():
-            if value is None or name in skip:
-                continue
-            out[prefix + name] = value
-    for name, child in (state.get("_modules") or {}).items():
-        if child is not None:
-            _walk_module(child, f"{prefix}{name}.", out, modules)
-
-
-def _class_name(obj) -> str:
-    return obj.class_name if isinstance(obj, PersistentObject) else type(obj).__name__
-
-
-def _net_kwargs_from_modules(modules: dict) -> dict:
-    """Precond kwargs recorded in a pickled module tree: the root's `_init_kwargs` /
-    `_init_args` and the attributes the release keeps on Precond, UNet and Block."""
-    root = _module_state(modules[""])
-    kw: dict = {}
-    for name, value in zip(_PRECOND_POSITIONAL, root.get("_init_args") or ()):
-        kw[name] = value
-    kw.update(dict(root.get("_init_kwargs") or root.get("init_kwargs") or {}))
-    kw.pop("class_name", None)
-    for name in ("img_resolution", "img_channels", "label_dim", "use_fp16", "sigma_data"):
-        if name in root:
-            kw[name] = root[name]
-    unet = _module_state(modules["unet."]) if "unet." in modules else None
-    for name in ("label_balance", "concat_balance"):
-        if unet and name in unet:
-            kw[name] = unet[name]
-    blocks = [(p, s) for p, s in ((p, _module_state(m)) for p, m in modules.items())
-              if "res_balance" in s]
-    for name in ("dropout", "res_balance", "attn_balance", "clip_act", "resample_filter"):
-        values = {repr(s[name]) for _, s in blocks if name in s}
-        if len(values) > 1:
-            raise ValueError(f"the pickle's blocks disagree on {name}: {sorted(values)}; "
-                             f"edm2_jax.model.networks.Precond uses one value for all blocks")
-        if values:
-            kw[name] = next(s[name] for _, s in blocks if name in s)
-    if "channels_per_head" not in kw:
-        heads = [(s["out_channels"], s["num_heads"]) for _, s in blocks
-                 if s.get("num_heads") and s.get("out_channels")]
-        if heads:
-            candidates = [64] + [c // h for c, h in heads]
-            for cph in candidates:
-                if all(c // cph == h for c, h in heads):
-                    kw["channels_per_head"] = cph
-                    break
-            else:
-                raise ValueError(f"cannot find one channels_per_head giving the pickle's "
-                                 f"(channels, heads) {sorted(set(heads))}")
-    return kw
-
-
-def _select_network(obj, path: str, key: str = "") -> tuple[Any, str] | None:
-    """Find the Precond inside a loaded object: prefer `'ema'`, then `'net'`."""
-    if _module_state(obj) is not None:
-        return obj, key
-    if isinstance(obj, Mapping):
-        if obj and all(_is_array(v) for v in obj.values()):
-            return obj, key
-        for k in ("ema", "net", "model", "state_dict"):
-            if k in obj:
-                found = _select_network(obj[k], path, f"{key}.{k}" if key else k)
-                if found is not None and _looks_like_precond(found[0]):
-                    return found
-    return None
-
-
-def _looks_like_precond(obj) -> bool:
-    if isinstance(obj, Mapping):
-        return any(str(k).startswith(("unet.", "module.unet.")) for k in obj)
-    if _is_export(obj):
-        return True
-    state = _module_state(obj)
-    return state is not None and "unet" in (state.get("_modules") or {})
-
-
-def _strip_prefixes(sd: dict) -> dict:
-    for prefix in ("w/", "module."):
-        if sd and all(k.startswith(prefix) for k in sd):
-            sd = {k[len(prefix):]: v for k, v in sd.items()}
-    return sd
-
-
-def _is_export(obj) -> bool:
-    """A Precond written by `release_state.export_network_pickle` (its state holds the
-    constructor arguments and the state dict)."""
-    return isinstance(obj, PersistentObject) and "edm2_jax_state_dict" in obj.state
-
-
-def _from_loaded(obj, path: str, fmt: str) -> ReleaseWeights:
-    found = _select_network(obj, path)
-    if found is None:
-        what = (f"a {type(obj).__name__} with keys {sorted(map(str, obj))[:8]}"
-                if isinstance(obj, Mapping) else f"a {type(obj).__name__}")
-        raise ValueError(f"{path}: found {what}, not an EDM2 Precond; expected a network "
-                         f"pickle holding 'ema' (or 'net'), or a Precond state_dict")
-    net, key = found
-    info = dict(format=fmt, key=key or None)
-    if isinstance(net, Mapping):
-        raw, net_kwargs = dict(net), {}
-        info["class_name"] = "state_dict"
-    elif _is_export(net):
-        raw, net_kwargs = dict(net.state["edm2_jax_state_dict"]), dict(net.state["edm2_jax_kwargs"])
-        info["class_name"] = net.class_name
-    else:
-        raw, modules = {}, {}
-        _walk_module(net, "", raw, modules)
-        net_kwargs = _net_kwargs_from_modules(modules)
-        info["class_name"] = _class_name(net)
-    raw = _strip_prefixes({str(k): v for k, v in raw.items()})
-    dtypes = sorted({_dtype_name(v) for v in raw.values()})
-    info["dtype"] = dtypes[0] if len(dtypes) == 1 else dtypes
-    if "use_fp16" in net_kwargs:
-        info["use_fp16"] = bool(net_kwargs.pop("use_fp16"))
-    sd = {k: _to_numpy(v) for k, v in raw.items()}
-    return ReleaseWeights(sd, net_kwargs, info)
-
-
-def load_release(path: str) -> ReleaseWeights:
-    """Read a released EDM2 network (pickle, torch state_dict, or npz; see module doc).
-
-    Returns `ReleaseWeights(state_dict, net_kwargs, info)`; arrays float32 numpy in the
-    release's layout (fp16 pickles are cast). Raises FileNotFoundError for a missing
-    file, ImportError naming `pip install edm2-jax[torch]` when a PyTorch file needs
-    torch, ValueError when the file holds no EDM2 Precond.
-    """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such file (expected an EDM2 .pkl, .pt/.pth or .npz)")
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as z:
-            names = z.namelist()
-        if names and all(n.endswith(".npy") for n in names):
-            with np.load(path) as d:
-                arrays = {k: d[k] for k in d.files}
-            if any(k.startswith("w/") for k in arrays):
-                arrays = {k: v for k, v in arrays.items() if k.startswith("w/")}
-            return _from_loaded(arrays, path, "npz")
-        return _from_loaded(_torch_load(path), path, "torch")
-    try:
-        with open(path, "rb") as f:
-            obj = ReleaseUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError,
-            KeyError, UnicodeDecodeError, OverflowError) as e:
-        raise ValueError(
-            f"{path} is not a file this converter reads ({type(e).__name__}: {e}): expected "
-            f"a released EDM2 network pickle (network-snapshot-*.pkl, edm2-*.pkl), a "
-            f"torch.save'd Precond state_dict (.pt/.pth) or an .npz with the same keys; "
-            f"check the file (a truncated download?)") from None
-    if isinstance(obj, int) and obj == 0x1950A86A20F9469CFC6C:  # legacy torch.save format
-        return _from_loaded(_torch_load(path), path, "torch")
-    return _from_loaded(obj, path, "pickle")
-
-
-def _torch_load(path: str):
-    torch = _import_torch()
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        # Not plain tensors (e.g. a pickled module): fall back to the restricted unpickler.
-        return torch.load(path, map_location="cpu", weights_only=False,
-                          pickle_module=_PickleModule)
-
-
-def load_state_dict(path: str) -> dict[str, np.ndarray]:
-    """Release `state_dict` of the Precond in `path`: key -> float32 numpy array, conv
-    weights OIHW, dense `[out, in]`, as the release keeps them. See `load_release`."""
-    return load_release(path).state_dict
 
 
 # ---------------------------------------------------------------------------------------
@@ -555,9 +188,6 @@ def expected_variable_shapes(net_config: Mapping) -> dict:
 
 @functools.lru_cache(maxsize=8)
 def _expected_shapes(net_config_json: str) -> tuple:
-    import jax
-    from edm2_jax.model.networks import init_variables, precond_from_config
-
     net = precond_from_config(json.loads(net_config_json))
     shapes = jax.eval_shape(lambda r: init_variables(net, r), jax.random.PRNGKey(0))
     return tuple((path, tuple(leaf.shape)) for path, leaf in _flatten(shapes).items())
@@ -582,7 +212,7 @@ def state_dict_to_variables(sd: Mapping[str, Any], net_config: Mapping | None = 
     (release names, release layout, expected vs got).
     """
     net_config = dict(net_config or {})
-    sd = _strip_prefixes({str(k): v for k, v in sd.items()})
+    sd = strip_prefixes({str(k): v for k, v in sd.items()})
     cfg = infer_network_config(sd, channels_per_head=net_config.get("channels_per_head", 64),
                                model_channels=net_config.get("model_channels"))
     cfg.update(net_config)
@@ -593,7 +223,7 @@ def state_dict_to_variables(sd: Mapping[str, Any], net_config: Mapping | None = 
     got = {}
     for key, value in sd.items():
         collection, path = release_key_to_path(key)
-        got[(collection,) + path] = to_jax_layout(_to_numpy(value))
+        got[(collection,) + path] = to_jax_layout(to_numpy(value))
 
     missing = sorted(set(expected) - set(got))
     extra = sorted(set(got) - set(expected))
@@ -648,9 +278,7 @@ def net_config_from_release(weights: ReleaseWeights, net_overrides: Mapping | No
     `model_channels`) < `net_overrides`. Raises ValueError for recorded kwargs this
     project's Precond cannot express (e.g. a resample filter other than [1, 1]).
     """
-    from edm2_jax.model.networks import Precond
-
-    fields = {f for f in Precond.__dataclass_fields__ if f not in ("parent", "name")}
+    fields = set(CONFIG_FIELDS)
     recorded = dict(weights.net_kwargs)
     rf = recorded.pop("resample_filter", [1, 1])
     if list(rf) != [1, 1]:
@@ -673,11 +301,7 @@ def _count(tree: Mapping) -> int:
 
 
 def _convert(src: str, workdir: str, net_overrides: Mapping | None):
-    from edm2_jax import paths
-    from edm2_jax.run import rundir
-    from edm2_jax.run.network_dir import save_network
-
-    if rundir.is_run(workdir) or paths.isdir(os.path.join(workdir, rundir.CHECKPOINTS)):
+    if layout.is_run(workdir) or paths.isdir(os.path.join(workdir, layout.CHECKPOINTS)):
         raise FileExistsError(
             f"{workdir} is a training run directory; a network converted into it would "
             f"stand in for the run (--mode=generate --net={workdir}). Choose another "

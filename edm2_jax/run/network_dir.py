@@ -12,7 +12,8 @@ Owns:
         DIR/network.json     {"network": {...Precond kwargs...}, "meta": {...}}
         DIR/variables/       Orbax PyTree checkpoint {'params', 'buffers'}
 
-A training run's directory (config.json, checkpoints/, snapshots/, ...) is `rundir.py`'s.
+A training run's directory (config.json, checkpoints/, snapshots/, ...) is `layout.py`'s
+(and its siblings', one per file).
 """
 from __future__ import annotations
 

@@ -1,1 +1,7 @@
-"""sampling."""
+"""Sampling: the EDM sampler (Heun steps, churn), classifier-free guidance and
+autoguidance (`sampler.py`), and the generation of images for a seed range from any
+network this project knows (`generate.py`, the body of `--mode=generate`).
+
+May import `paths`, `model`, `backends`, `data`, `run` and `release`; never the metrics,
+the EMA, the configs, the training loop or anything above them.
+"""

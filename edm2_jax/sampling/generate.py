@@ -19,9 +19,9 @@ decoding in batches of `SDVAE.batch_size` per device); a pixel-space net refuses
 Both are checked from the metadata before any weights are read.
 
 Owns `load_net` (a network and its variables from any of those; reading them is
-`checkpoint.py`'s and `rundir.py`'s), `net_encoder` and `check_vae` (which decoder a net's
-samples need), `load_guide`, `generate_images` (seeds to images, split over
-processes and devices) and the CLI body `main_generate`.
+`run/network_dir.py`'s, `run/snapshots.py`'s and `run/checkpoints.py`'s), `net_encoder`
+and `check_vae` (which decoder a net's samples need), `load_guide`, `generate_images`
+(seeds to images, split over processes and devices) and the CLI body `main_generate`.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from edm2_jax.run import network_dir as ckpt_lib
 from edm2_jax import paths
-from edm2_jax.run import rundir
+from edm2_jax.run import checkpoints, layout, snapshots
 from edm2_jax.model import vae as vae_lib
 from edm2_jax.model.networks import Precond, precond_from_config
 from edm2_jax.sampling.sampler import sample_images, save_image_grid
@@ -66,7 +66,7 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
     Raises FileNotFoundError naming what was looked for, KeyError for an unknown EMA.
     """
     path = paths.normalize(path)  # local or gs://
-    if ckpt_lib.is_network_checkpoint(path) and rundir.is_run(path):
+    if ckpt_lib.is_network_checkpoint(path) and layout.is_run(path):
         raise ValueError(f"{path} is both a training run and a network checkpoint "
                          f"(network.json + variables/, e.g. from --mode=convert into the run); "
                          f"move {ckpt_lib.NETWORK_JSON} and {ckpt_lib.VARIABLES}/ to a "
@@ -75,19 +75,19 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
         cfg, variables, meta = ckpt_lib.load_network(path)
         return precond_from_config(cfg), variables, f"network checkpoint {path}"
 
-    snap = re.fullmatch(rf"(.*)/{rundir.SNAPSHOTS}/(\d+)/?", path)
+    snap = re.fullmatch(rf"(.*)/{layout.SNAPSHOTS}/(\d+)/?", path)
     if snap:
         run_dir, step = snap.group(1), int(snap.group(2))
-        tree, meta = rundir.restore_snapshot(run_dir, step)
+        tree, meta = snapshots.restore_snapshot(run_dir, step)
         key = ema or max(tree["power"], key=float)
         if key not in tree["power"]:
             raise KeyError(f"snapshot {path} has EMAs {sorted(tree['power'])}, not {key!r}")
-        variables = {"params": tree["power"][key], "buffers": rundir.run_buffers(run_dir)}
-        return (precond_from_config(rundir.network_config(run_dir)), variables,
+        variables = {"params": tree["power"][key], "buffers": snapshots.run_buffers(run_dir)}
+        return (precond_from_config(layout.network_config(run_dir)), variables,
                 f"EMA {key} of snapshot {step} ({meta['nimg'] / 1000:.1f} kimg) in {run_dir}")
 
-    if rundir.is_run(path):
-        state = rundir.restore_latest_state(path)
+    if layout.is_run(path):
+        state = checkpoints.restore_latest_state(path)
         if ema == "online":
             params, what = state["params"], "online weights"
         else:
@@ -96,7 +96,7 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
                 raise KeyError(f"run {path} tracks EMAs {sorted(state['ema']['power'])}, not "
                                f"{key!r} (or use --ema=online)")
             params, what = state["ema"]["power"][key], f"EMA sigma_rel={key}"
-        return (precond_from_config(rundir.network_config(path)),
+        return (precond_from_config(layout.network_config(path)),
                 {"params": params, "buffers": state["buffers"]},
                 f"{what} of run {path} at step {int(state['step'])}")
     raise FileNotFoundError(
@@ -113,8 +113,8 @@ def net_encoder(path: str) -> str:
     if ckpt_lib.is_network_checkpoint(path):
         cfg, meta = ckpt_lib.read_network_json(path)
         return vae_lib.encoder_of(cfg, meta)
-    snap = re.fullmatch(rf"(.*)/{rundir.SNAPSHOTS}/(\d+)/?", path)
-    config = rundir.read_config(snap.group(1) if snap else path)
+    snap = re.fullmatch(rf"(.*)/{layout.SNAPSHOTS}/(\d+)/?", path)
+    config = layout.read_config(snap.group(1) if snap else path)
     if config is None or "network" not in config:
         return "none"
     return vae_lib.encoder_of(config["network"], data_config=config.get("data"))
@@ -169,7 +169,7 @@ def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outd
     """Yield `(seeds [b], images uint8 [b, H, W, C])` batches; write `seed%06d.png` files
     to `outdir` (in `outdir/000000/`, `outdir/001000/`, ... with `subdirs`) if given.
     Sampler settings (`num_steps` ... `S_noise`), guidance and the per-seed random
-    stream `rng` ('jax' or the release's, 'release'): `sampling.sample_images`. With
+    stream `rng` ('jax' or the release's, 'release'): `sampler.sample_images`. With
     `vae` (a latent net, `check_vae`), the samples are decoded to RGB uint8
     `[b, 8H, 8W, 3]` by `vae.decode`, split over the same devices.
 

@@ -6,7 +6,7 @@ may change on resume (`CHANGEABLE_ON_RESUME`: the optimiser's learning rate, sch
 betas and clipping, so that a diverged run can be rescued from a healthy checkpoint with
 a lower learning rate), their comparison (`check_config_matches`), and the record of the
 config in the run's config.json (`check_config`, then `record_config` once every other
-check has passed; `rundir` writes it atomically).
+check has passed; `run.layout` writes it atomically).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import json
 
 import ml_collections
 
-from edm2_jax.run import rundir
+from edm2_jax.run import layout
 
 # Fields that must not change when resuming in the same workdir ...
 RESUME_FIELDS = ("network", "loss", "optim", "ema", "batch_size", "seed", "data.source",
@@ -79,7 +79,7 @@ def check_config(workdir: str, config: ml_collections.ConfigDict) -> dict:
     change. Returns the config as a JSON-able dict, for `record_config`. Writes
     nothing."""
     current = json.loads(config.to_json_best_effort())
-    saved = rundir.read_config(workdir)
+    saved = layout.read_config(workdir)
     if saved is not None:
         for line in check_config_matches(saved, current, workdir):
             print(f"Config change on resume (allowed: changes no array of the train state): "
@@ -90,4 +90,4 @@ def check_config(workdir: str, config: ml_collections.ConfigDict) -> dict:
 def record_config(workdir: str, current: dict) -> None:
     """Write `current` (from `check_config`) as the run's config.json, atomically; call
     it once every check has passed (process 0)."""
-    rundir.write_config(workdir, current)
+    layout.write_config(workdir, current)

@@ -34,7 +34,7 @@ Files written to `--out` (default: this script's folder):
   release's source) is written to a temporary folder only.
 
 `--check-export` (needs this repository's `edm2_jax` importable) additionally exports a
-random edm2-jax network with `edm2_jax.release_state` and loads it with the release's own
+random edm2-jax network with `edm2_jax.release.export` and loads it with the release's own
 loader, checking the state dict, the forward pass and a re-pickled copy; it writes nothing.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # The tiny nets (keyword arguments of the release's Precond). TINY_NET is also the tests'
 # `TINY_NET` (checked there against `export_facts.json`); TRAIN_NET is the network of
-# `tests/test_train.py`'s tiny run after `train.setup_data` (checked there too).
+# `tests/test_train.py`'s tiny run after `setup.setup_data` (checked there too).
 TINY_NET = dict(img_resolution=8, img_channels=2, label_dim=3, model_channels=4,
                 channel_mult=[1, 2], num_blocks=1, attn_resolutions=[4], channels_per_head=4,
                 logvar_channels=8)
@@ -313,7 +313,8 @@ def check_export(torch):
     """Our exported pickle, read by the release's loader into its Precond."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
     import jax
-    from edm2_jax import convert, networks, release_state
+    from edm2_jax.model import networks
+    from edm2_jax.release import convert, export
     from training import networks_edm2
     cfg = {**TINY_NET, "channel_mult": (1, 2), "attn_resolutions": (4,)}
     variables = jax.device_get(networks.init_variables(networks.precond_from_config(cfg),
@@ -322,7 +323,7 @@ def check_export(torch):
         lambda a: np.random.RandomState(a.size).standard_normal(a.shape).astype(np.float32),
         variables["params"])
     with tempfile.TemporaryDirectory() as tmp:
-        pkl = release_state.export_network_pickle(variables, cfg, os.path.join(tmp, "x.pkl"))
+        pkl = export.export_network_pickle(variables, cfg, os.path.join(tmp, "x.pkl"))
         with open(pkl, "rb") as f:
             theirs = pickle.load(f)["ema"]
     assert isinstance(theirs, networks_edm2.Precond), type(theirs)

@@ -1,4 +1,5 @@
-"""edm2_jax.process: the allocator and CPU-device settings the entry points re-exec with.
+"""edm2_jax.process: the XLA flags, allocator and CPU-device settings the entry points
+set up (re-executing themselves where needed).
 
 The settings are pure functions of the environment, checked here case by case; one
 subprocess checks the re-exec itself (same PID, same arguments, the settings seen by
@@ -67,7 +68,18 @@ def test_launch_env_leaves_a_users_device_count_and_off_switches_alone(fake_tcma
     assert add["XLA_FLAGS"] == f"--xla_cpu_foo=1 {CE.DEVICE_COUNT_FLAG}=2"
 
 
-def test_usable_devices_only_shrinks_the_split_cpu_env_chose(monkeypatch):
+def test_default_xla_flags_add_the_ynn_fusion_unless_set_or_switched_off(monkeypatch):
+    monkeypatch.setattr(CE, "_jaxlib_version", lambda: (0, 10, 2))
+    assert CE.default_xla_flags({}) == {"XLA_FLAGS": CE.YNN_FLAG}
+    assert CE.default_xla_flags({"XLA_FLAGS": "--xla_cpu_foo=1"}) == {
+        "XLA_FLAGS": f"--xla_cpu_foo=1 {CE.YNN_FLAG}"}
+    assert CE.default_xla_flags({"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type="}) == {}
+    assert CE.default_xla_flags({CE.XLA_DEFAULTS_ENV: "0"}) == {}
+    monkeypatch.setattr(CE, "_jaxlib_version", lambda: (0, 10, 1))  # does not know the flag
+    assert CE.default_xla_flags({}) == {}
+
+
+def test_usable_devices_only_shrinks_the_split_the_entry_point_chose(monkeypatch):
     def fits(d):
         return 33 % d == 0 if batch == 33 else 64 % d == 0
     monkeypatch.setenv(CE.DEVICES_SET, "2")
@@ -75,7 +87,7 @@ def test_usable_devices_only_shrinks_the_split_cpu_env_chose(monkeypatch):
     assert CE.usable_devices(batch, 2, fits) == 2
     batch = 33
     assert CE.usable_devices(batch, 2, fits) == 1
-    # The user's own device count (not cpu_env's): all devices, the step then says why
+    # The user's own device count (not the entry point's): all devices, the step then says why
     # the batch does not split.
     monkeypatch.delenv(CE.DEVICES_SET)
     assert CE.usable_devices(batch, 2, fits) == 2
@@ -88,10 +100,10 @@ def test_reexec_keeps_pid_and_arguments_and_jax_sees_the_devices(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(textwrap.dedent("""
         import os, sys
-        from edm2_jax import process as cpu_env
-        cpu_env.reexec()
+        from edm2_jax import process
+        process.reexec()
         import jax
-        print(os.getpid(), os.environ.get(cpu_env.APPLIED), os.environ.get("GLIBC_TUNABLES"),
+        print(os.getpid(), os.environ.get(process.APPLIED), os.environ.get("GLIBC_TUNABLES"),
               jax.device_count(), jax.default_backend(), "|".join(sys.argv[1:]))
     """))
     env = {k: v for k, v in os.environ.items()

@@ -1,0 +1,237 @@
+"""What the dataset tool writes: `convert` (images), `encode` (latents) and `decode`.
+
+Formats (what the release's `dataset_tool.py` writes and reads, so that either project
+reads the other's files; `data.ImageFolder` / `data.LatentFolder` read them here):
+  * a `.zip` (stored, uncompressed) or a folder; image `i` at `{i:08d}[:5]/img{i:08d}.png`
+    (uncompressed RGB PNG), e.g. `00000/img00000007.png`; latent `i` at
+    `{i:08d}[:5]/img-mean-std-{i:08d}.npy`, float32 `[8, H/8, W/8]` CHW (the SD VAE
+    encoder's mean of the 4 latent channels, then their std; `vae.SDVAE.encode_pixels`
+    of the image's uint8 pixels);
+  * `dataset.json` at the root: `{"labels": [[fname, label], ...]}` when every image has
+    a label, else `{"labels": null}`.
+
+`convert` writes the images of `--source` (`dataset_inputs.open_source`) after
+`--transform` (`dataset_inputs.make_transform`); outputs must be square, power-of-two
+sized and all the same size. `encode` writes the SD VAE encoder's mean and std of each
+image. `decode` (as the release's): each stored latent drawn once, `mean + N(0, 1) * std`
+(NumPy `default_rng(seed)`, or the mean alone with `--mean`), scaled as in training,
+decoded by the VAE to uint8 RGB and written as `convert` writes PNGs, with the labels.
+
+Errors (`DatasetToolError`) name the file or flag at fault and the fix: a non-empty
+destination folder, an image of another size; a bad VAE file fails in `vae.load_vae`
+before anything is written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import sys
+import zipfile
+
+import numpy as np
+import PIL.Image
+from tqdm import tqdm
+
+from edm2_jax.data.dataset_inputs import (DatasetToolError, make_transform, open_source,
+                                         parse_resolution)
+from edm2_jax.data.latents import LatentFolder
+from edm2_jax.model import vae as vae_lib
+
+
+# --------------------------------------------------------------------------- destination
+
+class Dest:
+    """A `.zip` (stored) or an empty folder, created at the first write."""
+
+    def __init__(self, dest: str):
+        if not dest:
+            raise DatasetToolError("--dest must name a .zip or a folder")
+        self.dest = os.path.expanduser(dest)
+        self.is_zip = self.dest.lower().endswith(".zip")
+        if not self.is_zip and os.path.isdir(self.dest) and os.listdir(self.dest):
+            raise DatasetToolError(f"--dest={dest} is a folder that is not empty; give a new "
+                                   f"or empty folder, or a .zip")
+        self._zip = None
+
+    def write(self, fname: str, data: bytes | str) -> None:
+        if isinstance(data, str):
+            data = data.encode("utf8")
+        if self.is_zip:
+            if self._zip is None:
+                if os.path.dirname(self.dest):
+                    os.makedirs(os.path.dirname(self.dest), exist_ok=True)
+                self._zip = zipfile.ZipFile(self.dest, "w", compression=zipfile.ZIP_STORED)
+            self._zip.writestr(fname, data)
+        else:
+            full = os.path.join(self.dest, fname)
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            with open(full, "wb") as f:
+                f.write(data)
+
+    def close(self) -> None:
+        if self._zip is not None:
+            self._zip.close()
+            self._zip = None
+
+
+def archive_name(i: int, kind: str = "png") -> str:
+    """The release's file name of item `i`: '00000/img00000007.png' or, for latents,
+    '00000/img-mean-std-00000007.npy'."""
+    s = f"{i:08d}"
+    return f"{s[:5]}/img{s}.png" if kind == "png" else f"{s[:5]}/img-mean-std-{s}.npy"
+
+
+def _dataset_json(labels: list) -> str:
+    return json.dumps({"labels": labels if all(x is not None for x in labels) else None})
+
+
+def _progress(total: int, quiet: bool):
+    return tqdm(total=total, unit="img", disable=quiet, file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------ commands
+
+def convert(source: str, dest: str, resolution: str | tuple[int, int] | None = None,
+            transform: str | None = None, max_images: int | None = None,
+            quiet: bool = False, tfds_dir: str = "") -> int:
+    """Images -> PNG data set (module docstring). Returns the number of images written."""
+    res = parse_resolution(resolution) if isinstance(resolution, (str, type(None))) else resolution
+    tf = make_transform(transform, res)
+    n, entries = open_source(source, max_images, tfds_dir)
+    out = Dest(dest)
+    labels, size, idx = [], None, 0
+    try:
+        with _progress(n, quiet) as bar:
+            for e in entries:
+                bar.update(1)
+                img = tf(e.img)
+                if img is None:
+                    continue
+                h, w = img.shape[:2]
+                if size is None:
+                    if w != h:
+                        raise DatasetToolError(f"{e.name}: {w}x{h} after the transform; images "
+                                               f"must be square (use --resolution=NxN or a "
+                                               f"--transform)")
+                    if w & (w - 1):
+                        raise DatasetToolError(f"{e.name}: {w}x{h}; sides must be a power of "
+                                               f"two (use --resolution, e.g. 64x64)")
+                    size = (h, w)
+                elif (h, w) != size:
+                    raise DatasetToolError(f"{e.name}: {w}x{h}, but earlier images are "
+                                           f"{size[1]}x{size[0]}; give --resolution to make "
+                                           f"them all one size")
+                fname = archive_name(idx)
+                buf = io.BytesIO()
+                PIL.Image.fromarray(img).save(buf, format="png", compress_level=0,
+                                              optimize=False)
+                out.write(fname, buf.getvalue())
+                labels.append([fname, e.label] if e.label is not None else None)
+                idx += 1
+        out.write("dataset.json", _dataset_json(labels))
+    finally:
+        out.close()
+    return idx
+
+
+def encode(source: str, dest: str, vae_path: str, batch: int = 8,
+           max_images: int | None = None, quiet: bool = False) -> int:
+    """Images -> latent data set with the SD VAE of `vae_path` (module docstring), `batch`
+    images per VAE call. Returns the number of latents written."""
+    if batch < 1:
+        raise DatasetToolError(f"--batch={batch}: must be at least 1")
+    if not vae_path:
+        raise DatasetToolError("encode needs --vae=PATH: the SD VAE's diffusers weights "
+                               f"(diffusion_pytorch_model.safetensors of {vae_lib.SD_VAE_URL})")
+    vae = vae_lib.load_vae(vae_path)  # a bad file fails here, before anything is written
+    vae = dataclasses.replace(vae, batch_size=batch)
+    n, entries = open_source(source, max_images)
+    out = Dest(dest)
+    labels, pending, idx = [], [], 0
+
+    def flush():
+        nonlocal idx
+        imgs = np.stack([e.img for e in pending])
+        m = len(imgs)
+        if m < batch:  # one compiled shape: pad the last batch with copies
+            imgs = np.concatenate([imgs, np.repeat(imgs[-1:], batch - m, axis=0)])
+        raw = vae.encode_pixels(imgs)[:m]  # [m, h, w, 8]
+        for e, r in zip(pending, raw):
+            fname = archive_name(idx, "npy")
+            buf = io.BytesIO()
+            np.save(buf, np.ascontiguousarray(r.transpose(2, 0, 1), np.float32))
+            out.write(fname, buf.getvalue())
+            labels.append([fname, e.label] if e.label is not None else None)
+            idx += 1
+        bar.update(m)
+        pending.clear()
+
+    try:
+        with _progress(n, quiet) as bar:
+            for e in entries:
+                if pending and e.img.shape != pending[0].img.shape:
+                    raise DatasetToolError(f"{e.name}: {e.img.shape[1]}x{e.img.shape[0]}, but "
+                                           f"earlier images are {pending[0].img.shape[1]}x"
+                                           f"{pending[0].img.shape[0]}; convert them to one "
+                                           f"size first (dataset_tool convert --resolution)")
+                if not pending and idx == 0:
+                    d = vae.config.downsampling
+                    if e.img.shape[0] % d or e.img.shape[1] % d:
+                        raise DatasetToolError(f"{e.name}: {e.img.shape[1]}x{e.img.shape[0]} "
+                                               f"pixels; the VAE needs sides that are multiples "
+                                               f"of {d} (convert --resolution, e.g. 512x512)")
+                pending.append(e)
+                if len(pending) == batch:
+                    flush()
+            if pending:
+                flush()
+        out.write("dataset.json", _dataset_json(labels))
+    finally:
+        out.close()
+    return idx
+
+
+def decode(source: str, dest: str, vae_path: str, batch: int = 8,
+           max_images: int | None = None, seed: int = 0, mean: bool = False,
+           quiet: bool = False) -> int:
+    """Latent data set -> PNG data set with the SD VAE of `vae_path` (module docstring).
+    Returns the number of images written."""
+    if batch < 1:
+        raise DatasetToolError(f"--batch={batch}: must be at least 1")
+    vae = dataclasses.replace(vae_lib.load_vae(vae_path), batch_size=batch)
+    try:
+        lat = LatentFolder(source, use_labels=True)
+    except ValueError as e:
+        if "label" not in str(e):
+            raise
+        lat = LatentFolder(source, use_labels=False)
+    n = len(lat) if max_images is None else min(len(lat), max_images)
+    rng = np.random.default_rng(seed)
+    out = Dest(dest)
+    labels = []
+    try:
+        with _progress(n, quiet) as bar:
+            for a in range(0, n, batch):
+                items = [lat[i] for i in range(a, min(a + batch, n))]
+                raw = np.stack([x for x, _ in items]).astype(np.float32)
+                m = len(raw)
+                if m < batch:
+                    raw = np.concatenate([raw, np.repeat(raw[-1:], batch - m, axis=0)])
+                noise = (np.zeros if mean else lambda shape: rng.standard_normal(shape,
+                                                                                np.float32))(
+                    raw.shape[:-1] + (vae_lib.LATENT_CHANNELS,))
+                imgs = vae.decode(vae_lib.encode_latents(raw, noise))[:m]
+                for i, (img, (_, label)) in enumerate(zip(imgs, items)):
+                    fname = archive_name(a + i)
+                    buf = io.BytesIO()
+                    PIL.Image.fromarray(img).save(buf, format="png", compress_level=0,
+                                                  optimize=False)
+                    out.write(fname, buf.getvalue())
+                    labels.append([fname, int(label)] if lat.label_dim else None)
+                bar.update(m)
+        out.write("dataset.json", _dataset_json(labels))
+    finally:
+        out.close()
+    return n

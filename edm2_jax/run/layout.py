@@ -1,0 +1,140 @@
+"""A training run's directory: where each file lives, and its config.json.
+
+    WORKDIR/config.json          the run's config as JSON (`write_config`, `read_config`)
+    WORKDIR/checkpoints/<step>/  full train state (Orbax item `default`) every
+                                 `checkpoint_kimg`, written asynchronously, last N kept
+                                 (`checkpoints.TrainCheckpoints`)
+    WORKDIR/snapshots/<step>/    every tracked EMA every `snapshot_kimg` (all kept): items
+                                 `ema` ({'power': {'0.050': params, ...}}), `meta` (JSON
+                                 {nimg, batch_size, sigma_rels, ema_keys, traditional}) and,
+                                 when given, `buffers` (MPFourier): the input of post-hoc
+                                 EMA reconstruction (`snapshots.py`)
+    WORKDIR/stats.jsonl          one JSON line per status / evaluation (`stats.StatsLogger`)
+    WORKDIR/tb/                  the same as TensorBoard scalars
+    WORKDIR/samples/<tag>.png    sample grids (`samples_path`)
+    WORKDIR/train.lock           the running trainer's host and pid (`lock.RunLock`)
+    <step>/_CHECKPOINT_METADATA  Orbax's per-step JSON; `custom_metadata.integrity` holds
+                                 the step's integrity record (`records.py`)
+    <step>.corrupt, <step>.discarded   set aside (corrupt; after `--config.resume_step`)
+
+Who writes and reads what, one module per file: this module the paths, config.json and
+`discard_outputs`; `lock.py` train.lock; `records.py` the integrity record of a step;
+`checkpoints.py` the state checkpoints (`TrainCheckpoints`, which also saves the
+snapshots in the format `snapshots.py` defines and reads); `stats.py` stats.jsonl and tb/.
+Orbax items come back as host NumPy arrays (`network_dir.restore_numpy`); every reader
+checks what it read against the step's integrity record (IntegrityError).
+
+Orbax writes into a temporary directory and renames it when complete, so a run killed
+mid-save never sees a half-written checkpoint; `step_dirs` lists only finalised ones. The
+integrity record is part of that rename (Orbax's step metadata), so a checkpoint and its
+checksums appear together.
+
+WORKDIR may be a `gs://` URL: every access goes through `paths.py` (etils epath) and
+Orbax/TensorStore. There, `train.lock` is advisory (`lock.RunLock`), `stats.jsonl` is
+rewritten whole at each line and `tb/` copied from a local directory
+(`stats.StatsLogger`), and setting a checkpoint aside is a copy and a delete
+(`paths.rename`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+from jax.experimental import multihost_utils
+
+from edm2_jax import paths
+
+CONFIG_JSON = "config.json"
+CHECKPOINTS = "checkpoints"
+SNAPSHOTS = "snapshots"
+SAMPLES = "samples"
+STATS_JSONL = "stats.jsonl"
+TB = "tb"
+STATE_ITEM = "default"  # the item of a state checkpoint (Orbax's name for a single item)
+LOCK = "train.lock"
+COMMIT_SUCCESS = "commit_success.txt"  # Orbax's mark of a complete step on object storage
+STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's per-step JSON; ours under custom_metadata
+
+
+# --------------------------------------------------------------------------------------
+# Paths
+
+
+def config_path(workdir: str) -> str:
+    return os.path.join(workdir, CONFIG_JSON)
+
+
+def state_item(workdir: str, step: int) -> str:
+    """The Orbax item of state checkpoint `step`."""
+    return os.path.join(workdir, CHECKPOINTS, str(step), STATE_ITEM)
+
+
+def snapshot_item(workdir: str, step: int, item: str = "ema") -> str:
+    """An Orbax item (`ema`, `buffers`) of EMA snapshot `step`."""
+    return os.path.join(workdir, SNAPSHOTS, str(step), item)
+
+
+def samples_path(workdir: str, tag: str) -> str:
+    return os.path.join(workdir, SAMPLES, f"{tag}.png")
+
+
+def is_run(path: str) -> bool:
+    """Whether `path` is a training run directory (config.json and checkpoints/)."""
+    return paths.isfile(config_path(path)) and paths.isdir(os.path.join(path, CHECKPOINTS))
+
+
+def step_dirs(root: str) -> list[str]:
+    """The finalised step directories `root/<step>` (e.g. of `WORKDIR/checkpoints`),
+    newest first; [] when `root` does not exist. Orbax's temporary and set-aside
+    (`<step>.corrupt`) directories are not steps. On object storage (`gs://`) Orbax
+    writes into `<step>/` itself and marks it complete with `commit_success.txt`
+    (its `CommitFileTemporaryPath`): only steps with that object are listed."""
+    steps = [int(n) for n in paths.listdir(root) if n.isdigit()]
+    dirs = [os.path.join(root, str(s)) for s in sorted(steps, reverse=True)]
+    if paths.is_url(root):
+        dirs = [d for d in dirs if paths.isfile(os.path.join(d, COMMIT_SUCCESS))]
+    return dirs
+
+
+def discard_outputs(workdir: str) -> str:
+    """Move a run's checkpoints/, snapshots/, samples/, stats.jsonl and tb/ into
+    `WORKDIR/discarded-<time>/` (`--config.start_over`); returns that directory."""
+    dst = os.path.join(workdir, "discarded-" + time.strftime("%Y%m%d-%H%M%S"))
+    if jax.process_index() == 0:
+        paths.makedirs(dst)
+        for name in (CHECKPOINTS, SNAPSHOTS, SAMPLES, STATS_JSONL, TB):
+            if paths.exists(os.path.join(workdir, name)):
+                paths.rename(os.path.join(workdir, name), os.path.join(dst, name))
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("discard outputs")
+    return dst
+
+
+# --------------------------------------------------------------------------------------
+# config.json
+
+
+def write_config(workdir: str, config: dict) -> None:
+    """Write the run's config (a JSON-able dict), atomically (`paths.write_text_atomic`)."""
+    paths.write_text_atomic(config_path(workdir), json.dumps(config, indent=2))
+
+
+def read_config(workdir: str) -> dict | None:
+    """The run's config.json as a dict, or None when there is none."""
+    path = config_path(paths.normalize(workdir))
+    if not paths.isfile(path):
+        return None
+    return json.loads(paths.read_text(path))
+
+
+def network_config(workdir: str) -> dict:
+    """The `network` section of the run's config.json (the `Precond` kwargs). Raises
+    FileNotFoundError when the run has no config.json."""
+    config = read_config(workdir)
+    if config is None:
+        raise FileNotFoundError(f"{config_path(workdir)} is missing; a training run's network "
+                                f"is described by its config.json (written by "
+                                f"loop.train_and_evaluate)")
+    return config["network"]

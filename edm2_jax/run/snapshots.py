@@ -1,0 +1,141 @@
+"""A run's EMA snapshots, `WORKDIR/snapshots/<step>/`: their format and their readers.
+
+Each snapshot is an Orbax Composite checkpoint with the items
+
+    ema      {'power': {'0.050': params, ...}[, 'traditional': params]}
+    meta     JSON {nimg, batch_size, sigma_rels, ema_keys, traditional}
+    buffers  the network's MPFourier buffers (when given; post-hoc EMA writes them into
+             its network checkpoints)
+
+and the integrity record of `records.py`. `checkpoints.TrainCheckpoints.save_snapshot`
+saves what `save_args` builds through the manager `writer` makes; the readers here
+(`list_snapshots`, `restore_snapshot`, `snapshot_checker`, `run_buffers`) are the only
+ones of that format. Every snapshot is kept: they are the input of post-hoc EMA
+reconstruction (`edm2_jax.ema`).
+"""
+from __future__ import annotations
+
+import os
+
+import orbax.checkpoint as ocp
+
+from edm2_jax import paths
+from edm2_jax.run import integrity
+from edm2_jax.run import network_dir
+from edm2_jax.run.layout import CHECKPOINTS, SNAPSHOTS, STATE_ITEM, snapshot_item, step_dirs
+from edm2_jax.run.records import check_host_tree, step_record
+
+
+# --------------------------------------------------------------------------------------
+# Writing (through TrainCheckpoints)
+
+
+def writer(workdir: str) -> ocp.CheckpointManager:
+    """The Orbax manager that saves the snapshots of `workdir` (asynchronously, all kept)."""
+    return ocp.CheckpointManager(
+        os.path.join(workdir, SNAPSHOTS),
+        options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
+                                             enable_async_checkpointing=True,
+                                             cleanup_tmp_directories=True))
+
+
+def save_args(nimg: int, ema: dict, sigma_rels, batch_size: int,
+              buffers: dict | None = None) -> tuple[ocp.args.Composite, dict]:
+    """`(args, arrays)` of a snapshot: the Orbax save args of its items and the tree of
+    its arrays (`{'ema': ...[, 'buffers': ...]}`) that its integrity record covers."""
+    meta = {"nimg": int(nimg), "batch_size": int(batch_size),
+            "sigma_rels": [float(s) for s in sigma_rels],
+            "ema_keys": sorted(ema.get("power", {})),
+            "traditional": "traditional" in ema}
+    items = dict(ema=ocp.args.StandardSave(ema), meta=ocp.args.JsonSave(meta))
+    arrays = {"ema": ema}
+    if buffers:  # Orbax cannot save an empty tree
+        items["buffers"] = ocp.args.StandardSave(buffers)
+        arrays["buffers"] = buffers
+    return ocp.args.Composite(**items), arrays
+
+
+# --------------------------------------------------------------------------------------
+# Reading (host numpy, any topology)
+
+
+def _reader(workdir: str) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(os.path.join(workdir, SNAPSHOTS),
+                                 options=ocp.CheckpointManagerOptions(create=False))
+
+
+def list_snapshots(workdir: str) -> list[tuple[int, dict]]:
+    """`[(step, meta), ...]` of the complete EMA snapshots of a run, oldest first. Raises
+    IntegrityError when a snapshot's meta is unreadable."""
+    mngr = _reader(workdir)
+    out = []
+    try:
+        for step in sorted(mngr.all_steps() or []):
+            try:
+                meta = mngr.restore(step, args=ocp.args.Composite(
+                    meta=ocp.args.JsonRestore()))["meta"]
+            except Exception as e:  # noqa: BLE001 - orbax raises many types
+                raise integrity.IntegrityError(
+                    f"snapshot {step} in {workdir}/{SNAPSHOTS} is unreadable "
+                    f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__}). "
+                    f"{snapshot_fix(workdir, step)}") from None
+            out.append((step, dict(meta)))
+    finally:
+        mngr.close()
+    return out
+
+
+def snapshot_fix(workdir: str, step: int) -> str:
+    """What to do about a corrupt snapshot."""
+    path = os.path.join(workdir, SNAPSHOTS, str(step))
+    return (f"Move it aside (mv {path} {path}.corrupt) and re-run: post-hoc EMA then "
+            f"uses the other snapshots, and a training run that has not passed step {step} "
+            f"writes it again.")
+
+
+def snapshot_checker(workdir: str, step: int) -> integrity.LeafChecker:
+    """Checks the EMA arrays of snapshot `step` one at a time as a streaming reader
+    (post-hoc EMA) reads them: `checker('power/0.050/<param path>', array)`."""
+    d = os.path.join(workdir, SNAPSHOTS, str(step))
+    record = step_record(d)
+    if record is not None:
+        record = {"digests": {k[4:]: v for k, v in record["digests"].items()
+                              if k.startswith("ema/")}}
+    return integrity.LeafChecker(record, f"snapshot {d}", snapshot_fix(workdir, step))
+
+
+def restore_snapshot(workdir: str, step: int) -> tuple[dict, dict]:
+    """`(ema_tree, meta)` of snapshot `step` as numpy arrays (on any devices), verified
+    against its integrity record. Raises IntegrityError when corrupt or not finite."""
+    mngr = _reader(workdir)
+    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    mngr.close()
+    d = os.path.join(workdir, SNAPSHOTS, str(step))
+    ema = network_dir.restore_numpy(snapshot_item(workdir, step, "ema"))
+    check_host_tree(ema, step_record(d), f"snapshot {d}", snapshot_fix(workdir, step),
+                    prefix="ema/")
+    return ema, dict(meta)
+
+
+def run_buffers(workdir: str) -> dict:
+    """The run's MPFourier buffers (fixed at init, the same in every checkpoint) as host
+    numpy arrays: from the newest snapshot that carries them, else from the newest state
+    checkpoint (only its `buffers` are read), checked against its integrity record.
+    Raises FileNotFoundError when neither has them, IntegrityError when corrupt."""
+    fix = "Move that directory aside (e.g. to <step>.corrupt) and retry."
+    for d in step_dirs(os.path.join(workdir, SNAPSHOTS)):
+        if paths.isdir(os.path.join(d, "buffers")):
+            buffers = network_dir.restore_numpy(os.path.join(d, "buffers"))
+            check_host_tree(buffers, step_record(d), f"snapshot {d}", fix, prefix="buffers/")
+            return buffers
+    for d in step_dirs(os.path.join(workdir, CHECKPOINTS)):
+        item = os.path.join(d, STATE_ITEM)
+        if paths.isdir(item) and "buffers" in network_dir.tree_metadata(item):
+            buffers = network_dir.restore_partial(item, [("buffers",)])[0]
+            check_host_tree(buffers, step_record(d), f"checkpoint {d}", fix,
+                            prefix="buffers/")
+            return buffers
+    raise FileNotFoundError(
+        f"no MPFourier buffers for the run in {workdir}: its snapshots carry none and "
+        f"{workdir}/checkpoints holds no train state. Keep at least one state checkpoint "
+        f"(or save snapshots with buffers=state['buffers']).")

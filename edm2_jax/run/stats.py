@@ -1,0 +1,85 @@
+"""A run's logs: `WORKDIR/stats.jsonl` (one JSON line per status or evaluation) and the
+same numbers as TensorBoard scalars in `WORKDIR/tb/`; written by `StatsLogger`, read by
+`read_stats`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from edm2_jax import paths
+from edm2_jax.run.layout import STATS_JSONL, TB
+
+
+def read_stats(workdir: str) -> list[dict]:
+    """The records of `WORKDIR/stats.jsonl` in order (`StatsLogger`'s lines); a last line
+    cut short by a killed run is skipped. Raises FileNotFoundError naming the file."""
+    path = os.path.join(workdir, STATS_JSONL)
+    if not paths.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist: {workdir} is not a training run "
+                                f"(or has not logged a status line yet)")
+    records = []
+    with paths.open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+class StatsLogger:
+    """Appends status dicts to `stats.jsonl` and TensorBoard scalars in `tb/`
+    (tensorboardX, no TensorFlow needed).
+
+    On a URL workdir (`gs://`, objects cannot be appended to): `stats.jsonl` is
+    rewritten whole at every `log` (its earlier lines read once at the start), and the
+    TensorBoard event files are written to a local temporary directory and copied to
+    `WORKDIR/tb/` after every `log` (tensorboardX's own GCS writer is not used)."""
+
+    def __init__(self, workdir: str):
+        # tensorboardX is required, but costs ~1.6 s to import (protobuf): paid by the
+        # training process that logs, not by everything that reads a run (generate, phema).
+        from tensorboardX import SummaryWriter
+        self.path = os.path.join(workdir, STATS_JSONL)
+        self.tb_dir = os.path.join(workdir, TB)
+        self.url = paths.is_url(workdir)
+        if self.url:
+            import tempfile
+            self.lines = paths.read_text(self.path) if paths.isfile(self.path) else ""
+            if self.lines and not self.lines.endswith("\n"):  # a killed run's last line
+                self.lines = self.lines[:self.lines.rfind("\n") + 1]
+            self.local_tb = tempfile.mkdtemp(prefix="edm2_jax_tb_")
+            self.f = None
+            self.tb = SummaryWriter(self.local_tb)
+        else:
+            self.f = open(self.path, "a")
+            self.tb = SummaryWriter(self.tb_dir)
+
+    def log(self, stats: dict) -> None:
+        if self.url:
+            self.lines += json.dumps(stats) + "\n"
+            paths.Path(self.path).write_text(self.lines)
+        else:
+            self.f.write(json.dumps(stats) + "\n")
+            self.f.flush()
+        step = int(round(stats["kimg"] * 1000))
+        for k, v in stats.items():
+            if isinstance(v, (int, float)) and k not in ("kimg",):
+                self.tb.add_scalar(k, v, step)
+        self.tb.flush()
+        if self.url:
+            self._upload_tb()
+
+    def _upload_tb(self) -> None:
+        for name in os.listdir(self.local_tb):
+            paths.copy_file(os.path.join(self.local_tb, name), os.path.join(self.tb_dir, name))
+
+    def close(self) -> None:
+        self.tb.close()
+        if self.url:
+            self._upload_tb()
+            shutil.rmtree(self.local_tb, ignore_errors=True)
+        else:
+            self.f.close()

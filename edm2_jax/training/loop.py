@@ -1,0 +1,299 @@
+"""EDM2 training: `train_and_evaluate`, the loop over steps and what it writes.
+
+    from edm2_jax import configs
+    from edm2_jax.training import loop
+    loop.train_and_evaluate(configs.base_config(), "runs/fmnist")
+
+The loop takes the set-up steps of `setup.py` (data, config check, evaluation, model,
+state), then runs the jitted step of `step.py`, reports on `progress.py`'s schedule,
+and at every snapshot writes the EMAs, a sample grid and the evaluation. What it writes
+is `edm2_jax.run`'s; the resume check is `resume.py`'s, preemption `preemption.py`'s.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from tqdm import tqdm
+
+from edm2_jax import configs
+from edm2_jax import data as data_lib
+from edm2_jax import paths
+from edm2_jax.ema import power as ema_lib
+from edm2_jax.model.networks import Precond
+from edm2_jax.run import checkpoints, layout, lock, records
+from edm2_jax.run.checkpoints import CheckpointSaveError  # noqa: F401 (raised by train_and_evaluate)
+from edm2_jax.run.stats import StatsLogger
+from edm2_jax.sampling import sampler as sampling
+from edm2_jax.training import preemption
+from edm2_jax.training import probes
+from edm2_jax.training import resume
+from edm2_jax.training import setup
+from edm2_jax.training import sharding as shard_lib
+from edm2_jax.training import step as step_lib
+from edm2_jax.training.progress import NonFiniteLossError, Schedule, StepMetrics, status_line
+
+# --------------------------------------------------------------------------------------
+# At each snapshot: sample grid and evaluation
+
+
+def emas_on_host(state: dict, keys: list[str]) -> dict:
+    """`{key: EMA variables}` as host arrays, each gathered once (a collective on every
+    process, in the same order everywhere) however many consumers want it."""
+    return {k: shard_lib.to_host({"params": state["ema"]["power"][k],
+                                  "buffers": state["buffers"]})
+            for k in dict.fromkeys(keys)}
+
+
+def save_sample_grid(config: ml_collections.ConfigDict, net: Precond, variables: dict,
+                     path: str) -> None:
+    """A `config.sample` grid of images of `variables` (one class per column) at `path`."""
+    rows, cols = int(config.sample.grid_rows), int(config.sample.grid_cols)
+    seeds = np.arange(rows * cols) + int(config.sample.seed)
+    labels = None
+    if net.label_dim:
+        labels = jax.nn.one_hot(np.arange(rows * cols) % net.label_dim, net.label_dim)
+    imgs = sampling.sample_images(net, variables, sampling.split_seeds(seeds), labels,
+                                  num_steps=int(config.sample.num_steps),
+                                  rng=str(config.sample.get("rng", "jax")))
+    paths.write_through_local(  # PIL writes local files
+        path, lambda local: sampling.save_image_grid(np.asarray(imgs), local, rows, cols))
+
+
+def eval_line(nimg: int, ema_key: str, res: dict) -> str:
+    """The log line of an evaluation's results `res` (`eval/<metric>` -> value)."""
+    return (f"kimg {nimg / 1000:9.1f}  eval (EMA {ema_key}): " + "  ".join(
+        f"{k[5:]} {v:.4g}" for k, v in res.items()
+        if k != "eval/time_s" and not k.startswith("eval/num_"))
+        + f"  [{res['eval/time_s']:.1f} s]")
+
+
+# --------------------------------------------------------------------------------------
+# When the loss becomes NaN
+
+
+def rescue_hint(managers: checkpoints.TrainCheckpoints, config: ml_collections.ConfigDict) -> str:
+    """How to resume a diverged run: the newest checkpoint that is finite with a
+    healthy parameter RMS (`records.is_healthy`), and the flags."""
+    try:
+        managers.close()  # the saves in flight complete (or fail) first
+    except checkpoints.CheckpointSaveError:
+        pass
+    found = managers.newest_healthy()
+    lr = float(config.optim.ref_lr)
+    if found is None:
+        return (" No checkpoint of this run is healthy (finite, parameter RMS within "
+                f"{records.HEALTHY_RMS_FACTOR:g}x of the start): start a new run in a new "
+                f"--workdir with a lower --config.optim.ref_lr (now {lr:g}).")
+    step, record = found
+    return (f" The newest healthy checkpoint is step {step} (finite; parameter RMS "
+            f"{record['rms']['params']:.3g}). Resume from it with a lower learning rate: "
+            f"re-run the same command with --config.resume_step={step} "
+            f"--config.optim.ref_lr={lr / 10:g} (or --config.optim.grad_clip=1); the "
+            f"optim.* fields may change on resume.")
+
+
+# --------------------------------------------------------------------------------------
+# The loop
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.StopRequest,
+           process_setup: Any) -> dict:
+    """`train_and_evaluate`'s body, run holding the run's lock and the signal handlers."""
+    is_main = jax.process_index() == 0
+
+    # Set-up, each step failing before anything costly when its part of the config is
+    # wrong: data first (a missing or broken dataset fails before anything is compiled),
+    # then the config check (same run, or a clear error before any step), then the
+    # evaluation, then the model and its state (checked against its checksums); the
+    # config is recorded only then.
+    source, config = setup.setup_data(config)
+    current = resume.check_config(workdir, config)
+    eval_key, evaluator = setup.setup_eval(config, is_main)
+    batch_size = int(config.batch_size)
+    num_devices = None
+    if process_setup is not None:
+        num_devices = process_setup.num_devices(
+            batch_size, lambda d: step_lib.batch_splits(config, d))
+    model = setup.setup_model(config, num_devices)
+    mesh, net = model.mesh, model.net
+    resume_step = setup.effective_resume_step(config, workdir)
+    managers = checkpoints.TrainCheckpoints(workdir, keep=int(config.keep_checkpoints))
+    try:
+        state, resumed, managers = setup.restore_or_init(config, model, managers, resume_step)
+    except BaseException:
+        managers.abandon()
+        raise
+    if is_main:
+        resume.record_config(workdir, current)
+    sched = Schedule.from_config(config)
+
+    step0 = int(state["step"])
+    nimg = step0 * batch_size
+    if step0 >= sched.total_steps:
+        print(f"Run in {workdir} is already finished at {nimg / 1000:.1f} kimg "
+              f"(total_kimg={config.total_kimg}). Nothing to do.")
+        managers.close()
+        return {"kimg": nimg / 1000, "finished": True}
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
+    print(f"{'Resuming' if resumed else 'Starting'} in {workdir} at step {step0}, "
+          f"{nimg / 1000:.1f} kimg", flush=True)
+    print(f"Data: {data_lib.describe(source)}")
+    print(f"Network: {n_params:,} parameters ({config.network.dtype} compute); batch "
+          f"{batch_size} on {mesh.size} device(s) of {jax.process_count()} process(es), mesh "
+          f"{dict(mesh.shape)}, {model.num_accum} micro-batch(es) per step; EMAs "
+          f"sigma_rel={list(config.ema.sigma_rels)}")
+    line = process_setup.log_line() if process_setup is not None else None
+    if line:
+        print(line)
+
+    step_fn = step_lib.jit_train_step(
+        step_lib.make_train_step(config, net, model.tx, model.num_accum), mesh,
+        model.state_sharding)
+    it = data_lib.make_iterator(source, global_batch=batch_size, seed=int(config.seed),
+                                start_nimg=nimg, process_index=jax.process_index(),
+                                process_count=jax.process_count(),
+                                num_workers=int(config.data.num_workers))
+    logger = StatsLogger(workdir) if is_main else None
+    sample_key = ema_lib.ema_key(max(config.ema.sigma_rels))
+    snapshot_keys = [sample_key] + ([eval_key] if eval_key else [])
+    consensus = preemption.StopConsensus(stop, mesh)
+    diag = (probes.Diagnostics(config, net, model.tx, source)
+            if config.get("diagnostics") and config.diagnostics.enabled else None)
+    if diag is not None and step0 == 0:  # the fresh network (every process)
+        res = diag(state)
+        if logger:
+            logger.log(dict(kimg=0.0, step=0, **res))
+    metrics_log = StepMetrics(batch_size, workdir, nimg)
+    last: dict = {}
+    bar = tqdm(total=sched.total_steps, initial=step0, unit="step", disable=not is_main,
+               dynamic_ncols=True, mininterval=2.0)
+
+    stop.step = step = step0
+    stopping = consensus.before_start()
+    try:
+        while step < sched.total_steps and not stopping:
+            state, metrics = step_fn(state, shard_lib.global_batch(mesh, next(it)))
+            step += 1
+            stop.step = step
+            stopping = consensus.after_step()
+            metrics_log.add(metrics, step - 1)
+            bar.update(1)
+            nimg = step * batch_size
+            done = step >= sched.total_steps
+
+            if step % sched.status_every == 0 or done or stopping:
+                last = metrics_log.status(step)
+                if logger:
+                    logger.log(last)
+                bar.write(status_line(last))
+                if diag is not None:  # every process; its time counts in the next img/s
+                    res = diag(state)
+                    if logger:
+                        logger.log(dict(kimg=nimg / 1000, step=step, **res))
+
+            if step % sched.snapshot_every == 0 or done:
+                metrics_log.flush()
+                managers.save_snapshot(step, nimg, state["ema"], tuple(config.ema.sigma_rels),
+                                       batch_size, buffers=state["buffers"])
+                host = emas_on_host(state, snapshot_keys)  # every process
+                if is_main:
+                    t = time.time()
+                    path = layout.samples_path(workdir, f"{nimg // 1000:09d}")
+                    save_sample_grid(config, net, host[sample_key], path)
+                    print(f"Sample grid (EMA sigma_rel={sample_key}, {config.sample.num_steps} "
+                          f"steps, one class per column): {path} [{time.time() - t:.1f} s]")
+                if evaluator is not None:
+                    res = evaluator(net, host[eval_key])
+                    if logger:
+                        logger.log(dict(kimg=nimg / 1000, step=step, **res))
+                    bar.write(eval_line(nimg, evaluator.ema_key, res))
+                del host
+
+            if step % sched.checkpoint_every == 0 or done or stopping:
+                metrics_log.flush()
+                managers.save_state(step, state)
+    except (NonFiniteLossError, checkpoints.NonFiniteStateError) as e:
+        failed = e
+        if is_main:  # the rescue's --config.resume_step is to be applied (again)
+            layout.write_config(workdir, dict(current, resume_step=0))
+        raise NonFiniteLossError(str(e) + rescue_hint(managers, config)) from None
+    except BaseException:
+        failed = True
+        raise
+    else:
+        failed = None
+    finally:
+        bar.close()
+        it.close() if hasattr(it, "close") else None
+        if logger:
+            logger.close()
+        if failed is None:
+            managers.close()  # waits for the asynchronous saves
+        else:  # already failing: the first error is the one raised
+            managers.abandon()
+
+    if stopping and step < sched.total_steps:
+        saved = f"checkpoint {step} saved" if step > step0 else "no new step to save"
+        why = (f"signal {stop.signal} (received at step {stop.received_at})" if stop.signal
+               else "a signal to another process")
+        print(f"Stopped by {why} at step {step}, {nimg / 1000:.3f} kimg; {saved}. Re-run the "
+              f"same command to resume.", flush=True)
+        return dict(last, finished=False, step=step)
+    print(f"Training finished at {nimg / 1000:.1f} kimg in "
+          f"{time.time() - metrics_log.t_start:.0f} s.")
+    return dict(last, finished=True)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       process_setup: Any = None) -> dict:
+    """Train to `config.total_kimg`, resuming from the latest checkpoint in `workdir`.
+
+    Writes `config.json`, `checkpoints/` (full state every `checkpoint_kimg`, last
+    `keep_checkpoints` kept), `snapshots/` (every tracked EMA every `snapshot_kimg`),
+    `stats.jsonl`, TensorBoard scalars in `tb/`, and sample grids `samples/*.png`
+    (`edm2_jax.run`). Returns the last status dict (`finished` False when stopped by a
+    signal).
+
+    Devices: a mesh of shape `config.mesh` (`sharding.py`; `fsdp > 1` shards params,
+    Adam state and EMAs). Several hosts: one process per host, `jax.distributed` set up
+    from the environment, each loading its slice of every batch; only process 0 writes
+    logs and images; checkpoints are written by all (`workdir` must be shared).
+    `process_setup`: what the entry point decides about its process, asked once JAX has
+    started (`edm2_jax.process.TrainingSetup`): `num_devices(batch_size, fits)`, how
+    many of the devices to train on (`fits(d)`: whether the step splits over `d`), and
+    `log_line()`, a line to print about the process (or None). None: all devices.
+
+    Faults: SIGTERM/SIGINT finish the current step, save a checkpoint and return (all
+    processes stop at the same step, at most one step later; `preemption.py`); a second
+    signal interrupts at once. A run killed at any moment resumes from its last complete
+    checkpoint (Orbax renames a checkpoint into place only when complete and deletes
+    unfinished ones); a checkpoint that does not restore is set aside and the previous
+    one is used.
+
+    Integrity (`run/checkpoints.py`, `integrity.py`): one training process per workdir
+    (an OS file lock, `lock.RunLock`); every checkpoint and snapshot is saved with a checksum
+    per array and checked on restore, along with finiteness (a corrupt one is set aside
+    as `<step>.corrupt` and the previous one used); a state holding NaN/inf is never
+    saved; config.json is (re)written only once every check has passed.
+
+    Raises ValueError for a config that cannot train (`configs.validate`) or that does
+    not match the run in `workdir` (`resume.py`; the optim.* fields may change), the data
+    errors of `data.make_source`, RunLockedError when another process trains in
+    `workdir`, NoCheckpointError when the run has checkpoints but none restores (unless
+    `config.start_over`), NonFiniteLossError when the loss or the state becomes NaN/inf
+    (naming the newest healthy checkpoint and `--config.resume_step`), and
+    CheckpointSaveError when a checkpoint cannot be written (e.g. disk full; the earlier
+    ones are intact).
+    """
+    configs.validate(config)  # before anything is written
+    # First, since jax.distributed installs its own SIGTERM handler (its preemption
+    # notifier), which ours must replace.
+    shard_lib.maybe_initialize_distributed()
+    workdir = paths.normalize(workdir)  # a local path or a gs:// URL (paths.py)
+    paths.makedirs(workdir)
+    with lock.RunLock(workdir), preemption.StopRequest() as stop:
+        return _train(config, workdir, stop, process_setup)

@@ -1,0 +1,135 @@
+"""The training loop's set-up steps, in the order `loop.train_and_evaluate` takes them,
+each failing before anything costly when its part of the config is wrong:
+
+    source, config = setup_data(config)          # the data first: a broken dataset fails
+    eval_key, evaluator = setup_eval(config, is_main)   # before anything is compiled
+    model = setup_model(config, num_devices)     # mesh, network, optimiser, shapes
+    state, resumed, managers = restore_or_init(config, model, managers, resume_step)
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import ml_collections
+import optax
+
+from edm2_jax import data as data_lib
+from edm2_jax.model.networks import Precond
+from edm2_jax.run import checkpoints, integrity, layout
+from edm2_jax.training import optim as optim_lib
+from edm2_jax.training import sharding as shard_lib
+from edm2_jax.training import step as step_lib
+from edm2_jax.training.periodic_eval import TrainingEval
+from edm2_jax.training.state import init_train_state, make_network
+
+
+def setup_data(config: ml_collections.ConfigDict
+               ) -> tuple[data_lib.Source, ml_collections.ConfigDict]:
+    """The data source, and a copy of `config` whose network matches the data
+    (resolution, channels, label_dim; each change printed). Raises ValueError when the
+    config wants labels the data lack, and the errors of `data.make_source`."""
+    source = data_lib.make_source(config.data)
+    src_kw = data_lib.network_kwargs(source)
+    config = ml_collections.ConfigDict(config.to_dict())
+    if config.data.use_labels and not source.label_dim:
+        raise ValueError(f"the config wants labels (data.use_labels=True) but {source.name} has "
+                         f"none; set --config.data.use_labels=False for an unconditional model")
+    for k, v in src_kw.items():
+        if k == "label_dim" and not config.data.use_labels:
+            v = 0
+        if config.network.get(k) != v:
+            print(f"network.{k}: {config.network.get(k)} -> {v} (from the data)")
+            config.network[k] = v
+    return source, config
+
+
+def setup_eval(config: ml_collections.ConfigDict, is_main: bool
+               ) -> tuple[str | None, TrainingEval | None]:
+    """`(ema_key, evaluator)` of the evaluation at every snapshot (`config.eval`), or
+    `(None, None)` when none is wanted. The key is checked on every process; only
+    process 0 evaluates (`evaluator` None elsewhere). Raises ValueError for a bad eval
+    config."""
+    if not str(config.eval.metrics).strip():
+        return None, None
+    key = TrainingEval.ema_key_of(config)
+    return key, TrainingEval(config) if is_main else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What `setup_model` builds: the mesh, the network and optimiser, the micro-batches
+    per step, and the train state's shapes and shardings."""
+    mesh: jax.sharding.Mesh
+    net: Precond
+    tx: optax.GradientTransformation
+    num_accum: int
+    abstract_state: Any
+    state_sharding: Any
+
+
+def setup_model(config: ml_collections.ConfigDict, num_devices: int | None = None) -> Model:
+    """The device mesh of `config.mesh` over the first `num_devices` devices (default:
+    all) and everything shaped by the config (nothing allocated). Raises ValueError for
+    inconsistent batch sizes."""
+    if num_devices == jax.device_count():
+        num_devices = None
+    mesh = shard_lib.mesh_from_config(config, num_devices)
+    num_accum = step_lib.num_micro_batches(config, mesh.size)
+    net = make_network(config)
+    tx = optim_lib.make_optimizer(config.optim, int(config.batch_size))
+    abstract_state = jax.eval_shape(lambda r: init_train_state(config, net, tx, r),
+                                    jax.random.PRNGKey(config.seed))
+    return Model(mesh, net, tx, num_accum, abstract_state,
+                 shard_lib.state_shardings(mesh, abstract_state))
+
+
+def restore_or_init(config: ml_collections.ConfigDict, model: Model,
+                    managers: checkpoints.TrainCheckpoints, resume_step: int = 0
+                    ) -> tuple[dict, bool, checkpoints.TrainCheckpoints]:
+    """`(state, resumed, managers)`: the latest complete checkpoint (or checkpoint
+    `resume_step`) on the model's shardings, checked against its integrity record
+    (`checkpoints.TrainCheckpoints.restore_latest`), else a fresh state from `config.seed`.
+    When the run has checkpoints but none restores, raises NoCheckpointError, unless
+    `config.start_over`: then the run's outputs are moved aside and it starts from
+    step 0 (with new managers, returned)."""
+    try:
+        state = managers.restore_latest(model.abstract_state, model.state_sharding,
+                                        resume_step=resume_step)
+    except checkpoints.NoCheckpointError:
+        if not config.start_over:
+            raise
+        managers.close()
+        moved = layout.discard_outputs(managers.workdir)
+        print(f"Starting over (--config.start_over=True): the run's former outputs are in "
+              f"{moved}", flush=True)
+        managers = checkpoints.TrainCheckpoints(managers.workdir, keep=managers.keep)
+        state = None
+    else:
+        if config.start_over and state is not None:
+            print(f"--config.start_over=True ignored: checkpoint {int(state['step'])} "
+                  f"restores (to start over anyway, use a new --workdir)", flush=True)
+    if state is not None:
+        return state, True, managers
+    init_fn = jax.jit(lambda r: init_train_state(config, model.net, model.tx, r),
+                      out_shardings=model.state_sharding)
+    state = init_fn(jax.random.PRNGKey(config.seed))
+    managers.reference_rms = {"params": integrity.rms(state["params"])}
+    return state, False, managers
+
+
+def effective_resume_step(config: ml_collections.ConfigDict, workdir: str) -> int:
+    """`config.resume_step`, or 0 when config.json records that an earlier run of this
+    workdir applied it already (then the checkpoints after it are that run's progress,
+    not the diverged ones it set aside)."""
+    step = int(config.resume_step)
+    saved = layout.read_config(workdir) or {}
+    newest = layout.step_dirs(os.path.join(workdir, layout.CHECKPOINTS))
+    if step and saved.get("resume_step") == step and newest and int(
+            os.path.basename(newest[0])) > step:
+        print(f"--config.resume_step={step} was applied by an earlier run (config.json); "
+              f"resuming from the newest checkpoint, {os.path.basename(newest[0])}", flush=True)
+        return 0
+    return step

@@ -1,0 +1,136 @@
+"""One training step (docs/recipe.md §4) and its jitting over a device mesh.
+
+    train_step = make_train_step(config, net, tx, num_accum)
+    step_fn = jit_train_step(train_step, mesh, state_sharding)
+    state, metrics = step_fn(state, batch)
+
+One step: force-normalise the online weights (Eq. 66) -> EDM2 loss and gradients
+(accumulated over micro-batches with `lax.scan` when `batch_per_device` is set) -> Adam
+with the inverse-sqrt learning rate at the images seen *before* the step -> power EMAs
+with the post-update weights at the images seen *after* it.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from edm2_jax import backends
+from edm2_jax.ema import power as ema_lib
+from edm2_jax.model import loss as loss_lib
+from edm2_jax.model.mp import force_normalize
+from edm2_jax.model.networks import Precond
+from edm2_jax.training import optim as optim_lib
+from edm2_jax.training import sharding as shard_lib
+
+
+def num_micro_batches(config: ml_collections.ConfigDict, num_devices: int) -> int:
+    """Gradient-accumulation rounds per step; raises ValueError for inconsistent batches."""
+    batch = int(config.batch_size)
+    if batch % num_devices:
+        raise ValueError(f"batch_size {batch} is not divisible by the {num_devices} devices")
+    per_device = int(config.batch_per_device or 0) or batch // num_devices
+    if batch % (per_device * num_devices):
+        raise ValueError(f"batch_size {batch} is not a multiple of batch_per_device "
+                         f"{per_device} x {num_devices} devices")
+    return batch // (per_device * num_devices)
+
+
+def batch_splits(config: ml_collections.ConfigDict, num_devices: int) -> bool:
+    """Whether the step of `config` runs on `num_devices` devices: its batch (and
+    micro-batches) split over them and `config.mesh.fsdp` divides them."""
+    try:
+        num_micro_batches(config, num_devices)
+        return num_devices % int((config.get("mesh") or {}).get("fsdp", 1)) == 0
+    except ValueError:
+        return False
+
+
+def make_train_step(config: ml_collections.ConfigDict, net: Precond,
+                    tx: optax.GradientTransformation, num_accum: int = 1) -> Callable:
+    """Build `train_step(state, batch) -> (state, metrics)` (not yet jitted).
+
+    `batch` = `{'image': f32 [B, H, W, C] in [-1, 1], 'label': f32 [B, L]}` with
+    `B = config.batch_size`. Noise levels and noise are drawn for the whole global batch
+    from the state's rng, so the result does not depend on device count or on
+    `num_accum` (identical math, different summation order). Metrics are a flat dict of
+    float32 scalars.
+    """
+    batch_size = int(config.batch_size)
+    lc = config.loss
+    sigma_rels = tuple(config.ema.sigma_rels)
+    forced_wn = bool(config.optim.get("forced_wn", True))  # False: config D and before
+    ema_kw = dict(sigma_rels=sigma_rels, trad_halflife_kimg=float(config.ema.trad_halflife_kimg),
+                  trad_rampup_ratio=config.ema.trad_rampup_ratio)
+    # Unrolled where the backend runs an unrolled body faster (`backends.Backend`); the
+    # sums are the same in the same order either way.
+    unroll = num_accum if backends.from_config(config).unroll_micro_batches else 1
+
+    def objective(params, buffers, images, labels, rnd_normal, noise_unit, dropout_rng):
+        return loss_lib.edm2_objective(
+            params, buffers, net, images, labels if net.label_dim else None,
+            P_mean=lc.P_mean, P_std=lc.P_std, sigma_data=lc.sigma_data, train=True,
+            rnd_normal=rnd_normal, noise_unit=noise_unit, dropout_rng=dropout_rng,
+            batch_size=batch_size)
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+    def train_step(state, batch):
+        images, labels = batch["image"], batch["label"]
+        rng, k_sigma, k_noise, k_drop = jax.random.split(state["rng"], 4)
+        rnd_normal = jax.random.normal(k_sigma, (batch_size,), jnp.float32)
+        noise_unit = jax.random.normal(k_noise, images.shape, jnp.float32)
+        params = force_normalize(state["params"]) if forced_wn else state["params"]
+        buffers = state["buffers"]
+
+        if num_accum == 1:
+            (loss, aux), grads = grad_fn(params, buffers, images, labels, rnd_normal, noise_unit, k_drop)
+        else:
+            def split(x):
+                # Micro-batch k takes every num_accum-th image, so each device's shard of
+                # the batch contributes equally to every micro-batch (no resharding).
+                return jnp.swapaxes(x.reshape(batch_size // num_accum, num_accum, *x.shape[1:]), 0, 1)
+            micro = jax.tree.map(split, (images, labels, rnd_normal, noise_unit))
+            drop_keys = jax.random.split(k_drop, num_accum)
+
+            def body(carry, xs):
+                (img, lab, rnd, noi), dk = xs
+                (l, a), g = grad_fn(params, buffers, img, lab, rnd, noi, dk)
+                return (jax.tree.map(jnp.add, carry[0], g), carry[1] + l), a
+
+            zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
+            (grads, loss), auxs = jax.lax.scan(body, zeros, (micro, drop_keys), unroll=unroll)
+            aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxs)
+
+        nimg = state["step"].astype(jnp.float32) * batch_size
+        updates, opt_state = tx.update(grads, state["opt_state"], params, nimg=nimg)
+        new_params = optax.apply_updates(params, updates)
+        nimg_after = nimg + batch_size
+        ema = ema_lib.update_ema(state["ema"], new_params, nimg_after, batch_size, **ema_kw)
+        lr = optim_lib.learning_rate(nimg, batch_size=batch_size, ref_lr=config.optim.ref_lr,
+                                     t_ref=config.optim.t_ref, rampup_kimg=config.optim.rampup_kimg)
+        metrics = {"objective": loss, "lr": jnp.asarray(lr, jnp.float32),
+                   "grad_norm": optax.tree.norm(grads),
+                   "update_norm": optax.tree.norm(updates),
+                   "param_norm": optax.tree.norm(new_params),
+                   **{f"loss/{k}": v for k, v in aux.items()}}
+        new_state = dict(state, step=state["step"] + 1, params=new_params, opt_state=opt_state,
+                         ema=ema, rng=rng)
+        return new_state, metrics
+
+    return train_step
+
+
+def jit_train_step(train_step: Callable, mesh, state_sharding=None) -> Callable:
+    """`jax.jit` the step over `mesh`: batch split over the whole mesh, state on
+    `state_sharding` (one sharding or a pytree of them like the state, e.g.
+    `sharding.state_shardings`; default replicated) and donated, metrics replicated."""
+    rep = shard_lib.replicated(mesh)
+    bs = shard_lib.batch_sharding(mesh)
+    if state_sharding is None:
+        state_sharding = rep
+    return jax.jit(train_step, in_shardings=(state_sharding, bs),
+                   out_shardings=(state_sharding, rep), donate_argnums=(0,))
