@@ -10,7 +10,13 @@ EPYC, `benchmarks/README.md`):
   XLA:CPU runs its matmuls through YNNPACK fusions. The Fashion-MNIST training step 1.2x
   faster (60 -> 72 img/s, `python benchmarks/train_throughput.py`); float32 throughout,
   golden-parity tests unchanged. Only for jaxlib >= 0.10.2 (older ones do not know the
-  flag and would refuse to start).
+  flag and would refuse to start). Never combined with several CPU devices: with the
+  batch split over 2 CPU devices, programs that run many network evaluations (the
+  32-step sampler, a few training steps) give wrong rows, up to 0.4 in [-1, 1] on
+  jaxlib 0.10.2, while one device is exact (`python benchmarks/repro_sampler_devices.py`,
+  `tests/test_sampling_devices.py`). So the flag is left out when `XLA_FLAGS` or
+  `EDM2_JAX_CPU_DEVICES` ask for more than one CPU device, and `auto` devices is 1 while
+  the flag is in effect; a user's `XLA_FLAGS` holding both get a warning.
 - **`EDM2_JAX_MALLOC`**: the host allocator. XLA's CPU client allocates each execution's
   temporary buffer (all of a training step's activations: 368 MB for the Fashion-MNIST
   step at batch 64) with `posix_memalign` from a worker thread. glibc serves a block
@@ -30,8 +36,10 @@ EPYC, `benchmarks/README.md`):
   operations keep both cores busy where one leaves gaps between XLA's kernels. The same
   step (mean gradient over the same batch, the same random draws) up to float32
   summation order. 465 -> 421 ms per step (Fashion-MNIST net, batch 64) and 2.78 ->
-  2.52 s (the 9.8M-parameter ch64 net, batch 32). Values: `auto` (default) = 2 where
-  the process may use 2 or more cores, else unchanged; a number; `off`. Not applied
+  2.52 s (the 9.8M-parameter ch64 net, batch 32), both measured with the YNN flag,
+  a combination that gives wrong results (above). Values: `auto` (default) = 1 while
+  the YNN flag is in effect, else 2 where the process may use 2 or more cores; a
+  number (the YNN flag is then left out); `off`. Not applied
   when `XLA_FLAGS` already sets the device count. A batch the devices do not divide
   trains on fewer of them (`usable_devices`, asked by the training loop through
   `TrainingSetup`).
@@ -49,6 +57,7 @@ running `EXIT_GRACE_S` after the end are abandoned with one line, never waited f
 from __future__ import annotations
 
 import ctypes.util
+import logging as std_logging
 import os
 import platform
 import sys
@@ -79,6 +88,8 @@ def setup_entry_point(argv: list[str] | None = None) -> None:
     line (exit status 1)."""
     try:
         add_default_xla_flags()
+        if warning := ynn_with_devices_warning():
+            print(warning, file=sys.stderr, flush=True)
         reexec(argv)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -99,7 +110,35 @@ def default_xla_flags(environ: dict | None = None) -> dict[str, str]:
     flags = env.get("XLA_FLAGS", "")
     if "xla_cpu_experimental_ynn_fusion_type" in flags or _jaxlib_version() < (0, 10, 2):
         return {}
+    if (flag_device_count(flags) or _asked_devices(env)) > 1:
+        return {}  # wrong results with several CPU devices (module doc)
     return {"XLA_FLAGS": f"{flags} {YNN_FLAG}".strip()}
+
+
+def flag_device_count(flags: str) -> int:
+    """The CPU device count `flags` (an `XLA_FLAGS` value) sets, 0 when none."""
+    for part in flags.split():
+        if part.startswith(DEVICE_COUNT_FLAG + "="):
+            value = part.split("=", 1)[1]
+            return int(value) if value.isdigit() else 0
+    return 0
+
+
+def _asked_devices(env) -> int:
+    """The device count `$EDM2_JAX_CPU_DEVICES` sets as a number, 0 for auto/off/unset."""
+    v = (env.get(DEVICES_ENV, "") or "").strip()
+    return int(v) if v.isdigit() else 0
+
+
+def ynn_with_devices_warning(environ: dict | None = None) -> str | None:
+    """A warning line when `XLA_FLAGS` hold both the YNN fusion flag and more than one
+    CPU device (wrong results; module doc), else None."""
+    flags = (os.environ if environ is None else environ).get("XLA_FLAGS", "")
+    if "xla_cpu_experimental_ynn_fusion_type=dot" in flags and flag_device_count(flags) > 1:
+        return (f"warning: XLA_FLAGS hold {YNN_FLAG} and {flag_device_count(flags)} CPU "
+                f"devices, which give wrong sampled images and training updates on "
+                f"jaxlib 0.10.2; drop one of them (edm2_jax/process.py)")
+    return None
 
 
 def _jaxlib_version() -> tuple[int, ...]:
@@ -150,12 +189,15 @@ def _usable_cores() -> int:
 
 
 def cpu_devices(environ: dict | None = None, cores: int | None = None) -> int:
-    """The CPU device count `$EDM2_JAX_CPU_DEVICES` asks for: 'auto' (default) =
-    `min(2, cores)` (`cores`: those this process may run on), 'off' = 1, or a number
-    >= 1. Raises ValueError for anything else."""
+    """The CPU device count `$EDM2_JAX_CPU_DEVICES` asks for: 'auto' (default) = 1
+    when `XLA_FLAGS` hold the YNN fusion flag, else `min(2, cores)` (`cores`: those
+    this process may run on); 'off' = 1, or a number >= 1. Raises ValueError for
+    anything else."""
     env = os.environ if environ is None else environ
     v = (env.get(DEVICES_ENV, "auto") or "auto").strip().lower()
     if v == "auto":
+        if "xla_cpu_experimental_ynn_fusion_type=dot" in env.get("XLA_FLAGS", ""):
+            return 1  # the YNN fusion flag and several CPU devices: wrong results
         return min(2, _usable_cores() if cores is None else cores)
     if v == "off":
         return 1
@@ -275,11 +317,13 @@ def quiet_background_errors() -> None:
     threads' errors: the error the process raises says it in one message. Sets absl's
     verbosity to WARNING, drops Orbax's and background threads' ERROR records, counts
     the 'Event loop is closed' errors of TensorStore's callbacks (reported by
-    `exit_bounded`), and ignores the never-awaited writes a failed save leaves."""
+    `exit_bounded`), and ignores the never-awaited writes and never-retrieved results
+    (asyncio's "_GatheringFuture exception was never retrieved") a failed save leaves."""
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)
     logging.get_absl_logger().addFilter(_drop_orbax_noise)
+    std_logging.getLogger("asyncio").addFilter(_drop_unretrieved)
     sys.excepthook, sys.unraisablehook = _quiet_excepthook, _quiet_unraisablehook
     warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
 
@@ -290,6 +334,12 @@ def _drop_orbax_noise(record) -> bool:
     return not (record.levelno >= 40 and (
         threading.current_thread() is not threading.main_thread()
         or f"{os.sep}orbax{os.sep}" in (record.pathname or "")))
+
+
+def _drop_unretrieved(record) -> bool:
+    """asyncio log filter: the futures of a failed asynchronous save, garbage-collected
+    at exit with their exception unread (the error the process raised names it)."""
+    return "exception was never retrieved" not in record.getMessage()
 
 
 _suppressed = {"n": 0}

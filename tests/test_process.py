@@ -118,3 +118,26 @@ def test_reexec_keeps_pid_and_arguments_and_jax_sees_the_devices(tmp_path):
     assert applied == "1" and CE.THP_TUNABLE in tunables
     assert (int(n_dev), backend) == (2, "cpu")
     assert args == "a b|--x=1"
+
+
+def test_ynn_fusion_flag_and_several_cpu_devices_never_combine(monkeypatch):
+    """The YNN fusion flag with the batch split over several CPU devices gives wrong
+    rows (tests/test_sampling_devices.py): the defaults pick one or the other."""
+    monkeypatch.setattr(CE, "_jaxlib_version", lambda: (0, 10, 2))
+    # The flag is left out where XLA_FLAGS or EDM2_JAX_CPU_DEVICES ask for devices.
+    assert CE.default_xla_flags({"XLA_FLAGS": f"{CE.DEVICE_COUNT_FLAG}=2"}) == {}
+    assert CE.default_xla_flags({CE.DEVICES_ENV: "2"}) == {}
+    assert CE.default_xla_flags({CE.DEVICES_ENV: "1"}) == {"XLA_FLAGS": CE.YNN_FLAG}
+    assert CE.default_xla_flags({CE.DEVICES_ENV: "auto"}) == {"XLA_FLAGS": CE.YNN_FLAG}
+    # With the flag in effect, auto devices is one; without it, two.
+    assert CE.cpu_devices({"XLA_FLAGS": CE.YNN_FLAG}, cores=2) == 1
+    assert CE.cpu_devices({"XLA_FLAGS": ""}, cores=2) == 2
+    assert "XLA_FLAGS" not in CE.launch_env({"XLA_FLAGS": CE.YNN_FLAG, CE.MALLOC_ENV: "off"},
+                                            cores=2)
+    env = {CE.XLA_DEFAULTS_ENV: "0", CE.MALLOC_ENV: "off", "XLA_FLAGS": ""}
+    assert CE.launch_env(env, cores=2)["XLA_FLAGS"] == f"{CE.DEVICE_COUNT_FLAG}=2"
+    # A user's XLA_FLAGS holding both are warned about, in one line.
+    both = {"XLA_FLAGS": f"{CE.YNN_FLAG} {CE.DEVICE_COUNT_FLAG}=2"}
+    line = CE.ynn_with_devices_warning(both)
+    assert line.startswith("warning:") and "\n" not in line
+    assert CE.ynn_with_devices_warning({"XLA_FLAGS": CE.YNN_FLAG}) is None

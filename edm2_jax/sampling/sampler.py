@@ -166,9 +166,9 @@ def make_denoiser(net: Any, variables: Any, guide_net: Any = None, guide_variabl
 
 def split_seeds(seeds: Sequence[int] | np.ndarray) -> np.ndarray | Array:
     """`seeds` as a uint32 array split over this process's devices (a 1-D mesh) when
-    there are several and they divide the count, so that `sample_images` runs
-    data-parallel over them (e.g. the 2 CPU devices of `edm2_jax/process.py`); else a NumPy array.
-    Images are per seed either way, up to float32 summation order."""
+    there are several and they divide the count, so that `sample_images` runs data-parallel
+    over them (e.g. the 2 CPU devices of `edm2_jax/process.py`); else a NumPy array. Images
+    are per seed either way, up to float32 summation order."""
     seeds = np.asarray(seeds).astype(np.uint32)
     n_dev = jax.local_device_count()
     if n_dev == 1 or seeds.ndim != 1 or seeds.shape[0] % n_dev:
