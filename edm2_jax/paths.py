@@ -15,12 +15,24 @@ Differences on object storage (no directories, no rename, no append, no locks):
 
 Pointing at a GCS emulator (tests/test_gcs_workdir.py): `STORAGE_EMULATOR_HOST` (gcsfs)
 and `TENSORSTORE_GCS_HTTP_URL` (TensorStore), both `http://host:port`.
+
+Output locations are checked before any work (`check_output_dir`, `check_output_file`):
+locally a directory that can be made and written (a probe file written, synced and
+removed: read-only disks, permissions and a full disk show there), not a file; on
+`gs://` gcsfs installed and the bucket answering within `$EDM2_JAX_GCS_PROBE_TIMEOUT_S`
+seconds (default 20). They raise `OutputLocationError`, one message naming the
+location, the problem and the fix.
 """
 from __future__ import annotations
 
 import builtins
+import errno
 import os
+import shutil
+import socket
 import tempfile
+import threading
+import urllib.parse
 
 from etils import epath
 
@@ -125,3 +137,177 @@ def write_through_local(path, write) -> None:
         local = os.path.join(tmp, os.path.basename(normalize(path)))
         write(local)
         copy_file(local, path)
+
+
+# --------------------------------------------------------------------------------------
+# Output locations, checked before any work
+
+GCS_PROBE_TIMEOUT_ENV = "EDM2_JAX_GCS_PROBE_TIMEOUT_S"
+GCS_PROBE_TIMEOUT_S = 20.0
+GCS_ENDPOINT = "https://storage.googleapis.com"
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+
+
+class OutputLocationError(ValueError):
+    """An output location that cannot be written; the message names it, why, and the fix."""
+
+
+def human_bytes(n: float) -> str:
+    """`n` bytes as '1.5 MiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _existing_ancestor(path: str) -> str:
+    """`path` or its nearest ancestor that exists (local)."""
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _mount_point(path: str) -> str:
+    path = os.path.realpath(_existing_ancestor(path))
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def disk_space(path) -> str:
+    """'the disk mounted at M (F free of T)' for the local `path` (or its ancestor)."""
+    where = _existing_ancestor(normalize(path))
+    usage = shutil.disk_usage(where)
+    return (f"the disk mounted at {_mount_point(where)} ({human_bytes(usage.free)} free of "
+            f"{human_bytes(usage.total)})")
+
+
+def write_problem(path, err: OSError) -> str:
+    """Why writing at the local `path` failed with `err`, as a phrase: a read-only file
+    system, a full disk (named, with its free space), no permission, or `err` itself."""
+    path = normalize(path)
+    if err.errno == errno.EROFS:
+        return f"{path} is on a read-only file system (mounted at {_mount_point(path)})"
+    if err.errno in FULL_DISK:
+        return f"{disk_space(path)} is full"
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return f"no permission to write in {path}"
+    return f"cannot write in {path} ({err.strerror or err})"
+
+
+def _probe_write(directory: str) -> None:
+    """Write, sync and remove a small file in the existing local `directory`; raises
+    the OSError of a disk that refuses (read-only, full, no permission)."""
+    fd, tmp = tempfile.mkstemp(prefix=".edm2-write-check-", dir=directory)
+    try:
+        os.write(fd, b"\0" * 4096)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(tmp)
+
+
+def _check_local(path: str, flag: str, is_dir: bool) -> None:
+    given = f"{flag}={path}"
+    path = normalize(path)
+    if is_dir and os.path.exists(path) and not os.path.isdir(path):
+        raise OutputLocationError(f"{given} is a file, not a directory; pass a directory "
+                                  f"(a new one, or one this command wrote before)")
+    if not is_dir and os.path.isdir(path):
+        raise OutputLocationError(f"{given} is a directory; pass the path of a file to "
+                                  f"write (a new name, or a file this command wrote before)")
+    parent = _existing_ancestor(path if is_dir else os.path.dirname(path))
+    if not os.path.isdir(parent):
+        raise OutputLocationError(f"{given}: {parent} is a file, so no directory can be made "
+                                  f"there; pass a path under a directory")
+    try:
+        _probe_write(parent)
+    except OSError as e:
+        fix = ("free space there or pass a {} on another disk" if e.errno in FULL_DISK
+               else "make it writable or pass a {} on a writable disk").format(flag)
+        raise OutputLocationError(f"{given}: {write_problem(parent, e)}; {fix}") from None
+
+
+_REACHED: set[str] = set()
+
+
+def _gcs_endpoint() -> tuple[str, int]:
+    url = urllib.parse.urlparse(os.environ.get("STORAGE_EMULATOR_HOST") or GCS_ENDPOINT)
+    return url.hostname or "storage.googleapis.com", url.port or (
+        443 if url.scheme == "https" else 80)
+
+
+def _probe_gcs(path: str, timeout: float) -> None:
+    """The network reaches the GCS endpoint (unless a proxy is set), then `path` is
+    looked up there (credentials and bucket); raises what fails."""
+    proxied = any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY"))
+    if not proxied:
+        host, port = _gcs_endpoint()
+        try:
+            socket.create_connection((host, port), timeout=min(timeout, 10.0)).close()
+        except OSError as e:
+            raise ConnectionError(f"cannot connect to {host}:{port} "
+                                  f"({e.strerror or type(e).__name__})") from None
+    Path(path).exists()
+
+
+def _check_url(path: str, flag: str) -> None:
+    given = f"{flag}={path}"
+    try:
+        import gcsfs  # noqa: F401 - fsspec's gs:// file system, loaded by etils on first use
+    except ImportError:
+        raise OutputLocationError(f"{given} needs gcsfs (gs:// support), which is not "
+                                  f"installed: pip install -e '.[gcs]' (or pip install gcsfs)"
+                                  ) from None
+    bucket = urllib.parse.urlparse(path).netloc
+    if bucket in _REACHED:
+        return
+    timeout = float(os.environ.get(GCS_PROBE_TIMEOUT_ENV) or GCS_PROBE_TIMEOUT_S)
+    outcome: dict = {}
+
+    def probe():
+        try:
+            _probe_gcs(path, timeout)
+            outcome["ok"] = True
+        except BaseException as e:  # noqa: BLE001 - reported below, in the caller's thread
+            outcome["error"] = e
+
+    # A daemon thread: gcsfs retries an unreachable endpoint for about a minute.
+    thread = threading.Thread(target=probe, name="gcs-probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    fix = ("check the network and the credentials (gcloud auth application-default login, "
+           "or GOOGLE_APPLICATION_CREDENTIALS), or pass a local path")
+    if "error" in outcome:
+        e = outcome["error"]
+        why = " ".join(str(e).split())[:200] or type(e).__name__
+        raise OutputLocationError(f"{given}: cannot reach the bucket gs://{bucket} "
+                                  f"({type(e).__name__}: {why}); {fix}")
+    if not outcome.get("ok"):
+        raise OutputLocationError(f"{given}: the bucket gs://{bucket} did not answer within "
+                                  f"{timeout:g} s (${GCS_PROBE_TIMEOUT_ENV}); {fix}")
+    _REACHED.add(bucket)
+
+
+def check_output_dir(path, flag: str) -> None:
+    """Check, before any work, that the directory `path` (given as `flag`, e.g.
+    '--outdir') can be made and written: locally not a file, under a directory, on a
+    disk that accepts a write (not read-only, not full, permitted); on `gs://` gcsfs
+    installed and the bucket reachable. Writes nothing that stays. Raises
+    OutputLocationError naming the location, the problem and the fix."""
+    path = os.fspath(path)
+    if is_url(path):
+        _check_url(path, flag)
+    else:
+        _check_local(path, flag, is_dir=True)
+
+
+def check_output_file(path, flag: str) -> None:
+    """`check_output_dir` for a file to be written at `path`: not a directory, its
+    directory makeable and writable (or its bucket reachable)."""
+    path = os.fspath(path)
+    if is_url(path):
+        _check_url(path, flag)
+    else:
+        _check_local(path, flag, is_dir=False)

@@ -340,7 +340,8 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     torch file is read with `torch.load(weights_only=True)` if torch is installed. A
     wrapping `{'model': state_dict}` / `{'state_dict': ...}` is unwrapped.
     Raises FileNotFoundError, ImportError naming the package to install, or ValueError for
-    a file that holds no state dict of tensors.
+    a file that is corrupt or holds no state dict of tensors (naming the file and where
+    to download a good one).
     """
     path = Path(path)
     if not path.is_file():
@@ -351,30 +352,38 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
             from safetensors.numpy import load_file
         except ImportError as e:
             raise ImportError(f"reading {path} needs safetensors: pip install safetensors") from e
-        sd = load_file(str(path))
+        try:
+            sd = load_file(str(path))
+        except Exception as e:  # noqa: BLE001 - the reader raises its own error types
+            raise _corrupt(path, "a readable .safetensors file", e) from None
     elif zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as zf:
-            pkl = [n for n in zf.namelist() if n.endswith("data.pkl")]
-            if len(pkl) != 1:
-                raise ValueError(f"{path}: not a torch.save archive (expected one data.pkl, "
-                                 f"found {pkl})")
-            prefix = pkl[0][: -len("/data.pkl")]
-            try:
+        try:
+            with zipfile.ZipFile(path) as zf:
+                pkl = [n for n in zf.namelist() if n.endswith("data.pkl")]
+                if len(pkl) != 1:
+                    raise ValueError(f"expected one data.pkl, found {pkl}")
+                prefix = pkl[0][: -len("/data.pkl")]
                 sd = _StateDictUnpickler(io.BytesIO(zf.read(pkl[0])), zf, prefix).load()
-            except (pickle.UnpicklingError, KeyError, ValueError, TypeError) as e:
-                raise ValueError(f"{path} is not a DINOv2 state dict ({e})") from None
+        except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, OSError, KeyError,
+                ValueError, TypeError) as e:
+            raise _corrupt(path, "a torch.save archive of a state dict", e) from None
     else:
+        with open(path, "rb") as f:
+            legacy = f.read(2) == b"\x80\x02"  # torch's legacy format: pickle protocol 2
         try:
             import torch
         except ImportError as e:
-            raise ImportError(f"{path} is neither a torch zip archive nor .safetensors; "
-                              f"reading a legacy torch file needs torch (pip install torch)"
-                              ) from e
+            if not legacy:
+                raise _corrupt(path, "a torch zip archive, .safetensors or legacy torch "
+                                     "file", e) from None
+            raise ImportError(f"{path} is a legacy (non-zip) torch file; reading it needs "
+                              f"torch (pip install torch)") from e
         try:
             sd = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any reader failure means "not weights"
-            raise ValueError(f"{path} is not a torch weights file ({type(e).__name__}: "
-                             f"{str(e)[:200]})") from None
+            raise _corrupt(path, "a torch weights file", e) from None
+        if not isinstance(sd, dict):
+            raise ValueError(f"{path} holds a {type(sd).__name__}, not a state dict")
         sd = {k: v.float().numpy() if hasattr(v, "numpy") else v for k, v in sd.items()}
     for key in ("model", "state_dict", "teacher"):
         if isinstance(sd, dict) and isinstance(sd.get(key), dict):
@@ -385,6 +394,15 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     # each chunk: blocks.<chunk>.<i>.* is block i.
     return {re.sub(r"^blocks\.\d+\.(\d+)\.", r"blocks.\1.", k): np.asarray(v, np.float32)
             for k, v in sd.items() if isinstance(v, np.ndarray) or hasattr(v, "__array__")}
+
+
+def _corrupt(path: Path, expected: str, e: BaseException) -> ValueError:
+    """The error for a weights file its reader refuses: named, with a good one's source."""
+    why = " ".join(str(e).split())[:120].split(". ")[0] or type(e).__name__
+    return ValueError(f"--dinov2={path} is corrupt or not a DINOv2 checkpoint (not {expected}: "
+                      f"{type(e).__name__}: {why}); download {WEIGHTS_URL} again (or timm's "
+                      f"vit_large_patch14_dinov2 model.safetensors) and pass it with "
+                      f"--dinov2=PATH")
 
 
 _IGNORED = ("mask_token",)  # used by DINOv2's masked-image training only

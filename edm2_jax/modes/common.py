@@ -1,9 +1,11 @@
 """What every mode shares: the `--config` and `--workdir` flags, the errors a user can act
-on (`USER_ERRORS`, printed as one `error:` line: `report_errors`), and flag parsing that
-names an unknown `--config.FIELD`.
+on (`USER_ERRORS` and a missing flag, printed as one `error:` line: `report_errors`), the
+check of every output location before any work (`check_output_dir`, `check_run_dir`),
+and flag parsing that names an unknown `--config.FIELD` or a config file's variant error.
 """
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 import traceback
@@ -12,7 +14,8 @@ from typing import Callable
 from absl import app, flags
 from ml_collections import config_flags
 
-from edm2_jax.run import checkpoints, integrity, lock
+from edm2_jax import paths
+from edm2_jax.run import checkpoints, integrity, layout, lock
 from edm2_jax.training.progress import NonFiniteLossError
 
 FLAGS = flags.FLAGS
@@ -52,18 +55,54 @@ def data_config() -> dict | None:
 def require_workdir() -> str:
     """`--workdir`; raises app.UsageError when it is not given."""
     if not FLAGS.workdir:
-        raise app.UsageError("--workdir is required")
+        raise app.UsageError(f"--mode={FLAGS['mode'].value if 'mode' in FLAGS else 'train'} "
+                             f"needs --workdir=DIR, the run directory (e.g. --workdir=runs/fmnist)")
     return FLAGS.workdir
+
+
+def check_output_dir(path: str | None, flag: str) -> None:
+    """`paths.check_output_dir` for a flag's directory, if given (before any work)."""
+    if path:
+        paths.check_output_dir(path, flag)
+
+
+def check_output_file(path: str | None, flag: str) -> None:
+    """`paths.check_output_file` for a flag's file, if given (before any work)."""
+    if path:
+        paths.check_output_file(path, flag)
+
+
+def check_run_dir(workdir: str) -> None:
+    """A training run's `--workdir`, before any work: writable (`check_output_dir`), and
+    locally, once it holds checkpoints, with room for one more (the next save writes one
+    as large as the newest before the oldest is removed). Raises
+    `paths.OutputLocationError` naming the disk, its free space and the fix."""
+    paths.check_output_dir(workdir, "--workdir")
+    workdir = paths.normalize(workdir)
+    if paths.is_url(workdir) or not os.path.isdir(workdir):
+        return
+    newest = layout.step_dirs(os.path.join(workdir, layout.CHECKPOINTS))[:1]
+    if not newest:
+        return
+    need = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(newest[0])
+               for f in files)
+    free = paths.shutil.disk_usage(workdir).free
+    if free < need:
+        raise paths.OutputLocationError(
+            f"--workdir={workdir}: {paths.disk_space(workdir)} has no room for the next "
+            f"checkpoint, about {paths.human_bytes(need)} (the size of {newest[0]}); free "
+            f"space there, or move the run to a larger disk and pass that --workdir")
 
 
 def report_errors(run: Callable[[], object]) -> int:
     """Call `run()`; return the exit status: 0, or 1 after printing a `USER_ERRORS`
-    error as one `error:` line (no traceback), or 1 (130 for Ctrl-C) after printing
-    any other error's traceback. `app.UsageError` propagates (absl prints the usage)."""
+    error or an `app.UsageError` (a missing flag) as one `error:` line (no traceback,
+    no usage), or 1 (130 for Ctrl-C) after printing any other error's traceback."""
     try:
         run()
-    except app.UsageError:
-        raise
+    except app.UsageError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     except USER_ERRORS as e:
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
         if isinstance(e, checkpoints.CheckpointSaveError) and e.strerror:
@@ -76,15 +115,42 @@ def report_errors(run: Callable[[], object]) -> int:
     return 0
 
 
+def _config_file_error(argv: list[str], e: BaseException) -> str | None:
+    """The `error:` line for an error raised by the `get_config(variant)` of the
+    `--config` file (an unknown variant: the file's own message lists its variants), or
+    None when `e` came from elsewhere."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if isinstance(e, flags.IllegalFlagValueError) and "Error whilst parsing config file" in str(e):
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        message = lines[-1]  # "ValueError: <the config file's message>"
+    elif any(f.name == "get_config" for f in frames):
+        message = f"{type(e).__name__}: {e.args[0] if e.args else e}"
+    else:
+        return None
+    message = message.split(": ", 1)[-1]
+    given = next((a for a in argv[1:] if a.startswith("--config=")), "--config")
+    return (f"error: {given}: {message} (the config file rejects this variant; give "
+            f"--config=FILE.py:VARIANT with one it accepts)")
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, with an unknown `--config.FIELD` (an AttributeError deep in
-    ml_collections) reported as one `error:` line naming the field and the fix."""
+    """absl's flag parsing, each error one `error:` line (exit status 1, no usage): an
+    unknown `--config.FIELD` (an AttributeError deep in ml_collections) naming the field
+    and the fix, an error of the config file's `get_config(variant)` with its message
+    (for an unknown variant, the variants it accepts), any other flag error as absl
+    words it."""
     try:
-        return app.parse_flags_with_usage(argv)
+        return FLAGS(argv)
+    except flags.Error as e:
+        line = _config_file_error(argv, e) or (f"error: {' '.join(str(e).split())} "
+                                               f"(--helpshort lists the flags)")
     except (AttributeError, KeyError) as e:
-        given = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
-        print(f"error: unknown config field {str(e).strip(chr(34))} in the overrides {given}: "
-              f"each --config.FIELD must be a field of the config file (see "
-              f"edm2_jax/configs.py base_config for all fields, e.g. --config.total_kimg, "
-              f"--config.optim.ref_lr)", file=sys.stderr, flush=True)
-        sys.exit(1)
+        line = _config_file_error(argv, e)
+        if line is None:
+            given = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
+            line = (f"error: unknown config field {str(e).strip(chr(34))} in the overrides "
+                    f"{given}: each --config.FIELD must be a field of the config file (see "
+                    f"edm2_jax/configs.py base_config for all fields, e.g. "
+                    f"--config.total_kimg, --config.optim.ref_lr)")
+    print(line, file=sys.stderr, flush=True)
+    sys.exit(1)

@@ -14,8 +14,11 @@ Defines the metric flags `--mode=phema_sweep` shares (`--metrics`, `--num_images
 """
 from __future__ import annotations
 
+import os
+
 from absl import app, flags
 
+from edm2_jax import paths
 from edm2_jax.evaluation import commands as eval_commands
 from edm2_jax.modes import common
 from edm2_jax.modes import generate as generate_mode  # --net, --batch, the sampler's flags
@@ -40,6 +43,11 @@ flags.DEFINE_string("data_split_images", None, "eval: evaluate N images of this 
 def run_eval() -> None:
     """`--mode=eval` (`commands.main_eval`)."""
     seeds = FLAGS.seeds if FLAGS["seeds"].present else None
+    common.check_output_file(FLAGS.out_json, "--out_json")  # before any work
+    out_dir = os.path.dirname(paths.normalize(FLAGS.out_json or "."))
+    if FLAGS.out_json and not paths.is_url(out_dir) and not os.path.isdir(out_dir):
+        raise FileNotFoundError(f"--out_json={FLAGS.out_json}: its directory {out_dir} does "
+                                f"not exist; create it or pass a file in an existing one")
     eval_commands.main_eval(
         images_dir=FLAGS.images, net_path=FLAGS.net,
         num_images=None if seeds and not FLAGS["num_images"].present else FLAGS.num_images,
@@ -55,6 +63,7 @@ def run_ref() -> None:
     """`--mode=ref` (`commands.main_ref`)."""
     if not FLAGS.ref:
         raise app.UsageError("--mode=ref needs --ref=OUT.pkl (where to write the statistics)")
+    common.check_output_file(FLAGS.ref, "--ref")  # before any work
     eval_commands.main_ref(
         dest=FLAGS.ref, images_dir=FLAGS.images, data_config=common.data_config(),
         split=FLAGS.ref_split, metrics=FLAGS.metrics, batch_size=FLAGS.batch,

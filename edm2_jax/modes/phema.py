@@ -11,8 +11,11 @@ training run's EMA snapshots (the bodies: `ema.reconstruction`, `ema.sweep`).
 """
 from __future__ import annotations
 
+import os
+
 from absl import flags
 
+from edm2_jax import paths
 from edm2_jax.ema import posthoc as phema
 from edm2_jax.modes import common
 from edm2_jax.modes import evaluate as evaluate_mode  # noqa: F401 (--metrics, --num_images, --ref)
@@ -29,15 +32,31 @@ def sigma_rels() -> list[float]:
     return [float(x) for x in FLAGS.sigma_rel.split(",") if x.strip()]
 
 
+def check_phema_dirs(workdir: str) -> None:
+    """Before any snapshot is read: a `gs://` run's bucket reachable, and the outputs'
+    directory (`--outdir`, default `WORKDIR/phema`) writable."""
+    if paths.is_url(workdir):
+        common.check_output_dir(workdir, "--workdir")
+    if FLAGS.outdir:
+        common.check_output_dir(FLAGS.outdir, "--outdir")
+    elif paths.isdir(workdir):  # a missing run is named by the reader
+        try:
+            common.check_output_dir(os.path.join(workdir, "phema"), "--outdir")
+        except paths.OutputLocationError as e:
+            raise paths.OutputLocationError(f"{e} (--outdir defaults to WORKDIR/phema)") from None
+
+
 def run_phema() -> None:
     """`--mode=phema` (`reconstruction.main_phema`)."""
     workdir = common.require_workdir()
+    check_phema_dirs(workdir)
     phema.main_phema(workdir, sigma_rels(), FLAGS.at_kimg, FLAGS.outdir, FLAGS.per_tensor)
 
 
 def run_sweep() -> None:
     """`--mode=phema_sweep` (`sweep.main_sweep`)."""
     workdir = common.require_workdir()
+    check_phema_dirs(workdir)
     phema.main_sweep(
         workdir, sigma_rels(), metrics=FLAGS.metrics, num_images=FLAGS.num_images,
         batch_size=FLAGS.batch, num_steps=FLAGS.steps, ref=FLAGS.ref,

@@ -25,5 +25,7 @@ def run(process_setup: Any = None) -> dict:
     workdir = common.require_workdir()
     config = common.config()
     if config is None:
-        raise app.UsageError("--config is required, e.g. --config=configs/fashion_mnist.py")
+        raise app.UsageError("--mode=train needs --config=FILE.py[:VARIANT], e.g. "
+                             "--config=configs/fashion_mnist.py")
+    common.check_run_dir(workdir)  # before anything is read, compiled or written
     return loop.train_and_evaluate(config, workdir, process_setup=process_setup)

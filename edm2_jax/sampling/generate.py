@@ -216,10 +216,16 @@ def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | N
                   **sampler_kw) -> None:
     """CLI body of `--mode=generate` (see module doc). `vae_path`: `--vae`, checked
     first (`check_vae`). `sampler_kw`: `num_steps`, `sigma_min`, `sigma_max`, `rho`,
-    `S_churn`, `S_min`, `S_max`, `S_noise`, `rng` of `generate_images`."""
+    `S_churn`, `S_min`, `S_max`, `S_noise`, `rng` of `generate_images`. The outputs
+    are checked first (`paths.check_output_dir`: writable, not a file, a reachable
+    bucket), before any weights are read or any image sampled."""
     seed_list = parse_seeds(seeds)
     if not outdir and not grid:
         raise ValueError("--mode=generate needs --outdir=DIR and/or --grid=FILE.png")
+    if outdir:
+        paths.check_output_dir(outdir, "--outdir")
+    if grid:
+        paths.check_output_file(grid, "--grid")
     vae = check_vae(net_path, vae_path, guide_path)
     net, variables, desc = load_net(net_path, ema)
     print(f"Generating {len(seed_list)} images from {desc}"
