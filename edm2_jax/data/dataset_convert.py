@@ -19,7 +19,8 @@ decoded by the VAE to uint8 RGB and written as `convert` writes PNGs, with the l
 
 Errors (`DatasetToolError`) name the file or flag at fault and the fix: a non-empty
 destination folder, an image of another size; a bad VAE file fails in `vae.load_vae`
-before anything is written.
+before anything is written. The destination is written under a temporary name and
+renamed when complete (`Dest`): after an error it is as it was.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import sys
 import zipfile
 
@@ -43,7 +45,11 @@ from edm2_jax.model import vae as vae_lib
 # --------------------------------------------------------------------------- destination
 
 class Dest:
-    """A `.zip` (stored) or an empty folder, created at the first write."""
+    """A `.zip` (stored) or an empty folder, written under a temporary name
+    (`<dest>.unfinished`, created at the first write) and renamed into place by
+    `commit` once complete; `abort` deletes it. So `dest` holds a whole data set or
+    nothing: a run stopped by a bad image (or killed; the next run deletes what it
+    left) never leaves part of one."""
 
     def __init__(self, dest: str):
         if not dest:
@@ -53,19 +59,36 @@ class Dest:
         if not self.is_zip and os.path.isdir(self.dest) and os.listdir(self.dest):
             raise DatasetToolError(f"--dest={dest} is a folder that is not empty; give a new "
                                    f"or empty folder, or a .zip")
+        self.tmp = self.dest.rstrip("/") + ".unfinished"
         self._zip = None
+        self._started = False
+
+    def _start(self) -> None:
+        """Remove what an interrupted run left at the temporary name; create it."""
+        self._remove_tmp()
+        parent = os.path.dirname(os.path.abspath(self.tmp))
+        os.makedirs(parent, exist_ok=True)
+        if self.is_zip:
+            self._zip = zipfile.ZipFile(self.tmp, "w", compression=zipfile.ZIP_STORED)
+        else:
+            os.makedirs(self.tmp)
+        self._started = True
+
+    def _remove_tmp(self) -> None:
+        if os.path.isdir(self.tmp) and not os.path.islink(self.tmp):
+            shutil.rmtree(self.tmp)
+        elif os.path.lexists(self.tmp):
+            os.remove(self.tmp)
 
     def write(self, fname: str, data: bytes | str) -> None:
         if isinstance(data, str):
             data = data.encode("utf8")
+        if not self._started:
+            self._start()
         if self.is_zip:
-            if self._zip is None:
-                if os.path.dirname(self.dest):
-                    os.makedirs(os.path.dirname(self.dest), exist_ok=True)
-                self._zip = zipfile.ZipFile(self.dest, "w", compression=zipfile.ZIP_STORED)
             self._zip.writestr(fname, data)
         else:
-            full = os.path.join(self.dest, fname)
+            full = os.path.join(self.tmp, fname)
             os.makedirs(os.path.dirname(full), exist_ok=True)
             with open(full, "wb") as f:
                 f.write(data)
@@ -74,6 +97,22 @@ class Dest:
         if self._zip is not None:
             self._zip.close()
             self._zip = None
+
+    def commit(self) -> None:
+        """Close and rename the complete data set into place (an empty `dest` folder is
+        replaced; an existing `dest` zip is overwritten, as before)."""
+        self.close()
+        if not self._started:
+            return
+        if not self.is_zip and os.path.isdir(self.dest):
+            os.rmdir(self.dest)  # empty (checked in __init__)
+        os.replace(self.tmp, self.dest)
+
+    def abort(self) -> None:
+        """Close and delete the unfinished data set; `dest` is left as it was."""
+        self.close()
+        if self._started:
+            self._remove_tmp()
 
 
 def archive_name(i: int, kind: str = "png") -> str:
@@ -131,8 +170,10 @@ def convert(source: str, dest: str, resolution: str | tuple[int, int] | None = N
                 labels.append([fname, e.label] if e.label is not None else None)
                 idx += 1
         out.write("dataset.json", _dataset_json(labels))
-    finally:
-        out.close()
+    except BaseException:
+        out.abort()
+        raise
+    out.commit()
     return idx
 
 
@@ -188,8 +229,10 @@ def encode(source: str, dest: str, vae_path: str, batch: int = 8,
             if pending:
                 flush()
         out.write("dataset.json", _dataset_json(labels))
-    finally:
-        out.close()
+    except BaseException:
+        out.abort()
+        raise
+    out.commit()
     return idx
 
 
@@ -232,6 +275,8 @@ def decode(source: str, dest: str, vae_path: str, batch: int = 8,
                     labels.append([fname, int(label)] if lat.label_dim else None)
                 bar.update(m)
         out.write("dataset.json", _dataset_json(labels))
-    finally:
-        out.close()
+    except BaseException:
+        out.abort()
+        raise
+    out.commit()
     return n

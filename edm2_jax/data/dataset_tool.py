@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             n = decode(a.source, a.dest, a.vae, a.batch, a.max_images, a.seed, a.mean, a.quiet)
     except (ValueError, FileNotFoundError, ImportError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {err} (nothing was written to {a.dest})", file=sys.stderr)
         return 1
     print(f"wrote {n} {'latents' if a.command == 'encode' else 'images'} to {a.dest}")
     return 0

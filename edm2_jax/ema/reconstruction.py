@@ -14,7 +14,9 @@ freed. Memory: the outputs plus a few tensors (figures in benchmarks/README.md,
 Outputs: network checkpoints `OUT_DIR/phema-<kimg:07d>-<sigma_rel:.3f>/` (default
 `OUT_DIR = WORKDIR/phema`) loadable with `network_dir.load_network`; their meta records
 `sigma_rel`, `nimg`, the input snapshots and their weights, and `profile_error` (the
-relative L2 distance between the reconstructed and the wanted profile).
+relative L2 distance between the reconstructed and the wanted profile). Each is written
+as `<name>.unfinished` and renamed when complete; a re-run of an interrupted
+reconstruction deletes the unfinished one and keeps the complete ones.
 
 Per-tensor post-hoc EMA: `per_tensor=[(regex, sigma_rel), ...]` gives the parameters
 whose '/'-joined path (e.g. `'unet/enc_8x8_block0/conv_res0/weight'`,
@@ -50,6 +52,8 @@ Array = jax.Array
 # Reconstructions whose profile misses the wanted one by more than this (relative L2)
 # get a warning: the snapshots cannot express that sigma_rel at that time.
 PROFILE_ERROR_WARN = 0.2
+# Suffix of an output being written (`save_output`); a re-run deletes it and writes again.
+UNFINISHED = ".unfinished"
 
 
 def parse_per_tensor(spec: str | Sequence | None) -> list[tuple[str, float]]:
@@ -126,6 +130,41 @@ def output_name(nimg: float, sigma_rel: float, per_tensor: Sequence = ()) -> str
     return name
 
 
+def unfinished_path(path: str) -> str:
+    """Where output `path` is written until complete (a local disk: then renamed)."""
+    return path + UNFINISHED
+
+
+def remove_unfinished(path: str) -> None:
+    """Delete what an interrupted run left of output `path` (saying so): its
+    `unfinished_path`, or `path` itself without network.json (written last; on object
+    storage outputs are written in place). Raises FileExistsError when `path` holds
+    anything else."""
+    for p in (unfinished_path(path), path):
+        if not paths_lib.exists(p):
+            continue
+        names = set(paths_lib.listdir(p))
+        if p == path and not names <= {ckpt_lib.VARIABLES, ckpt_lib.NETWORK_JSON + ".tmp"}:
+            raise FileExistsError(f"{path} exists and is not a network checkpoint (it holds "
+                                  f"{sorted(names)[:4]}); remove it or choose another "
+                                  f"out_dir (--outdir)")
+        print(f"Removing {p}: the unfinished output of an interrupted run (it is written "
+              f"again)")
+        paths_lib.Path(p).rmtree()
+
+
+def save_output(path: str, variables: dict, net_config: dict, meta: dict) -> None:
+    """Write output `path` so that it exists only once complete: on a local disk under
+    `unfinished_path`, renamed when written; on object storage (no renaming of
+    directories) in place, with network.json written last (`remove_unfinished`)."""
+    if paths_lib.is_url(path):
+        ckpt_lib.save_network(path, variables, net_config, meta, low_memory=True)
+        return
+    tmp = unfinished_path(path)
+    ckpt_lib.save_network(tmp, variables, net_config, meta, low_memory=True)
+    os.replace(tmp, path)
+
+
 def _checked_reader(reader, checker, tree_path: tuple, layout) -> Callable:
     """`reader` (`get_leaf(n)`), each tensor checked against the snapshot's checksums and
     for NaN/inf as it is read (`integrity.LeafChecker`; raises IntegrityError)."""
@@ -172,9 +211,11 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
       in_sigma_rels: use only snapshot EMAs of these widths (default all).
       max_cond: see `solver.solve_weights`.
       device: JAX device to accumulate on (default `jax.devices()[0]`).
-      exist_ok: an output that already exists is kept (and returned) if its meta lists
-        the same inputs, else FileExistsError; False: any existing output raises before
-        anything is read.
+      exist_ok: an output that already exists is kept (and returned, saying so) if its
+        meta lists the same inputs, else FileExistsError; False: any existing output
+        raises before anything is read. What an interrupted run left unfinished is
+        deleted and written again (`remove_unfinished`): each output appears under its
+        name only once complete (`save_output`).
       progress: tqdm bars.
     Returns: the output paths, in the order of `sigma_rels`.
     Raises FileNotFoundError (no snapshots, no config/buffers), FileExistsError, and the
@@ -246,15 +287,17 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
 
     todo = []
     for k, p in enumerate(paths):
-        if ckpt_lib.is_network_checkpoint(p):
-            if not exist_ok:
-                raise FileExistsError(f"{p} already exists; remove it, choose another "
-                                      f"out_dir, or pass exist_ok=True to keep it")
-            if ckpt_lib.read_network_json(p)[1].get("inputs") != labels:
-                raise FileExistsError(f"{p} exists but was made from other snapshots; remove "
-                                      f"it or choose another out_dir")
-        else:
+        if not ckpt_lib.is_network_checkpoint(p):
+            remove_unfinished(p)
             todo.append(k)
+        elif not exist_ok:
+            raise FileExistsError(f"{p} already exists; remove it, choose another out_dir "
+                                  f"(--outdir), or pass exist_ok=True to keep it")
+        elif ckpt_lib.read_network_json(p)[1].get("inputs") != labels:
+            raise FileExistsError(f"{p} exists but was made from other snapshots; remove "
+                                  f"it or choose another out_dir (--outdir)")
+        else:
+            print(f"Kept {p}: complete, from the same snapshots (written by an earlier run)")
 
     for b0 in range(0, len(todo), batch_outputs):
         batch = todo[b0:b0 + batch_outputs]
@@ -306,9 +349,8 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
         # output costs no more than the accumulators themselves.
         for j, k in enumerate(batch):
             flat = acc.pop_host(j)
-            ckpt_lib.save_network(paths[k], {"params": layout.unflatten(flat),
-                                             "buffers": buffers},
-                                  net_config, meta_of(k), low_memory=True)
+            save_output(paths[k], {"params": layout.unflatten(flat), "buffers": buffers},
+                        net_config, meta_of(k))
             del flat
         del acc
     return paths
@@ -316,14 +358,15 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
 
 def main_phema(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None = None,
                out_dir: str | None = None, per_tensor: str | None = None) -> list[str]:
-    """CLI hook for `--mode=phema`: `reconstruct`, then print one line per output
+    """CLI hook for `--mode=phema`: `reconstruct` (outputs complete from an earlier,
+    interrupted run with the same inputs are kept), then print one line per output
     (sigma_rel, kimg, profile error, path). Returns the paths."""
     kind, files = find_snapshots(workdir)
     n_ema = sum(len(f.sigma_rels) for f in files)
     print(f"Post-hoc EMA from {len(files)} snapshot file(s) ({n_ema} EMAs, kimg "
           f"{files[0].nimg / 1000:g}..{files[-1].nimg / 1000:g}) in {workdir}")
     paths = reconstruct(workdir, sigma_rels, at_kimg=at_kimg, out_dir=out_dir,
-                        per_tensor=per_tensor)
+                        per_tensor=per_tensor, exist_ok=True)  # a re-run keeps what is done
     for p in paths:
         _, m = ckpt_lib.read_network_json(p)
         print(f"  sigma_rel {m['sigma_rel']:.3f}  kimg {m['kimg']:g}  profile error "

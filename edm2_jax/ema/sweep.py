@@ -8,6 +8,7 @@ images) and `run_data_config` (a run's reference data when no `--config` is give
 from __future__ import annotations
 
 import csv
+import io
 import os
 from typing import Callable, Sequence
 
@@ -51,10 +52,11 @@ def sweep(workdir: str, sigma_rels: Sequence[float], metric_fn: Callable[[str], 
         print(f"  sigma_rel {s:.3f}  {metric_name} {value:.6g}")
     base = os.path.join(os.path.dirname(paths[0]),
                         f"sweep-{int(rows[0]['kimg']):07d}-{metric_name}")
-    with paths_lib.open(base + ".csv", "w") as f:  # local or gs://
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    text = io.StringIO()
+    w = csv.DictWriter(text, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+    paths_lib.write_text_atomic(base + ".csv", text.getvalue())  # local or gs://
     best_row = min(rows, key=lambda r: r[metric_name])
     edge = best_row["sigma_rel"] in (min(sigma_rels), max(sigma_rels)) and len(rows) > 2
     print(f"best sigma_rel {best_row['sigma_rel']:.3f} ({metric_name} "
@@ -84,9 +86,13 @@ def _plot(rows: list[dict], metric_name: str, path: str) -> None:
     ax.set_title(f"post-hoc EMA sweep at kimg {rows[0]['kimg']:g}")
     ax.legend()
     fig.tight_layout()
-    with paths_lib.open(path, "wb") as f:
-        fig.savefig(f, dpi=100, format="png")
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=100, format="png")
     plt.close(fig)
+    tmp = path + ".tmp"  # complete or absent: written whole, then renamed
+    with paths_lib.open(tmp, "wb") as f:
+        f.write(buf.getvalue())
+    paths_lib.rename(tmp, path)
 
 
 def main_sweep(workdir: str, sigma_rels: Sequence[float], *, metrics: str = "fid",

@@ -28,7 +28,7 @@ from edm2_jax.modes import generate as generate_mode  # noqa: F401 (--net, --ema
 from edm2_jax.release import convert
 from edm2_jax.release import training_state as release_state
 from edm2_jax.release.export import RELEASE_KWARGS, export_network_pickle
-from edm2_jax.run import checkpoints, integrity, layout
+from edm2_jax.run import checkpoints, integrity, layout, network_dir
 from edm2_jax.sampling import generate
 from edm2_jax.training import resume
 from edm2_jax.training.from_release import train_state_from_release
@@ -83,7 +83,13 @@ def main_export(net_path: str, dst: str, ema: str | None = None) -> str:
         raise ValueError("--mode=export needs --dst=FILE.pkl")
     net, variables, desc = generate.load_net(net_path, ema)
     config = {k: getattr(net, k) for k in RELEASE_KWARGS}
-    path = export_network_pickle(jax.device_get(variables), config, dst)
+    # The release's use_fp16 as recorded (a converted release net's); else its default.
+    use_fp16 = None
+    if network_dir.is_network_checkpoint(paths.normalize(net_path)):
+        use_fp16 = network_dir.read_network_json(paths.normalize(net_path))[1].get("use_fp16")
+    path = export_network_pickle(jax.device_get(variables), config, dst, use_fp16=use_fp16)
+    if use_fp16 is not None:
+        desc += f" (use_fp16={bool(use_fp16)}, as recorded)"
     print(f"Exported {desc} -> {path} (the release's network pickle: generate_images.py "
           f"--net={path}, or a reconstruct_phema.py input when named "
           f"<prefix>-<kimg>-<sigma_rel>.pkl)")
@@ -111,6 +117,7 @@ def run_convert() -> None:
     workdir = common.require_workdir()
     if not FLAGS.src:
         raise app.UsageError("--mode=convert needs --src=FILE")
+    common.check_output_dir(workdir, "--workdir")  # before the source is read
     if release_state.is_training_state(FLAGS.src):
         main_import_state(FLAGS.src, workdir, common.config())
     else:
@@ -121,4 +128,5 @@ def run_export() -> None:
     """`--mode=export` (`main_export`)."""
     if not FLAGS.net:
         raise app.UsageError("--mode=export needs --net=PATH and --dst=FILE.pkl")
+    common.check_output_file(FLAGS.dst, "--dst")  # before the network is read
     main_export(FLAGS.net, FLAGS.dst, FLAGS.ema)

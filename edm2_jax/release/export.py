@@ -81,15 +81,20 @@ class _ExportPickler(pickle._Pickler):  # noqa: SLF001 - the Python pickler's sa
     dispatch[type(_release_loader)] = save_global
 
 
-def export_network_pickle(variables: Mapping, net_config: Mapping, path: str) -> str:
+def export_network_pickle(variables: Mapping, net_config: Mapping, path: str,
+                          use_fp16: bool | None = None) -> str:
     """Write `{'params', 'buffers'}` of the Precond `net_config` as a release network
-    pickle at `path` (`{'ema': Precond}`, float32; see the module docstring). Raises
+    pickle at `path` (`{'ema': Precond}`, float32; see the module docstring).
+    `use_fp16`: the release's constructor argument (whether it runs the net in float16
+    on CUDA), written when given; None leaves the release's default (True). Raises
     ImportError without torch, FileExistsError for an existing `path`."""
     torch = import_torch()
     if os.path.exists(path):
         raise FileExistsError(f"{path} exists; remove it or choose another --dst")
     kwargs = {k: (list(v) if isinstance(v, (list, tuple)) else v)
               for k, v in dict(net_config).items() if k in RELEASE_KWARGS}
+    if use_fp16 is not None:
+        kwargs["use_fp16"] = bool(use_fp16)
     sd = {k: torch.from_numpy(np.array(v, np.float32))
           for k, v in variables_to_state_dict(variables).items()}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -3,11 +3,13 @@ every process.
 
 Owns `StopRequest` (the signal handler: it only raises a flag) and `StopConsensus` (all
 processes stop at the same step). The training loop finishes the step in flight, saves
-a checkpoint and returns; a second signal interrupts at once.
+a checkpoint and returns; a second signal ends the process at once (`stop_now`).
 """
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 
 import jax
@@ -15,14 +17,39 @@ import jax
 from edm2_jax.training import sharding as shard_lib
 
 
+def stop_now(signum: int, where: str) -> None:
+    """End the process at once on a second signal: one `error:` line on stderr, exit
+    status 128 + `signum` (130 for SIGINT, 143 for SIGTERM: the shell's convention for
+    a process ended by a signal), no traceback and no clean-up of this process. What
+    it leaves is what a kill leaves: the complete checkpoints and snapshots are intact,
+    an unfinished save is an Orbax temporary directory that the next start deletes, and
+    the run's OS file lock goes with the process (on a `gs://` workdir the advisory
+    `train.lock` object stays and the next start warns about it)."""
+    msg = (f"\nerror: second signal {signum} {where}: stopped at once, without saving. The "
+           f"complete checkpoints are intact (an unfinished save is deleted on the next "
+           f"start); re-run the same command to resume from the latest.\n")
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - e.g. the signal came during a write to stdout
+        pass
+    os.write(2, msg.encode())  # unbuffered: never a reentrant write from a signal handler
+    os._exit(128 + signum)
+
+
+def _interactive() -> bool:
+    """Whether this process is an interactive session (IPython kernel, `python -i`)."""
+    return "ipykernel" in sys.modules or hasattr(sys, "ps1")
+
+
 class StopRequest:
     """SIGTERM/SIGINT as a request to stop after the current step (preemption).
 
     Within `with StopRequest() as stop:` the first signal sets `stop.signal` (its
     number) and `stop.received_at` (the value of `stop.step`, which the training loop
-    keeps current); a second one raises KeyboardInterrupt at once. The previous handlers
-    come back on exit. Outside the main thread, where Python cannot catch signals, it
-    changes nothing.
+    sets once the state is restored and keeps current; None: during start-up); a second
+    one ends the process at once (`stop_now`), or, in an interactive session (a
+    notebook's kernel), raises KeyboardInterrupt. The previous handlers come back on exit.
+    Outside the main thread, where Python cannot catch signals, it changes nothing.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -30,7 +57,7 @@ class StopRequest:
     def __init__(self):
         self.signal: int | None = None
         self.received_at: int | None = None
-        self.step = 0
+        self.step: int | None = None
         self._old: dict = {}
 
     def __enter__(self) -> "StopRequest":
@@ -42,12 +69,23 @@ class StopRequest:
         for s, handler in self._old.items():
             signal.signal(s, handler)
 
+    def where(self, step: int | None) -> str:
+        """'at step N', or 'during start-up' before the state is restored."""
+        return f"at step {step}" if step is not None else "during start-up"
+
     def _handle(self, signum, _frame) -> None:
         if self.signal is not None:
-            raise KeyboardInterrupt(f"second signal {signum}: stopping without a checkpoint")
+            if _interactive():  # a notebook's kernel or a REPL outlives the run
+                raise KeyboardInterrupt(f"second signal {signum}: stopped without saving")
+            stop_now(signum, self.where(self.step))
         self.signal, self.received_at = signum, self.step
-        print(f"\nReceived signal {signum} at step {self.step}: finishing this step, saving a "
-              f"checkpoint, exiting (send it again to stop at once).", flush=True)
+        msg = (f"\nReceived signal {signum} {self.where(self.step)}: finishing this step, "
+               f"saving a checkpoint, exiting (send it again to stop at once, without "
+               f"saving).")
+        try:
+            print(msg, flush=True)
+        except RuntimeError:  # the signal came during a write to stdout (reentrant call)
+            os.write(1, (msg + "\n").encode())
 
 
 class StopConsensus:

@@ -38,13 +38,17 @@ class Schedule:
 
 
 class StepMetrics:
-    """The steps' metrics, kept on the device until a status line needs them (at most
-    two steps in flight, so that progress and timings are honest), and the timings of
-    the status lines. `flush` raises NonFiniteLossError on a NaN/inf loss."""
+    """The steps' metrics, kept on the device until they are needed (at most two steps
+    in flight, so that progress and timings are honest), and the timings of the status
+    lines. A status line's figures are the means over every step since the previous
+    status line, whatever was saved in between (`check` at a save moves the metrics to
+    the host without ending the interval). `check` and `status` raise
+    NonFiniteLossError on a NaN/inf loss."""
 
     def __init__(self, batch_size: int, workdir: str, nimg: int):
         self.batch_size, self.workdir = batch_size, workdir
-        self.pending: list = []
+        self.pending: list = []  # on the device
+        self.checked: list = []  # on the host, finite, since the last status line
         self.t_start = self.t_status = time.time()
         self.nimg_status = nimg
         self.first_step_time: float | None = None
@@ -61,10 +65,11 @@ class StepMetrics:
             print(f"First step done {self.first_step_time:.1f} s after start (includes "
                   f"compile)")
 
-    def flush(self) -> dict | None:
-        """The means of the pending metrics on the host (None if there are none)."""
+    def check(self) -> None:
+        """Move the pending metrics to the host and check their loss (before a save);
+        they stay in the current status interval. Raises NonFiniteLossError."""
         if not self.pending:
-            return None
+            return
         host, self.pending = jax.device_get(self.pending), []
         for m in host:
             if not np.isfinite(m["objective"]):
@@ -73,12 +78,21 @@ class StepMetrics:
                     f"(kimg {m['_step'] * self.batch_size / 1000:.1f}); stopping. The "
                     f"checkpoints in {self.workdir}/checkpoints are kept (lower "
                     f"optim.ref_lr or set optim.grad_clip, then resume).")
+        self.checked.extend(host)
+
+    def means(self) -> dict | None:
+        """The means of the metrics since the last status line (None if there are none);
+        starts a new interval."""
+        self.check()
+        host, self.checked = self.checked, []
+        if not host:
+            return None
         return {k: float(np.mean([m[k] for m in host])) for k in host[0] if k != "_step"}
 
     def status(self, step: int) -> dict:
         """The status line's stats at `step`: metric means, speed, memory, time."""
         nimg = step * self.batch_size
-        means = self.flush()
+        means = self.means() or {}
         dt = time.time() - self.t_status
         kimg_done = (nimg - self.nimg_status) / 1000
         stats = dict(kimg=nimg / 1000, step=step, **means,
