@@ -257,7 +257,13 @@ def describe(environ: dict | None = None) -> str:
     """One line for logs: the allocator and the device count this process runs with."""
     env = os.environ if environ is None else environ
     n = env.get(DEVICES_SET)
-    dev = (f"{n} CPU devices (${DEVICES_ENV})" if n else "CPU devices as XLA_FLAGS / JAX set them")
+    flags = env.get("XLA_FLAGS", "")
+    if n:
+        dev = f"{n} CPU devices (${DEVICES_ENV})"
+    elif YNN_FLAG in flags and not flag_device_count(flags):
+        dev = f"1 CPU device with YNN fusions (${XLA_DEFAULTS_ENV})"
+    else:
+        dev = "CPU devices as XLA_FLAGS / JAX set them"
     return f"host allocator {malloc_in_effect(env)} (${MALLOC_ENV}), {dev}; edm2_jax/process.py"
 
 
