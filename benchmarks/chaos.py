@@ -17,7 +17,11 @@ is the same.
    bytes are inverted in an array file of the newest checkpoint (the restart must set it
    aside as `<step>.corrupt` and resume from the one before) or of a random snapshot
    (its reader must refuse it; the bytes are then put back), at a place that changes a
-   value read back unchecked (`flip_bytes`).
+   value read back unchecked (`flip_bytes`). With probability `--p_finite`, the flip is
+   XOR 0x01 at a place where the values read back wrong but finite (only the checksums
+   can tell); with probability `--p_delete_metadata`, the flipped step's record is
+   deleted too: Orbax's `_CHECKPOINT_METADATA`, and half the time also the run's copy
+   `records/<kind>/<step>.json` (`delete_records`): the corruption must still be caught.
    After every kill:
    - corrupt: a complete checkpoint (one of the newest `keep`) or EMA snapshot that does
      not restore, or whose arrays differ from their saved checksums or are not finite;
@@ -136,11 +140,13 @@ def restore_state(workdir: Path, step: int):
     return state
 
 
-def flip_bytes(item: Path, rnd: random.Random, tries: int = 20) -> int:
+def flip_bytes(item: Path, rnd: random.Random, tries: int = 20, finite: bool = False) -> int:
     """Invert 16 bytes at a random place in the middle 90% of the largest array data file
     of the Orbax item `item`, at a place some value depends on: a flip that still reads
     back (unchecked) the same values, e.g. in an unreferenced tail of the append-only
-    OCDBT file, is undone and another place is tried. Returns the tries it took."""
+    OCDBT file, is undone and another place is tried. `finite`: XOR 0x01 instead, at a
+    place where every value still reads back finite (the data is compressed: most such
+    flips decode to wrong finite values). Returns the tries it took."""
     from edm2_jax.run import network_dir
     files = [p for p in item.rglob("*") if p.is_file() and p.parent.name == "d"
              and "ocdbt.process" in str(p)]
@@ -151,15 +157,38 @@ def flip_bytes(item: Path, rnd: random.Random, tries: int = 20) -> int:
         b = bytearray(original)
         at = rnd.randrange(len(b) // 20, max(len(b) // 20 + 1, len(b) * 19 // 20 - 16))
         for i in range(at, min(at + 16, len(b))):
-            b[i] ^= 0xFF
+            b[i] ^= 0x01 if finite else 0xFF
         path.write_bytes(bytes(b))
         try:
-            if not equal(network_dir.restore_numpy(str(item)), before):
+            after = network_dir.restore_numpy(str(item))
+            if not equal(after, before) and (not finite or all_finite(after)):
                 return attempt
         except Exception:  # noqa: BLE001 - unreadable is a real corruption too
-            return attempt
+            if not finite:
+                return attempt
         path.write_bytes(original)
     raise RuntimeError(f"no flip in {path} changed a value in {tries} tries")
+
+
+def all_finite(tree) -> bool:
+    import jax
+    import numpy as np
+    return all(np.isfinite(x).all() for x in jax.tree.leaves(tree)
+               if np.issubdtype(np.asarray(x).dtype, np.inexact))
+
+
+def delete_records(workdir: Path, kind: str, step: int, rnd: random.Random) -> dict:
+    """Delete Orbax's `_CHECKPOINT_METADATA` of step `step` of `kind` ('checkpoints' or
+    'snapshots') and, half the time, the run's own copy of its integrity record; returns
+    `{path: bytes}` of what was deleted."""
+    from edm2_jax.run import layout
+    files = [workdir / kind / str(step) / layout.STEP_METADATA]
+    if rnd.random() < 0.5:
+        files.append(Path(layout.record_path(str(workdir), kind, step)))
+    gone = {p: p.read_bytes() for p in files if p.exists()}
+    for p in gone:
+        p.unlink()
+    return gone
 
 
 def restore_snapshot(workdir: Path, step: int):
@@ -302,6 +331,10 @@ def main():
     ap.add_argument("--cache", default="", help="XLA compilation cache dir (default: in workdir)")
     ap.add_argument("--p_flip", type=float, default=0.5,
                     help="probability of a byte flip after each kill")
+    ap.add_argument("--p_finite", type=float, default=0.5,
+                    help="probability that a flip leaves every value finite (XOR 0x01)")
+    ap.add_argument("--p_delete_metadata", type=float, default=0.5,
+                    help="probability that a flipped step's record files are deleted too")
     ap.add_argument("--p_concurrent", type=float, default=0.25,
                     help="probability of a second trainer started during training")
     ap.add_argument("--json", default="", help="also write the summary here")
@@ -355,6 +388,7 @@ def main():
     flips = {"checkpoint": 0, "snapshot": 0}
     concurrent = silent = 0
     flip_tries: list[int] = []  # per flip: places tried until one changed a value
+    finite_flips = deleted_records = 0
     flipped_ckpt = None  # the checkpoint step flipped before this restart
     while True:
         expect = complete_steps(work, "checkpoints")
@@ -438,7 +472,9 @@ def main():
             problems.append(f"kill {kills}: newest checkpoint {ckpts[-1:]} < {best_ckpt} (lost)")
         if seen_snaps - set(snaps):
             problems.append(f"kill {kills}: snapshots {sorted(seen_snaps - set(snaps))} lost")
-        best_ckpt, seen_snaps = max([best_ckpt, *ckpts]), seen_snaps | set(snaps)
+        # A flipped checkpoint not yet read (the restart was killed first) is not progress.
+        best_ckpt = max([best_ckpt, *(c for c in ckpts if c != flipped_ckpt)])
+        seen_snaps = seen_snaps | set(snaps)
         if sig == signal.SIGTERM and "First step done" in log:
             if rc != 0:
                 problems.append(f"kill {kills}: SIGTERM during training exited {rc}")
@@ -455,18 +491,27 @@ def main():
                 flip = None
             if flip == "checkpoint" and flipped_ckpt is not None:
                 flip = "snapshot" if snaps else None  # one flipped checkpoint at a time
+        finite = delete = False
         if flip:
             flips[flip] += 1
+            finite = rnd.random() < args.p_finite
+            delete = rnd.random() < args.p_delete_metadata
+            finite_flips += finite
+            deleted_records += delete
             if flip == "checkpoint":  # the restart must set it aside and go one back
                 flipped_ckpt = ckpts[-1]
                 flip_tries.append(flip_bytes(work / "checkpoints" / str(ckpts[-1]) / "default",
-                                             rnd))
+                                             rnd, finite=finite))
+                if delete:
+                    delete_records(work, "checkpoints", ckpts[-1], rnd)
                 best_ckpt = max([0, *(c for c in ckpts if c < ckpts[-1])])
             else:  # its readers must refuse it; then the bytes are put back
                 step = rnd.choice(snaps)
                 item = work / "snapshots" / str(step) / "ema"
                 saved = {p: p.read_bytes() for p in item.rglob("*") if p.is_file()}
-                flip_tries.append(flip_bytes(item, rnd))
+                flip_tries.append(flip_bytes(item, rnd, finite=finite))
+                if delete:
+                    saved.update(delete_records(work, "snapshots", step, rnd))
                 try:
                     restore_snapshot(work, step)
                     silent += 1
@@ -479,7 +524,7 @@ def main():
                 for p, b in saved.items():
                     p.write_bytes(b)
         events.append({"kill": kills, "signal": signal.Signals(sig).name, "phase": when,
-                       "flip": flip,
+                       "flip": flip, "finite": finite, "records_deleted": delete,
                        "rc": rc, "resumed_at": int(resumed.group(2)) if resumed else None,
                        "stopped_at": int(stopped.group(1)) if stopped else None,
                        "checkpoints": ckpts, "snapshots": snaps,
@@ -508,7 +553,8 @@ def main():
         "faults": kills + sum(flips.values()) + concurrent,
         "kills": kills, "sigkill": sum(e.get("signal") == "SIGKILL" for e in events),
         "byte_flips_checkpoint": flips["checkpoint"], "byte_flips_snapshot": flips["snapshot"],
-        "flip_tries": flip_tries,
+        "flip_tries": flip_tries, "finite_flips": finite_flips,
+        "records_deleted": deleted_records,
         "concurrent_starts": concurrent, "silent_corruptions": silent,
         "sigterm": sum(e.get("signal") == "SIGTERM" for e in events),
         "during_startup": sum(e.get("phase") == "start-up" for e in events),

@@ -141,7 +141,7 @@ def test_paths_on_gcs(gcs):
     root, fs = gcs
     d = f"{root}/paths"
     layout.write_config(d, {"a": 1})
-    assert layout.read_config(d) == {"a": 1}
+    assert layout.read_config(d) == {"a": 1, "integrity_records": 1}
     assert fs.exists(f"{BUCKET}/paths/config.json")
     assert not fs.exists(f"{BUCKET}/paths/config.json.tmp")
     for n in ("3/x", "3/sub/y", "12/z", "12/commit_success.txt", "3/commit_success.txt",
@@ -167,7 +167,7 @@ def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  
     r = loop.train_and_evaluate(tiny_config(data, total_kimg=0.016), run)
     assert r["finished"]
     b = f"{BUCKET}/run"
-    for f in ("config.json", "stats.jsonl", "samples/000000000.png",
+    for f in ("config.json", "stats.jsonl", "samples/000000000016.png",
               "checkpoints/2/_CHECKPOINT_METADATA", "snapshots/2/_CHECKPOINT_METADATA"):
         assert fs.exists(f"{b}/{f}"), f
     assert not fs.exists(f"{b}/train.lock")  # removed at the end
@@ -189,7 +189,7 @@ def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  
     assert [s for s, _ in snapshots.list_snapshots(run)] == [2, 4]
     assert int(checkpoints.restore_latest_state(run)["step"]) == 4
     assert len(stats.read_stats(run)) > n_stats  # appended to, earlier lines kept
-    assert fs.exists(f"{b}/samples/000000000.png")  # named by kimg
+    assert fs.exists(f"{b}/samples/000000000032.png")  # named by nimg
     assert not fs.exists(f"{b}/train.lock")
 
     # Post-hoc EMA from the bucket's snapshots into the bucket (streaming TensorStore reads).

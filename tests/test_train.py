@@ -383,7 +383,7 @@ def test_run_writes_its_outputs(runs):
     assert runs["r_full"]["finished"] and runs["r_full"]["step"] == 4
     assert _steps(full) == [2, 4]
     assert _steps(full, "snapshots") == [4]
-    assert (full / "samples" / "000000000.png").exists()
+    assert (full / "samples" / "000000000032.png").exists()
     saved = json.loads((full / "config.json").read_text())
     assert saved["network"]["img_resolution"] == 8 and saved["network"]["label_dim"] == 2
     stats = [json.loads(line) for line in (full / "stats.jsonl").read_text().splitlines()]

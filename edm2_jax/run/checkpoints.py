@@ -6,7 +6,9 @@ A state checkpoint is the whole train state (Orbax item `default`) every
 (`records.py`); EMA snapshots go through the same object in the format of
 `snapshots.py`. On restore every array is checked against the record: a checkpoint that
 differs or is not finite is set aside as `<step>.corrupt` and the previous one is tried;
-`--config.resume_step` sets the newer ones aside as `<step>.discarded`.
+`--config.resume_step` sets the newer ones aside as `<step>.discarded`. A run whose
+checkpoints are gone while its records say it had some (an emptied `checkpoints/`) is
+not restarted from step 0 either.
 
 Readers: `TrainCheckpoints.restore_latest` (onto a sharding, for training) and
 `restore_latest_state` (host NumPy, any topology).
@@ -14,6 +16,7 @@ Readers: `TrainCheckpoints.restore_latest` (onto a sharding, for training) and
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 import sys
@@ -26,8 +29,9 @@ from jax.experimental import multihost_utils
 from edm2_jax import paths
 from edm2_jax.run import integrity
 from edm2_jax.run import network_dir
+from edm2_jax.run import records
 from edm2_jax.run import snapshots
-from edm2_jax.run.layout import CHECKPOINTS, SNAPSHOTS, STATE_ITEM, step_dirs
+from edm2_jax.run.layout import CHECKPOINTS, RECORDS, SNAPSHOTS, STATE_ITEM, step_dirs
 from edm2_jax.run.records import (HEALTHY_RMS_FACTOR, check_host_tree, is_healthy,
                                   step_metadata, step_record)
 
@@ -79,12 +83,30 @@ class TrainCheckpoints:
         self.last_step: int | None = None  # the step of the latest save (for error messages)
         self.in_flight: dict = {"checkpoint": None, "snapshot": None}  # async saves
         self.reference_rms: dict | None = None
+        self.unrecorded: dict = {"checkpoint": None, "snapshot": None}  # (step, record)
         self.state_mngr = ocp.CheckpointManager(
             os.path.join(workdir, CHECKPOINTS), item_handlers=ocp.StandardCheckpointHandler(),
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                                 enable_async_checkpointing=True,
-                                                 cleanup_tmp_directories=True))
-        self.snap_mngr = snapshots.writer(workdir)
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=True, enable_async_checkpointing=True,
+                cleanup_tmp_directories=True, async_options=ocp.AsyncOptions(
+                    post_finalization_callback=functools.partial(self._own_record,
+                                                                 "checkpoint"))))
+        self.snap_mngr = snapshots.writer(workdir, functools.partial(self._own_record,
+                                                                     "snapshot"))
+
+    def _own_record(self, kind: str) -> None:
+        """Write the run's own copy of the record of the `kind` save in flight (Orbax calls
+        this on its saving thread once the arrays and its metadata are written, just
+        before the rename that completes the step); then drop the copies of checkpoints
+        Orbax no longer keeps."""
+        pending, self.unrecorded[kind] = self.unrecorded[kind], None
+        if pending is None or jax.process_index() != 0:
+            return
+        step, record = pending
+        root = CHECKPOINTS if kind == "checkpoint" else SNAPSHOTS
+        records.save_record(os.path.join(self.workdir, root, str(step)), record)
+        if kind == "checkpoint":
+            records.prune_records(self.workdir, CHECKPOINTS, below=step)
 
     def _wait(self, kind: str) -> None:
         """Wait for the asynchronous save of `kind` in flight; its failure is raised as
@@ -129,6 +151,7 @@ class TrainCheckpoints:
             return
         record = self._record(state, "train state", step, "params")
         record["reference_rms"] = self.reference_rms or record["rms"]
+        self.unrecorded["checkpoint"] = (step, record)
         try:
             self.state_mngr.save(step, args=ocp.args.StandardSave(state),
                                  custom_metadata=step_metadata(record))
@@ -148,6 +171,7 @@ class TrainCheckpoints:
         if step in (self.snap_mngr.all_steps() or []):
             return
         record = self._record(arrays, "EMA snapshot", step, "ema")
+        self.unrecorded["snapshot"] = (step, record)
         try:
             self.snap_mngr.save(step, args=args, custom_metadata=step_metadata(record))
         except Exception as e:  # noqa: BLE001 - re-raised with the fix named
@@ -216,15 +240,35 @@ class TrainCheckpoints:
                 f"new --workdir or the config the run was started with.")
         aside = [n for n in paths.listdir(os.path.join(self.workdir, CHECKPOINTS))
                  if ".corrupt" in n]
+        if not steps and not aside:
+            self._refuse_lost_checkpoints()
         if errors or aside:
             raise NoCheckpointError(
                 f"the run in {self.workdir} has checkpoints but none restores (set aside: "
                 f"{', '.join(os.path.join(CHECKPOINTS, n) for n in aside)}); nothing was "
                 f"trained. To start this run over from step 0 deliberately, re-run with "
-                f"--config.start_over=True (moves checkpoints/, snapshots/, samples/, "
-                f"stats.jsonl and tb/ into {self.workdir}/discarded-<time>/), or use a new "
-                f"--workdir.")
+                f"--config.start_over=True (moves checkpoints/, snapshots/, records/, "
+                f"samples/, stats.jsonl and tb/ into {self.workdir}/discarded-<time>/), or use "
+                f"a new --workdir.")
         return None
+
+    def _refuse_lost_checkpoints(self) -> None:
+        """Raise NoCheckpointError when the run has no checkpoint but its snapshots and the
+        records of its checkpoints say it had some (checkpoints/ emptied or deleted):
+        restarting from step 0 would mix a new run's snapshots with the old ones."""
+        snaps = step_dirs(os.path.join(self.workdir, SNAPSHOTS))
+        had = paths.listdir(os.path.join(self.workdir, RECORDS, CHECKPOINTS))
+        if not snaps or not had:
+            return
+        names = ", ".join(os.path.relpath(d, self.workdir) for d in snaps[:3])
+        raise NoCheckpointError(
+            f"the run in {self.workdir} has no checkpoint left in {CHECKPOINTS}/ but has EMA "
+            f"snapshots ({names}{', ...' if len(snaps) > 3 else ''}) and records of "
+            f"{len(had)} checkpoint(s) in {RECORDS}/{CHECKPOINTS}/: its checkpoints were "
+            f"removed; nothing was trained. Put them back to resume, or start this run over "
+            f"from step 0 deliberately with --config.start_over=True (moves "
+            f"checkpoints/, snapshots/, records/, samples/, stats.jsonl and tb/ into "
+            f"{self.workdir}/discarded-<time>/), or use a new --workdir.")
 
     def _go_back_to(self, resume_step: int, steps: list[int]) -> list[int]:
         """Set aside the checkpoints and snapshots after `resume_step` (`--config.
@@ -326,14 +370,18 @@ def _shapes(tree) -> dict:
 def restore_latest_state(workdir: str) -> dict:
     """The newest complete train state of the run as host numpy arrays, verified
     against its integrity record. Raises FileNotFoundError when there is none and
-    IntegrityError when it is corrupt or not finite."""
+    IntegrityError when it is corrupt, not finite or without the record its run keeps."""
     dirs = step_dirs(os.path.join(workdir, CHECKPOINTS))
     if not dirs:
         raise FileNotFoundError(f"no complete checkpoint in {os.path.join(workdir, CHECKPOINTS)}")
-    state = network_dir.restore_numpy(os.path.join(dirs[0], STATE_ITEM))
     step = os.path.basename(dirs[0])
-    check_host_tree(state, step_record(dirs[0]), f"checkpoint {dirs[0]}",
-                    f"Re-run the run's training command in {workdir} (it sets a corrupt "
-                    f"checkpoint aside and resumes from the previous one), or use one of "
-                    f"its EMA snapshots: --net={workdir}/{SNAPSHOTS}/<step> (not {step}).")
+    fix = (f"Re-run the run's training command in {workdir} (it sets a corrupt checkpoint "
+           f"aside and resumes from the previous one), or use one of its EMA snapshots: "
+           f"--net={workdir}/{SNAPSHOTS}/<step> (not {step}).")
+    try:
+        record = step_record(dirs[0])
+    except integrity.IntegrityError as e:
+        raise integrity.IntegrityError(f"checkpoint {e}. {fix}") from None
+    state = network_dir.restore_numpy(os.path.join(dirs[0], STATE_ITEM))
+    check_host_tree(state, record, f"checkpoint {dirs[0]}", fix)
     return state

@@ -182,7 +182,7 @@ def _sum_squares_numpy(tree) -> float:
             flat = flat.astype(np.float32)
         for start in range(0, flat.size, _CHUNK):
             c = flat[start:start + _CHUNK].astype(np.float32, copy=False)
-            with np.errstate(over="ignore"):  # a diverged tree's sum is inf, as when jitted
+            with np.errstate(over="ignore", invalid="ignore"):  # inf/NaN, as when jitted
                 total += float(np.dot(c, c))
     return total
 

@@ -11,14 +11,17 @@
                                  EMA reconstruction (`snapshots.py`)
     WORKDIR/stats.jsonl          one JSON line per status / evaluation (`stats.StatsLogger`)
     WORKDIR/tb/                  the same as TensorBoard scalars
-    WORKDIR/samples/<tag>.png    sample grids (`samples_path`)
+    WORKDIR/samples/<nimg>.png   sample grids, named by the images trained on, 12 digits
+                                 (`samples_path_at`)
     WORKDIR/train.lock           the running trainer's host and pid (`lock.RunLock`)
     <step>/_CHECKPOINT_METADATA  Orbax's per-step JSON; `custom_metadata.integrity` holds
                                  the step's integrity record (`records.py`)
+    WORKDIR/records/<kind>/<step>.json   the run's own copy of that record, `kind`
+                                 `checkpoints` or `snapshots` (`record_path`)
     <step>.corrupt, <step>.discarded   set aside (corrupt; after `--config.resume_step`)
 
 Who writes and reads what, one module per file: this module the paths, config.json and
-`discard_outputs`; `lock.py` train.lock; `records.py` the integrity record of a step;
+`discard_outputs`; `lock.py` train.lock; `records.py` the integrity records of the steps;
 `checkpoints.py` the state checkpoints (`TrainCheckpoints`, which also saves the
 snapshots in the format `snapshots.py` defines and reads); `stats.py` stats.jsonl and tb/.
 Orbax items come back as host NumPy arrays (`network_dir.restore_numpy`); every reader
@@ -27,7 +30,9 @@ checks what it read against the step's integrity record (IntegrityError).
 Orbax writes into a temporary directory and renames it when complete, so a run killed
 mid-save never sees a half-written checkpoint; `step_dirs` lists only finalised ones. The
 integrity record is part of that rename (Orbax's step metadata), so a checkpoint and its
-checksums appear together.
+checksums appear together; the run's own copy in `records/` is written just before that
+rename. config.json's `integrity_records` (`RECORDS_FIELD`, set when a run starts) says
+that every step of the run has a record: a step without one is then not trusted.
 
 WORKDIR may be a `gs://` URL: every access goes through `paths.py` (etils epath) and
 Orbax/TensorStore. There, `train.lock` is advisory (`lock.RunLock`), `stats.jsonl` is
@@ -56,6 +61,8 @@ STATE_ITEM = "default"  # the item of a state checkpoint (Orbax's name for a sin
 LOCK = "train.lock"
 COMMIT_SUCCESS = "commit_success.txt"  # Orbax's mark of a complete step on object storage
 STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's per-step JSON; ours under custom_metadata
+RECORDS = "records"  # the run's own copies of the integrity records
+RECORDS_FIELD = "integrity_records"  # in config.json: every step of the run has a record
 
 
 # --------------------------------------------------------------------------------------
@@ -80,6 +87,18 @@ def samples_path(workdir: str, tag: str) -> str:
     return os.path.join(workdir, SAMPLES, f"{tag}.png")
 
 
+def samples_path_at(workdir: str, nimg: int) -> str:
+    """The sample grid after `nimg` training images: `samples/<nimg, 12 digits>.png`, one
+    file per snapshot however small `snapshot_kimg` is, in training order when sorted."""
+    return samples_path(workdir, f"{int(nimg):012d}")
+
+
+def record_path(workdir: str, kind: str, step: int) -> str:
+    """The run's own copy of the integrity record of step `step` of `kind`
+    (`CHECKPOINTS` or `SNAPSHOTS`)."""
+    return os.path.join(workdir, RECORDS, kind, f"{int(step)}.json")
+
+
 def is_run(path: str) -> bool:
     """Whether `path` is a training run directory (config.json and checkpoints/)."""
     return paths.isfile(config_path(path)) and paths.isdir(os.path.join(path, CHECKPOINTS))
@@ -99,12 +118,12 @@ def step_dirs(root: str) -> list[str]:
 
 
 def discard_outputs(workdir: str) -> str:
-    """Move a run's checkpoints/, snapshots/, samples/, stats.jsonl and tb/ into
+    """Move a run's checkpoints/, snapshots/, records/, samples/, stats.jsonl and tb/ into
     `WORKDIR/discarded-<time>/` (`--config.start_over`); returns that directory."""
     dst = os.path.join(workdir, "discarded-" + time.strftime("%Y%m%d-%H%M%S"))
     if jax.process_index() == 0:
         paths.makedirs(dst)
-        for name in (CHECKPOINTS, SNAPSHOTS, SAMPLES, STATS_JSONL, TB):
+        for name in (CHECKPOINTS, SNAPSHOTS, RECORDS, SAMPLES, STATS_JSONL, TB):
             if paths.exists(os.path.join(workdir, name)):
                 paths.rename(os.path.join(workdir, name), os.path.join(dst, name))
     if jax.process_count() > 1:
@@ -117,8 +136,25 @@ def discard_outputs(workdir: str) -> str:
 
 
 def write_config(workdir: str, config: dict) -> None:
-    """Write the run's config (a JSON-able dict), atomically (`paths.write_text_atomic`)."""
+    """Write the run's config (a JSON-able dict), atomically (`paths.write_text_atomic`),
+    with `RECORDS_FIELD`: kept from the config.json it replaces, set for a new run (or one
+    with no checkpoint or snapshot yet); a run started before records existed keeps
+    none, so that its older steps still read as they did."""
+    saved = read_config(workdir)
+    new = saved is None or not (step_dirs(os.path.join(workdir, CHECKPOINTS))
+                                or step_dirs(os.path.join(workdir, SNAPSHOTS)))
+    if new or (saved or {}).get(RECORDS_FIELD):
+        config = dict(config, **{RECORDS_FIELD: 1})
     paths.write_text_atomic(config_path(workdir), json.dumps(config, indent=2))
+
+
+def writes_records(workdir: str) -> bool:
+    """Whether the run's config.json says every step of the run has an integrity record
+    (`RECORDS_FIELD`); False for a directory that is no run."""
+    try:
+        return bool((read_config(workdir) or {}).get(RECORDS_FIELD))
+    except (ValueError, OSError):  # an unreadable config.json is reported by its readers
+        return False
 
 
 def read_config(workdir: str) -> dict | None:

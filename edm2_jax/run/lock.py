@@ -30,7 +30,8 @@ class RunLock:
     the holder's host, pid and start time. The OS releases it when the process ends in
     any way (kill -9 included), so a stale lock never blocks. Local and NFSv4 disks;
     taken by process 0, its outcome shared with the others. Raises RunLockedError naming
-    the holder and what to do.
+    the holder and what to do, `paths.OutputLocationError` when the disk refuses the lock
+    file (read-only, full: named with its free space, no permission).
 
     On a URL workdir (`gs://`) there is no file lock: one writer is NOT enforced there.
     `train.lock` is then an advisory object (host, pid, start time) written at the start
@@ -67,12 +68,22 @@ class RunLock:
             self.url_lock = True
         return self
 
+    def _unwritable(self, e: OSError) -> paths.OutputLocationError:
+        """The error for a lock file the disk refuses (read-only, full, no permission)."""
+        fix = "free space there" if e.errno in paths.FULL_DISK else "make it writable"
+        return paths.OutputLocationError(
+            f"cannot write the lock file {self.path}: {paths.write_problem(self.path, e)}; "
+            f"{fix} or pass a --workdir on a writable disk")
+
     def __enter__(self) -> "RunLock":
         if paths.is_url(self.workdir):
             return self._enter_url()
         holder = None
         if jax.process_index() == 0:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise self._unwritable(e) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -82,8 +93,12 @@ class RunLock:
                     holder = {}
                 os.close(fd)
             else:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, self._holder_record().encode(), 0)
+                try:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, self._holder_record().encode(), 0)
+                except OSError as e:
+                    os.close(fd)
+                    raise self._unwritable(e) from None
                 self.fd = fd
         if jax.process_count() > 1:
             locked = multihost_utils.broadcast_one_to_all(holder is not None)

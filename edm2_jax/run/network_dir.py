@@ -52,11 +52,21 @@ def subtree(tree: dict, path: Sequence[str]) -> Any:
     return tree
 
 
+def _item_metadata(directory: str):
+    """The tree metadata of the Orbax PyTree item `directory`, read by the item's handler:
+    a Checkpointer would also look for step metadata (`_CHECKPOINT_METADATA`), which
+    lives one level up, and warn that it "does not exist"."""
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        md = handler.metadata(paths.Path(directory))
+    finally:
+        handler.close()
+    return getattr(md, "tree", md)
+
+
 def tree_metadata(directory: str) -> dict:
     """The tree of array metadata (shape, dtype) of the Orbax PyTree item `directory`."""
-    md = ocp.PyTreeCheckpointer().metadata(directory)
-    md = getattr(md, "item_metadata", md)
-    return dict(getattr(md, "tree", md))
+    return dict(_item_metadata(directory))
 
 
 def restore_numpy(directory: str):
@@ -64,9 +74,7 @@ def restore_numpy(directory: str):
     host numpy arrays, whatever mesh and number of processes wrote it; a restore without
     a target would need the devices that saved it ("Topology mismatch"). Named tuples
     (Adam's state) come back as dicts and lists."""
-    md = ocp.PyTreeCheckpointer().metadata(directory)
-    md = getattr(md, "item_metadata", md)
-    md = getattr(md, "tree", md)
+    md = _item_metadata(directory)
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), md)
     return ocp.PyTreeCheckpointer().restore(
         directory, args=ocp.args.PyTreeRestore(restore_args=restore_args))

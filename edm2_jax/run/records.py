@@ -3,8 +3,12 @@
 A step's record is `integrity.digest_tree` of what was saved (a checksum per array, the
 paths of NaN/inf arrays, the parameters' RMS; a state checkpoint's also carries the run's
 initial RMS, `reference_rms`). It lives in Orbax's per-step `_CHECKPOINT_METADATA` under
-`custom_metadata.integrity` (`step_metadata` writes it there, `step_record` reads it
-back), so Orbax renames it into place atomically with the arrays.
+`custom_metadata.integrity` (`step_metadata` writes it there), so Orbax renames it into
+place atomically with the arrays, and in the run's own copy
+`WORKDIR/records/<kind>/<step>.json` (`save_record`, written just before that rename), so
+that losing one file does not lose the checksums. `step_record` reads both: when they
+disagree, or when both are missing in a run whose config.json says it records every
+step (`layout.writes_records`), the step is not trusted (IntegrityError).
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import os
 
 from edm2_jax import paths
 from edm2_jax.run import integrity
+from edm2_jax.run import layout
 from edm2_jax.run.layout import STEP_METADATA
 
 # A checkpoint is healthy when finite and its params' RMS is within this factor of the
@@ -26,21 +31,78 @@ def step_metadata(record: dict) -> dict:
     return {"integrity": record}
 
 
-def step_record(step_dir: str) -> dict | None:
-    """The integrity record saved with checkpoint or snapshot `step_dir` (in Orbax's
-    `_CHECKPOINT_METADATA`, written atomically with the arrays), or None for one saved
-    before records existed. Raises IntegrityError when that file is unreadable."""
-    path = os.path.join(step_dir, STEP_METADATA)
+def _owner(step_dir: str) -> tuple[str, str, int] | None:
+    """`(workdir, kind, step)` of `WORKDIR/<kind>/<step>` (kind `checkpoints` or
+    `snapshots`), or None for a step directory outside a run's layout."""
+    step_dir = paths.normalize(step_dir)
+    root, name = os.path.split(step_dir)
+    workdir, kind = os.path.split(root)
+    if not name.isdigit() or kind not in (layout.CHECKPOINTS, layout.SNAPSHOTS):
+        return None
+    return workdir, kind, int(name)
+
+
+def save_record(step_dir: str, record: dict) -> None:
+    """Write the run's own copy of the integrity record of step `step_dir` (atomically;
+    call on one process)."""
+    workdir, kind, step = _owner(step_dir)
+    path = layout.record_path(workdir, kind, step)
+    paths.makedirs(os.path.dirname(path))
+    paths.write_text_atomic(path, json.dumps(record))
+
+
+def prune_records(workdir: str, kind: str, below: int) -> None:
+    """Delete the run's own records of the steps of `kind` below `below` whose step
+    directories are gone (deleted by Orbax's `max_to_keep`, or set aside)."""
+    root = os.path.join(workdir, layout.RECORDS, kind)
+    steps = {n for n in paths.listdir(os.path.join(workdir, kind)) if n.isdigit()}
+    for name in paths.listdir(root):
+        step = name.removesuffix(".json")
+        if step.isdigit() and int(step) < below and step not in steps:
+            paths.Path(os.path.join(root, name)).unlink(missing_ok=True)
+
+
+def _read(path: str, in_orbax_metadata: bool) -> dict | None:
+    """The integrity record in JSON file `path` (Orbax's step metadata, or our own copy),
+    None when the file or the record is missing. Raises IntegrityError when unreadable."""
     if not paths.isfile(path):
         return None
     try:
-        md = json.loads(paths.read_text(path))
-        record = (md.get("custom_metadata") or {}).get("integrity")
+        record = json.loads(paths.read_text(path))
+        if in_orbax_metadata:
+            record = (record.get("custom_metadata") or {}).get("integrity")
         if record is not None and not isinstance(record.get("digests"), dict):
             raise ValueError("no digests")
     except (ValueError, AttributeError, UnicodeDecodeError) as e:
         raise integrity.IntegrityError(f"{path} is unreadable ({e})") from None
     return record
+
+
+def step_record(step_dir: str) -> dict | None:
+    """The integrity record of checkpoint or snapshot `step_dir`: Orbax's copy (in its
+    `_CHECKPOINT_METADATA`) or the run's own (`save_record`), or None for a step saved
+    before records existed. Raises IntegrityError when a copy is unreadable, when the two
+    differ, and when both are missing in a run whose config.json says that every step
+    has one (a lost record must not turn the checksums off)."""
+    orbax = _read(os.path.join(step_dir, STEP_METADATA), True)
+    owner = _owner(step_dir)
+    own_path = layout.record_path(*owner) if owner else None
+    own = _read(own_path, False) if own_path else None
+    if orbax is not None and own is not None and _canonical(orbax) != _canonical(own):
+        raise integrity.IntegrityError(
+            f"{step_dir}: its integrity record differs from the run's copy {own_path} "
+            f"(one of them was altered)")
+    record = orbax if orbax is not None else own
+    if record is None and owner and layout.writes_records(owner[0]):
+        raise integrity.IntegrityError(
+            f"{step_dir} has no integrity record ({STEP_METADATA} and {own_path} are "
+            f"missing or hold none) though its run records one for every step, so what it "
+            f"holds cannot be checked")
+    return record
+
+
+def _canonical(record: dict) -> str:
+    return json.dumps(record, sort_keys=True)
 
 
 def is_healthy(record: dict | None, reference_rms: dict | None) -> bool:

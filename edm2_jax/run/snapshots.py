@@ -16,6 +16,7 @@ reconstruction (`edm2_jax.ema`).
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import orbax.checkpoint as ocp
 
@@ -30,13 +31,17 @@ from edm2_jax.run.records import check_host_tree, step_record
 # Writing (through TrainCheckpoints)
 
 
-def writer(workdir: str) -> ocp.CheckpointManager:
-    """The Orbax manager that saves the snapshots of `workdir` (asynchronously, all kept)."""
+def writer(workdir: str, on_saved: Callable[[], None] | None = None
+           ) -> ocp.CheckpointManager:
+    """The Orbax manager that saves the snapshots of `workdir` (asynchronously, all kept);
+    `on_saved` is called on its saving thread once a snapshot is written, just before the
+    rename that completes it."""
     return ocp.CheckpointManager(
         os.path.join(workdir, SNAPSHOTS),
-        options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
-                                             enable_async_checkpointing=True,
-                                             cleanup_tmp_directories=True))
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=None, create=True, enable_async_checkpointing=True,
+            cleanup_tmp_directories=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=on_saved)))
 
 
 def save_args(nimg: int, ema: dict, sigma_rels, batch_size: int,
@@ -79,6 +84,7 @@ def list_snapshots(workdir: str) -> list[tuple[int, dict]]:
                     f"snapshot {step} in {workdir}/{SNAPSHOTS} is unreadable "
                     f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__}). "
                     f"{snapshot_fix(workdir, step)}") from None
+            snapshot_record(workdir, step)  # a missing record fails here, before any work
             out.append((step, dict(meta)))
     finally:
         mngr.close()
@@ -93,11 +99,21 @@ def snapshot_fix(workdir: str, step: int) -> str:
             f"writes it again.")
 
 
+def snapshot_record(workdir: str, step: int) -> dict | None:
+    """The integrity record of snapshot `step` (`records.step_record`). Raises
+    IntegrityError naming the snapshot and the fix when it is unreadable, or missing in
+    a run that records every step."""
+    try:
+        return step_record(os.path.join(workdir, SNAPSHOTS, str(step)))
+    except integrity.IntegrityError as e:
+        raise integrity.IntegrityError(f"snapshot {e}. {snapshot_fix(workdir, step)}") from None
+
+
 def snapshot_checker(workdir: str, step: int) -> integrity.LeafChecker:
     """Checks the EMA arrays of snapshot `step` one at a time as a streaming reader
     (post-hoc EMA) reads them: `checker('power/0.050/<param path>', array)`."""
     d = os.path.join(workdir, SNAPSHOTS, str(step))
-    record = step_record(d)
+    record = snapshot_record(workdir, step)
     if record is not None:
         record = {"digests": {k[4:]: v for k, v in record["digests"].items()
                               if k.startswith("ema/")}}
@@ -107,13 +123,13 @@ def snapshot_checker(workdir: str, step: int) -> integrity.LeafChecker:
 def restore_snapshot(workdir: str, step: int) -> tuple[dict, dict]:
     """`(ema_tree, meta)` of snapshot `step` as numpy arrays (on any devices), verified
     against its integrity record. Raises IntegrityError when corrupt or not finite."""
+    record = snapshot_record(workdir, step)
     mngr = _reader(workdir)
     meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     mngr.close()
     d = os.path.join(workdir, SNAPSHOTS, str(step))
     ema = network_dir.restore_numpy(snapshot_item(workdir, step, "ema"))
-    check_host_tree(ema, step_record(d), f"snapshot {d}", snapshot_fix(workdir, step),
-                    prefix="ema/")
+    check_host_tree(ema, record, f"snapshot {d}", snapshot_fix(workdir, step), prefix="ema/")
     return ema, dict(meta)
 
 
@@ -125,15 +141,19 @@ def run_buffers(workdir: str) -> dict:
     fix = "Move that directory aside (e.g. to <step>.corrupt) and retry."
     for d in step_dirs(os.path.join(workdir, SNAPSHOTS)):
         if paths.isdir(os.path.join(d, "buffers")):
+            record = snapshot_record(workdir, int(os.path.basename(d)))
             buffers = network_dir.restore_numpy(os.path.join(d, "buffers"))
-            check_host_tree(buffers, step_record(d), f"snapshot {d}", fix, prefix="buffers/")
+            check_host_tree(buffers, record, f"snapshot {d}", fix, prefix="buffers/")
             return buffers
     for d in step_dirs(os.path.join(workdir, CHECKPOINTS)):
         item = os.path.join(d, STATE_ITEM)
         if paths.isdir(item) and "buffers" in network_dir.tree_metadata(item):
+            try:
+                record = step_record(d)
+            except integrity.IntegrityError as e:
+                raise integrity.IntegrityError(f"checkpoint {e}. {fix}") from None
             buffers = network_dir.restore_partial(item, [("buffers",)])[0]
-            check_host_tree(buffers, step_record(d), f"checkpoint {d}", fix,
-                            prefix="buffers/")
+            check_host_tree(buffers, record, f"checkpoint {d}", fix, prefix="buffers/")
             return buffers
     raise FileNotFoundError(
         f"no MPFourier buffers for the run in {workdir}: its snapshots carry none and "

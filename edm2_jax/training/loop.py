@@ -75,25 +75,62 @@ def eval_line(nimg: int, ema_key: str, res: dict) -> str:
 # When the loss becomes NaN
 
 
-def rescue_hint(managers: checkpoints.TrainCheckpoints, config: ml_collections.ConfigDict) -> str:
+def optim_history(saved: dict | None, current: dict, step0: int) -> list[dict]:
+    """The learning rate and clip each start of the run trained with, from `step0` on:
+    `[{"step", "ref_lr", "grad_clip"}, ...]` by step, as recorded in config.json (`saved`,
+    the record before this start; a record without a history counts its optim.* from
+    step 0). The starts at or after `step0` trained nothing that is kept; this start
+    (`current`) is appended."""
+    def entry(step: int, optim: dict) -> dict:
+        return {"step": int(step), "ref_lr": float(optim["ref_lr"]),
+                "grad_clip": float(optim.get("grad_clip", 0.0))}
+    saved = saved or {}
+    history = list(saved.get("optim_history") or
+                   ([entry(0, saved["optim"])] if isinstance(saved.get("optim"), dict) else []))
+    return [h for h in history if h["step"] < step0] + [entry(step0, current["optim"])]
+
+
+def rescue_flags(step: int, history: list[dict], config: ml_collections.ConfigDict
+                 ) -> tuple[list[str], str]:
+    """`(flags, why)`: how to resume a diverged run from its healthy checkpoint `step`:
+    the most recent learning rate in `history` (`optim_history`) that trained steps
+    before `step` and is lower than the one that diverged, else a tenth of it; a
+    gradient clip only where none is set (as a second resort, in `why`)."""
+    lr = float(config.optim.ref_lr)
+    trained = [h for h in history if h["step"] < step and h["ref_lr"] < lr]
+    if trained:
+        rate = trained[-1]["ref_lr"]
+        why = f"the rate that trained from step {trained[-1]['step']}"
+    else:
+        rate = lr / 10
+        why = f"a tenth of {lr:g}, which diverged"
+    flags = [f"--config.resume_step={step}", f"--config.optim.ref_lr={rate:g}"]
+    if not float(config.optim.grad_clip):
+        why += "; should it diverge again, also add --config.optim.grad_clip=1"
+    return flags, why
+
+
+def rescue_hint(managers: checkpoints.TrainCheckpoints, config: ml_collections.ConfigDict,
+                history: list[dict]) -> str:
     """How to resume a diverged run: the newest checkpoint that is finite with a
-    healthy parameter RMS (`records.is_healthy`), and the flags."""
+    healthy parameter RMS (`records.is_healthy`), and the flags (`rescue_flags`)."""
     try:
         managers.close()  # the saves in flight complete (or fail) first
     except checkpoints.CheckpointSaveError:
         pass
     found = managers.newest_healthy()
-    lr = float(config.optim.ref_lr)
     if found is None:
+        lr = float(config.optim.ref_lr)
         return (" No checkpoint of this run is healthy (finite, parameter RMS within "
                 f"{records.HEALTHY_RMS_FACTOR:g}x of the start): start a new run in a new "
-                f"--workdir with a lower --config.optim.ref_lr (now {lr:g}).")
+                f"--workdir with a lower --config.optim.ref_lr (now {lr:g}; e.g. "
+                f"{lr / 10:g}).")
     step, record = found
+    flags, why = rescue_flags(step, history, config)
     return (f" The newest healthy checkpoint is step {step} (finite; parameter RMS "
             f"{record['rms']['params']:.3g}). Resume from it with a lower learning rate: "
-            f"re-run the same command with --config.resume_step={step} "
-            f"--config.optim.ref_lr={lr / 10:g} (or --config.optim.grad_clip=1); the "
-            f"optim.* fields may change on resume.")
+            f"re-run the same command with {' '.join(flags)} ({why}); the optim.* fields "
+            f"may change on resume.")
 
 
 # --------------------------------------------------------------------------------------
@@ -127,11 +164,15 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
     except BaseException:
         managers.abandon()
         raise
+    step0 = stop.step = int(state["step"])
+    # config.json records the run's config and the learning rate of each start
+    # (`optim_history`), which a rescue from divergence suggests.
+    current = dict(current, optim_history=optim_history(layout.read_config(workdir), current,
+                                                        step0))
     if is_main:
         resume.record_config(workdir, current)
     sched = Schedule.from_config(config)
 
-    step0 = int(state["step"])
     nimg = step0 * batch_size
     if step0 >= sched.total_steps:
         print(f"Run in {workdir} is already finished at {nimg / 1000:.1f} kimg "
@@ -172,7 +213,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
     bar = tqdm(total=sched.total_steps, initial=step0, unit="step", disable=not is_main,
                dynamic_ncols=True, mininterval=2.0)
 
-    stop.step = step = step0
+    step = step0
     stopping = consensus.before_start()
     try:
         while step < sched.total_steps and not stopping:
@@ -196,13 +237,13 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
                         logger.log(dict(kimg=nimg / 1000, step=step, **res))
 
             if step % sched.snapshot_every == 0 or done:
-                metrics_log.flush()
+                metrics_log.check()
                 managers.save_snapshot(step, nimg, state["ema"], tuple(config.ema.sigma_rels),
                                        batch_size, buffers=state["buffers"])
                 host = emas_on_host(state, snapshot_keys)  # every process
                 if is_main:
                     t = time.time()
-                    path = layout.samples_path(workdir, f"{nimg // 1000:09d}")
+                    path = layout.samples_path_at(workdir, nimg)
                     save_sample_grid(config, net, host[sample_key], path)
                     print(f"Sample grid (EMA sigma_rel={sample_key}, {config.sample.num_steps} "
                           f"steps, one class per column): {path} [{time.time() - t:.1f} s]")
@@ -214,13 +255,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
                 del host
 
             if step % sched.checkpoint_every == 0 or done or stopping:
-                metrics_log.flush()
+                metrics_log.check()
                 managers.save_state(step, state)
     except (NonFiniteLossError, checkpoints.NonFiniteStateError) as e:
         failed = e
         if is_main:  # the rescue's --config.resume_step is to be applied (again)
             layout.write_config(workdir, dict(current, resume_step=0))
-        raise NonFiniteLossError(str(e) + rescue_hint(managers, config)) from None
+        raise NonFiniteLossError(
+            str(e) + rescue_hint(managers, config, current["optim_history"])) from None
     except BaseException:
         failed = True
         raise
@@ -238,7 +280,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
 
     if stopping and step < sched.total_steps:
         saved = f"checkpoint {step} saved" if step > step0 else "no new step to save"
-        why = (f"signal {stop.signal} (received at step {stop.received_at})" if stop.signal
+        why = (f"signal {stop.signal} (received {stop.where(stop.received_at)})" if stop.signal
                else "a signal to another process")
         print(f"Stopped by {why} at step {step}, {nimg / 1000:.3f} kimg; {saved}. Re-run the "
               f"same command to resume.", flush=True)
@@ -252,11 +294,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        process_setup: Any = None) -> dict:
     """Train to `config.total_kimg`, resuming from the latest checkpoint in `workdir`.
 
-    Writes `config.json`, `checkpoints/` (full state every `checkpoint_kimg`, last
-    `keep_checkpoints` kept), `snapshots/` (every tracked EMA every `snapshot_kimg`),
-    `stats.jsonl`, TensorBoard scalars in `tb/`, and sample grids `samples/*.png`
-    (`edm2_jax.run`). Returns the last status dict (`finished` False when stopped by a
-    signal).
+    Writes `config.json` (with `optim_history`, the learning rate and clip of each
+    start, which the advice after a divergence draws on), `checkpoints/` (full state
+    every `checkpoint_kimg`, last `keep_checkpoints` kept), `snapshots/` (every tracked
+    EMA every `snapshot_kimg`), `stats.jsonl` (each status line's figures: the means
+    over the steps since the previous one), TensorBoard scalars in `tb/`, and sample
+    grids `samples/*.png` (`edm2_jax.run`). Returns the last status dict (`finished`
+    False when stopped by a signal).
 
     Devices: a mesh of shape `config.mesh` (`sharding.py`; `fsdp > 1` shards params,
     Adam state and EMAs). Several hosts: one process per host, `jax.distributed` set up
@@ -269,10 +313,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
     Faults: SIGTERM/SIGINT finish the current step, save a checkpoint and return (all
     processes stop at the same step, at most one step later; `preemption.py`); a second
-    signal interrupts at once. A run killed at any moment resumes from its last complete
-    checkpoint (Orbax renames a checkpoint into place only when complete and deletes
-    unfinished ones); a checkpoint that does not restore is set aside and the previous
-    one is used.
+    signal ends the process at once without saving: one `error:` line, exit status
+    128 + the signal's number (130 SIGINT, 143 SIGTERM; in a notebook,
+    KeyboardInterrupt), the unfinished save deleted on the next start. A run killed at
+    any moment resumes from its last complete checkpoint (Orbax renames a checkpoint
+    into place only when complete and deletes unfinished ones); a checkpoint that does
+    not restore is set aside and the previous one is used.
 
     Integrity (`run/checkpoints.py`, `integrity.py`): one training process per workdir
     (an OS file lock, `lock.RunLock`); every checkpoint and snapshot is saved with a checksum

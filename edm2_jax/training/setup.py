@@ -92,7 +92,9 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Model,
     """`(state, resumed, managers)`: the latest complete checkpoint (or checkpoint
     `resume_step`) on the model's shardings, checked against its integrity record
     (`checkpoints.TrainCheckpoints.restore_latest`), else a fresh state from `config.seed`.
-    When the run has checkpoints but none restores, raises NoCheckpointError, unless
+    When the run has checkpoints but none restores, or has lost them (snapshots and
+    the records of its checkpoints left, `checkpoints/` empty), raises NoCheckpointError,
+    unless
     `config.start_over`: then the run's outputs are moved aside and it starts from
     step 0 (with new managers, returned)."""
     try:
