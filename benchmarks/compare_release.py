@@ -411,7 +411,9 @@ def main():
     # (edm2_jax/process.py: host allocator, CPU devices); the release under the allocator
     # it is started with, unless --release_malloc=ours gives it ours.
     from edm2_jax import process
-    env_ours = dict(env, **process.launch_env(), **{process.APPLIED: "1"})
+    env_ours = dict(env)
+    env_ours.update(process.default_xla_flags(env_ours))
+    env_ours.update(process.launch_env(env_ours), **{process.APPLIED: "1"})
     env_rel = dict(env)
     if args.release_malloc == "ours":
         env_rel.update({k: v for k, v in env_ours.items()
