@@ -16,7 +16,9 @@ EPYC, `benchmarks/README.md`):
   jaxlib 0.10.2, while one device is exact (`python benchmarks/repro_sampler_devices.py`,
   `tests/test_sampling_devices.py`). So the flag is left out when `XLA_FLAGS` or
   `EDM2_JAX_CPU_DEVICES` ask for more than one CPU device, and `auto` devices is 1 while
-  the flag is in effect; a user's `XLA_FLAGS` holding both get a warning.
+  the flag is in effect; a user's `XLA_FLAGS` holding both get a warning. Sampling-only
+  modes (`--mode=generate`, `--mode=eval`) leave the flag out and use 2 devices, which
+  is faster there (`SAMPLING_MODES`).
 - **`EDM2_JAX_MALLOC`**: the host allocator. XLA's CPU client allocates each execution's
   temporary buffer (all of a training step's activations: 368 MB for the Fashion-MNIST
   step at batch 64) with `posix_memalign` from a worker thread. glibc serves a block
@@ -87,7 +89,8 @@ def setup_entry_point(argv: list[str] | None = None) -> None:
     replace the process with itself). Bad settings end the process with one `error:`
     line (exit status 1)."""
     try:
-        add_default_xla_flags()
+        if ynn_for_command(sys.orig_argv if argv is None else argv):
+            add_default_xla_flags()
         if warning := ynn_with_devices_warning():
             print(warning, file=sys.stderr, flush=True)
         reexec(argv)
@@ -98,6 +101,23 @@ def setup_entry_point(argv: list[str] | None = None) -> None:
 
 # --------------------------------------------------------------------------------------
 # XLA flags
+
+# Modes that only sample (no training step): on 2 cores they run faster split over 2 CPU
+# devices without the YNN flag than on one device with it (the Heun sampler, 100 images,
+# 32 steps: 12.7 vs 10.9 img/s, `python benchmarks/compare_release.py --work=sample`);
+# training the other way round (176 vs 161 img/s, `--work=train`).
+SAMPLING_MODES = ("generate", "eval")
+
+
+def ynn_for_command(argv: list[str], environ: dict | None = None) -> bool:
+    """Whether the entry point adds the YNN flag for command line `argv`: not for a
+    `--mode` in `SAMPLING_MODES` unless `$EDM2_JAX_XLA_DEFAULTS` or
+    `$EDM2_JAX_CPU_DEVICES` is set (then `default_xla_flags` decides as for any mode)."""
+    env = os.environ if environ is None else environ
+    mode = next((a.split("=", 1)[1] for a in argv if a.startswith("--mode=")), None)
+    if mode is None and "--mode" in argv and argv.index("--mode") + 1 < len(argv):
+        mode = argv[argv.index("--mode") + 1]
+    return (mode not in SAMPLING_MODES or XLA_DEFAULTS_ENV in env or DEVICES_ENV in env)
 
 
 def default_xla_flags(environ: dict | None = None) -> dict[str, str]:

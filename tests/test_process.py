@@ -141,3 +141,14 @@ def test_ynn_fusion_flag_and_several_cpu_devices_never_combine(monkeypatch):
     line = CE.ynn_with_devices_warning(both)
     assert line.startswith("warning:") and "\n" not in line
     assert CE.ynn_with_devices_warning({"XLA_FLAGS": CE.YNN_FLAG}) is None
+
+
+def test_sampling_modes_split_the_cpu_instead_of_the_ynn_flag():
+    train = ["-m", "edm2_jax.main", "--config=c.py", "--workdir=w"]
+    assert CE.ynn_for_command(train, {})
+    assert CE.ynn_for_command([*train, "--mode=train"], {})
+    assert not CE.ynn_for_command(["-m", "edm2_jax.main", "--mode=generate", "--net=n"], {})
+    assert not CE.ynn_for_command(["-m", "edm2_jax.main", "--mode", "eval"], {})
+    # A user's own setting of either switch decides as for any mode.
+    assert CE.ynn_for_command(["--mode=generate"], {CE.XLA_DEFAULTS_ENV: "1"})
+    assert CE.ynn_for_command(["--mode=generate"], {CE.DEVICES_ENV: "off"})
