@@ -19,38 +19,26 @@ EPYC, `benchmarks/README.md`):
   the flag is in effect; a user's `XLA_FLAGS` holding both get a warning. Sampling-only
   modes (`--mode=generate`, `--mode=eval`) leave the flag out and use 2 devices, which
   is faster there (`SAMPLING_MODES`).
-- **`EDM2_JAX_MALLOC`**: the host allocator. XLA's CPU client allocates each execution's
-  temporary buffer (all of a training step's activations: 368 MB for the Fashion-MNIST
-  step at batch 64) with `posix_memalign` from a worker thread. glibc serves a block
-  that large with a fresh `mmap` and unmaps it when the step ends (its mmap threshold
-  cannot go above 32 MB, and a thread arena maps any block larger than its 64 MB heap),
-  so every step faulted in and zeroed ~90,000 new 4 KiB pages: 545 -> ~445 ms per step
-  once fixed, 90,000 -> under 3,000 faults per step. Values:
-    `tcmalloc`  LD_PRELOAD=libtcmalloc_minimal.so.4 (Debian/Ubuntu `libtcmalloc-minimal4`,
-                in the README's quick start): keeps freed spans for reuse; the lowest
-                peak RSS (1.4-1.5 vs 1.8 GiB for that step);
-    `thp`       GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc >= 2.35; older ones ignore
-                it): glibc's mapped blocks use transparent huge pages, 1 fault per 2 MiB;
-    `auto`      (default) tcmalloc where it is installed, else thp;  `off`  unchanged.
-- **`EDM2_JAX_CPU_DEVICES`**: the CPU backend is split into this many devices
-  (`--xla_force_host_platform_device_count`) and the training step runs data-parallel
-  over them (`training/sharding.py`, each device half the batch): two streams of
-  operations keep both cores busy where one leaves gaps between XLA's kernels. The same
-  step (mean gradient over the same batch, the same random draws) up to float32
-  summation order. 465 -> 421 ms per step (Fashion-MNIST net, batch 64) and 2.78 ->
-  2.52 s (the 9.8M-parameter ch64 net, batch 32), both measured with the YNN flag,
-  a combination that gives wrong results (above). Values: `auto` (default) = 1 while
-  the YNN flag is in effect, else 2 where the process may use 2 or more cores; a
-  number (the YNN flag is then left out); `off`. Not applied
-  when `XLA_FLAGS` already sets the device count. A batch the devices do not divide
-  trains on fewer of them (`usable_devices`, asked by the training loop through
-  `TrainingSetup`).
+- **`EDM2_JAX_MALLOC`**: the host allocator. glibc serves XLA:CPU's per-step temporary
+  buffer (all activations: 368 MB for the Fashion-MNIST step) with a fresh `mmap` each
+  step, faulting in ~90,000 pages (545 -> ~445 ms per step once fixed; why, in
+  `benchmarks/README.md`). Values: `tcmalloc` (LD_PRELOAD of Debian's
+  `libtcmalloc-minimal4`, in the README's quick start; the lowest peak RSS), `thp`
+  (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, glibc >= 2.35: 1 fault per 2 MiB), `auto`
+  (default: tcmalloc where installed, else thp), `off`.
+- **`EDM2_JAX_CPU_DEVICES`**: the CPU backend split into this many devices
+  (`--xla_force_host_platform_device_count`), the step data-parallel over them
+  (`training/sharding.py`): two streams of kernels fill the gaps one leaves on two
+  cores; the same step up to float32 summation order. Values: `auto` (default) = 1
+  while the YNN flag is in effect, else 2 where 2 or more cores are usable; a number
+  (the YNN flag is then left out); `off`. Not applied when `XLA_FLAGS` set a device
+  count. A batch the devices do not divide trains on fewer of them (`usable_devices`,
+  asked by the training loop through `TrainingSetup`).
 - **`EDM2_JAX_COMPILATION_CACHE`** (read once JAX is imported, `enable_compilation_cache`):
   the persistent XLA cache directory, default `~/.cache/edm2_jax/xla`; `off` = none.
 
 The allocator and the device count must be in place before the process starts, so
-`reexec()` restarts it once (same PID, same command line) with them. None of these
-settings changes the numerics beyond float32 summation order.
+`reexec()` restarts it once (same PID, same command line) with them.
 
 How `python -m edm2_jax.main` ends is set here too: `quiet_background_errors` (Orbax's
 background noise summarised in one line) and `exit_bounded` (background threads still
@@ -130,7 +118,8 @@ def default_xla_flags(environ: dict | None = None) -> dict[str, str]:
     flags = env.get("XLA_FLAGS", "")
     if "xla_cpu_experimental_ynn_fusion_type" in flags or _jaxlib_version() < (0, 10, 2):
         return {}
-    if (flag_device_count(flags) or _asked_devices(env)) > 1:
+    asked = (env.get(DEVICES_ENV, "") or "").strip()  # a number, or auto/off/unset
+    if (flag_device_count(flags) or (int(asked) if asked.isdigit() else 0)) > 1:
         return {}  # wrong results with several CPU devices (module doc)
     return {"XLA_FLAGS": f"{flags} {YNN_FLAG}".strip()}
 
@@ -142,12 +131,6 @@ def flag_device_count(flags: str) -> int:
             value = part.split("=", 1)[1]
             return int(value) if value.isdigit() else 0
     return 0
-
-
-def _asked_devices(env) -> int:
-    """The device count `$EDM2_JAX_CPU_DEVICES` sets as a number, 0 for auto/off/unset."""
-    v = (env.get(DEVICES_ENV, "") or "").strip()
-    return int(v) if v.isdigit() else 0
 
 
 def ynn_with_devices_warning(environ: dict | None = None) -> str | None:

@@ -37,7 +37,7 @@ def stop_now(signum: int, where: str) -> None:
 
 
 def _interactive() -> bool:
-    """Whether this process is an interactive session (IPython kernel, `python -i`)."""
+    """Whether this process is interactive (an IPython kernel, `python -i`)."""
     return "ipykernel" in sys.modules or hasattr(sys, "ps1")
 
 
@@ -47,7 +47,7 @@ class StopRequest:
     Within `with StopRequest() as stop:` the first signal sets `stop.signal` (its
     number) and `stop.received_at` (the value of `stop.step`, which the training loop
     sets once the state is restored and keeps current; None: during start-up); a second
-    one ends the process at once (`stop_now`), or, in an interactive session (a
+    one ends the process at once (`stop_now`), or, in an interactive interpreter (a
     notebook's kernel), raises KeyboardInterrupt. The previous handlers come back on exit.
     Outside the main thread, where Python cannot catch signals, it changes nothing.
     """
