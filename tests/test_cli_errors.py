@@ -205,6 +205,11 @@ def unknown_variant(tmp_path, tmpfs, netdir):
             ["fashion_mnist.py:zzz", "unknown variant 'zzz'", "'default' or 'tiny'"], tmp_path)
 
 
+def unknown_field(tmp_path, tmpfs, netdir):
+    return ([TINY, f"--workdir={tmp_path}/run", "--config.total_kimgg=1"], {},
+            ["unknown config field 'total_kimgg'", 'Did you mean "total_kimg"'], tmp_path)
+
+
 def no_workdir(tmp_path, tmpfs, netdir):
     return [TINY], {}, ["needs --workdir=DIR"], tmp_path
 
@@ -256,6 +261,7 @@ CASES = {
     "train_gcs_without_gcsfs": gcs_without_gcsfs("train"),
     "phema_gcs_without_gcsfs": gcs_without_gcsfs("phema"),
     "config_unknown_variant": unknown_variant,
+    "config_unknown_field": unknown_field,
     "no_workdir": no_workdir,
     "workdir_is_a_file": existing_file("--workdir"),
     "generate_outdir_is_a_file": existing_file("--outdir"),

@@ -5,6 +5,7 @@ and flag parsing that names an unknown `--config.FIELD` or a config file's varia
 """
 from __future__ import annotations
 
+import ast
 import os
 import pickle
 import sys
@@ -148,7 +149,15 @@ def parse_flags(argv: list[str]) -> list[str]:
         line = _config_file_error(argv, e)
         if line is None:
             given = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
-            line = (f"error: unknown config field {str(e).strip(chr(34))} in the overrides "
+            # ml_collections' KeyError reaches here as the repr of its message
+            # (quotes, escaped quotes and a "\n"): print the message itself.
+            what = str(e).strip(chr(34))
+            try:
+                what = ast.literal_eval(what) if what[:1] in "'\"" else what
+            except (ValueError, SyntaxError):
+                pass
+            what = " ".join(str(what).split())
+            line = (f"error: unknown config field {what} in the overrides "
                     f"{given}: each --config.FIELD must be a field of the config file (see "
                     f"edm2_jax/configs.py base_config for all fields, e.g. "
                     f"--config.total_kimg, --config.optim.ref_lr)")
