@@ -114,6 +114,16 @@ class Dest:
         if self._started:
             self._remove_tmp()
 
+    def __enter__(self) -> "Dest":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        """`commit` when the block completes, `abort` when it raises (the error goes on)."""
+        if kind is None:
+            self.commit()
+        else:
+            self.abort()
+
 
 def archive_name(i: int, kind: str = "png") -> str:
     """The release's file name of item `i`: '00000/img00000007.png' or, for latents,
@@ -124,6 +134,13 @@ def archive_name(i: int, kind: str = "png") -> str:
 
 def _dataset_json(labels: list) -> str:
     return json.dumps({"labels": labels if all(x is not None for x in labels) else None})
+
+
+def _png(img: np.ndarray) -> bytes:
+    """uint8 HWC (or HW) `img` as uncompressed PNG bytes, as the release writes them."""
+    buf = io.BytesIO()
+    PIL.Image.fromarray(img).save(buf, format="png", compress_level=0, optimize=False)
+    return buf.getvalue()
 
 
 def _progress(total: int, quiet: bool):
@@ -139,41 +156,32 @@ def convert(source: str, dest: str, resolution: str | tuple[int, int] | None = N
     res = parse_resolution(resolution) if isinstance(resolution, (str, type(None))) else resolution
     tf = make_transform(transform, res)
     n, entries = open_source(source, max_images, tfds_dir)
-    out = Dest(dest)
     labels, size, idx = [], None, 0
-    try:
-        with _progress(n, quiet) as bar:
-            for e in entries:
-                bar.update(1)
-                img = tf(e.img)
-                if img is None:
-                    continue
-                h, w = img.shape[:2]
-                if size is None:
-                    if w != h:
-                        raise DatasetToolError(f"{e.name}: {w}x{h} after the transform; images "
-                                               f"must be square (use --resolution=NxN or a "
-                                               f"--transform)")
-                    if w & (w - 1):
-                        raise DatasetToolError(f"{e.name}: {w}x{h}; sides must be a power of "
-                                               f"two (use --resolution, e.g. 64x64)")
-                    size = (h, w)
-                elif (h, w) != size:
-                    raise DatasetToolError(f"{e.name}: {w}x{h}, but earlier images are "
-                                           f"{size[1]}x{size[0]}; give --resolution to make "
-                                           f"them all one size")
-                fname = archive_name(idx)
-                buf = io.BytesIO()
-                PIL.Image.fromarray(img).save(buf, format="png", compress_level=0,
-                                              optimize=False)
-                out.write(fname, buf.getvalue())
-                labels.append([fname, e.label] if e.label is not None else None)
-                idx += 1
+    with Dest(dest) as out, _progress(n, quiet) as bar:
+        for e in entries:
+            bar.update(1)
+            img = tf(e.img)
+            if img is None:
+                continue
+            h, w = img.shape[:2]
+            if size is None:
+                if w != h:
+                    raise DatasetToolError(f"{e.name}: {w}x{h} after the transform; images "
+                                           f"must be square (use --resolution=NxN or a "
+                                           f"--transform)")
+                if w & (w - 1):
+                    raise DatasetToolError(f"{e.name}: {w}x{h}; sides must be a power of "
+                                           f"two (use --resolution, e.g. 64x64)")
+                size = (h, w)
+            elif (h, w) != size:
+                raise DatasetToolError(f"{e.name}: {w}x{h}, but earlier images are "
+                                       f"{size[1]}x{size[0]}; give --resolution to make "
+                                       f"them all one size")
+            fname = archive_name(idx)
+            out.write(fname, _png(img))
+            labels.append([fname, e.label] if e.label is not None else None)
+            idx += 1
         out.write("dataset.json", _dataset_json(labels))
-    except BaseException:
-        out.abort()
-        raise
-    out.commit()
     return idx
 
 
@@ -189,7 +197,6 @@ def encode(source: str, dest: str, vae_path: str, batch: int = 8,
     vae = vae_lib.load_vae(vae_path)  # a bad file fails here, before anything is written
     vae = dataclasses.replace(vae, batch_size=batch)
     n, entries = open_source(source, max_images)
-    out = Dest(dest)
     labels, pending, idx = [], [], 0
 
     def flush():
@@ -209,30 +216,25 @@ def encode(source: str, dest: str, vae_path: str, batch: int = 8,
         bar.update(m)
         pending.clear()
 
-    try:
-        with _progress(n, quiet) as bar:
-            for e in entries:
-                if pending and e.img.shape != pending[0].img.shape:
-                    raise DatasetToolError(f"{e.name}: {e.img.shape[1]}x{e.img.shape[0]}, but "
-                                           f"earlier images are {pending[0].img.shape[1]}x"
-                                           f"{pending[0].img.shape[0]}; convert them to one "
-                                           f"size first (dataset_tool convert --resolution)")
-                if not pending and idx == 0:
-                    d = vae.config.downsampling
-                    if e.img.shape[0] % d or e.img.shape[1] % d:
-                        raise DatasetToolError(f"{e.name}: {e.img.shape[1]}x{e.img.shape[0]} "
-                                               f"pixels; the VAE needs sides that are multiples "
-                                               f"of {d} (convert --resolution, e.g. 512x512)")
-                pending.append(e)
-                if len(pending) == batch:
-                    flush()
-            if pending:
+    with Dest(dest) as out, _progress(n, quiet) as bar:
+        for e in entries:
+            if pending and e.img.shape != pending[0].img.shape:
+                raise DatasetToolError(f"{e.name}: {e.img.shape[1]}x{e.img.shape[0]}, but "
+                                       f"earlier images are {pending[0].img.shape[1]}x"
+                                       f"{pending[0].img.shape[0]}; convert them to one "
+                                       f"size first (dataset_tool convert --resolution)")
+            if not pending and idx == 0:
+                d = vae.config.downsampling
+                if e.img.shape[0] % d or e.img.shape[1] % d:
+                    raise DatasetToolError(f"{e.name}: {e.img.shape[1]}x{e.img.shape[0]} "
+                                           f"pixels; the VAE needs sides that are multiples "
+                                           f"of {d} (convert --resolution, e.g. 512x512)")
+            pending.append(e)
+            if len(pending) == batch:
                 flush()
+        if pending:
+            flush()
         out.write("dataset.json", _dataset_json(labels))
-    except BaseException:
-        out.abort()
-        raise
-    out.commit()
     return idx
 
 
@@ -252,31 +254,22 @@ def decode(source: str, dest: str, vae_path: str, batch: int = 8,
         lat = LatentFolder(source, use_labels=False)
     n = len(lat) if max_images is None else min(len(lat), max_images)
     rng = np.random.default_rng(seed)
-    out = Dest(dest)
     labels = []
-    try:
-        with _progress(n, quiet) as bar:
-            for a in range(0, n, batch):
-                items = [lat[i] for i in range(a, min(a + batch, n))]
-                raw = np.stack([x for x, _ in items]).astype(np.float32)
-                m = len(raw)
-                if m < batch:
-                    raw = np.concatenate([raw, np.repeat(raw[-1:], batch - m, axis=0)])
-                noise = (np.zeros if mean else lambda shape: rng.standard_normal(shape,
-                                                                                np.float32))(
-                    raw.shape[:-1] + (vae_lib.LATENT_CHANNELS,))
-                imgs = vae.decode(vae_lib.encode_latents(raw, noise))[:m]
-                for i, (img, (_, label)) in enumerate(zip(imgs, items)):
-                    fname = archive_name(a + i)
-                    buf = io.BytesIO()
-                    PIL.Image.fromarray(img).save(buf, format="png", compress_level=0,
-                                                  optimize=False)
-                    out.write(fname, buf.getvalue())
-                    labels.append([fname, int(label)] if lat.label_dim else None)
-                bar.update(m)
+    with Dest(dest) as out, _progress(n, quiet) as bar:
+        for a in range(0, n, batch):
+            items = [lat[i] for i in range(a, min(a + batch, n))]
+            raw = np.stack([x for x, _ in items]).astype(np.float32)
+            m = len(raw)
+            if m < batch:
+                raw = np.concatenate([raw, np.repeat(raw[-1:], batch - m, axis=0)])
+            noise = (np.zeros if mean else lambda shape: rng.standard_normal(shape,
+                                                                            np.float32))(
+                raw.shape[:-1] + (vae_lib.LATENT_CHANNELS,))
+            imgs = vae.decode(vae_lib.encode_latents(raw, noise))[:m]
+            for i, (img, (_, label)) in enumerate(zip(imgs, items)):
+                fname = archive_name(a + i)
+                out.write(fname, _png(img))
+                labels.append([fname, int(label)] if lat.label_dim else None)
+            bar.update(m)
         out.write("dataset.json", _dataset_json(labels))
-    except BaseException:
-        out.abort()
-        raise
-    out.commit()
     return n
