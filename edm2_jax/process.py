@@ -137,7 +137,7 @@ def ynn_with_devices_warning(environ: dict | None = None) -> str | None:
     """A warning line when `XLA_FLAGS` hold both the YNN fusion flag and more than one
     CPU device (wrong results; module doc), else None."""
     flags = (os.environ if environ is None else environ).get("XLA_FLAGS", "")
-    if "xla_cpu_experimental_ynn_fusion_type=dot" in flags and flag_device_count(flags) > 1:
+    if YNN_FLAG in flags and flag_device_count(flags) > 1:
         return (f"warning: XLA_FLAGS hold {YNN_FLAG} and {flag_device_count(flags)} CPU "
                 f"devices, which give wrong sampled images and training updates on "
                 f"jaxlib 0.10.2; drop one of them (edm2_jax/process.py)")
@@ -199,7 +199,7 @@ def cpu_devices(environ: dict | None = None, cores: int | None = None) -> int:
     env = os.environ if environ is None else environ
     v = (env.get(DEVICES_ENV, "auto") or "auto").strip().lower()
     if v == "auto":
-        if "xla_cpu_experimental_ynn_fusion_type=dot" in env.get("XLA_FLAGS", ""):
+        if YNN_FLAG in env.get("XLA_FLAGS", ""):
             return 1  # the YNN fusion flag and several CPU devices: wrong results
         return min(2, _usable_cores() if cores is None else cores)
     if v == "off":

@@ -119,24 +119,25 @@ def test_imports_flow_down_without_cycles():
     assert not upward, "imports from a lower layer up to a higher one:\n" + "\n".join(upward)
 
 
+def _environment_unchanged_by(before: str, imports: str) -> None:
+    """Run `before`, snapshot os.environ, run `imports`: the environment must be equal."""
+    code = (f"import os; {before}; e = dict(os.environ); {imports}; "
+            "assert dict(os.environ) == e, sorted(set(os.environ.items()) ^ set(e.items()))")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_importing_the_library_changes_no_environment_variable():
     # The package and the model, from a bare interpreter.
-    code = ("import os; e = dict(os.environ); import edm2_jax, edm2_jax.model; "
-            "assert dict(os.environ) == e, sorted(set(os.environ.items()) ^ set(e.items()))")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    _environment_unchanged_by("pass", "import edm2_jax, edm2_jax.model")
     # Modules that import jax, compared after `import jax`, which sets variables of its
     # own (TPU_SKIP_MDS_QUERY, TF_CPP_MIN_LOG_LEVEL).
-    code = ("import os, jax; e = dict(os.environ); "
-            "import edm2_jax, edm2_jax.model, edm2_jax.model.networks, edm2_jax.training.loop, "
-            "edm2_jax.sampling.sampler, edm2_jax.ema.posthoc, edm2_jax.backends; "
-            "assert dict(os.environ) == e, sorted(set(os.environ.items()) ^ set(e.items()))")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    _environment_unchanged_by(
+        "import jax", "import edm2_jax, edm2_jax.model, edm2_jax.model.networks, "
+        "edm2_jax.training.loop, edm2_jax.sampling.sampler, edm2_jax.ema.posthoc, "
+        "edm2_jax.backends")
 
 
 def test_modules_are_short():
