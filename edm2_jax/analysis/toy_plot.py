@@ -1,4 +1,5 @@
-"""The figure of the 2D toy: samples and guided score fields, unguided / CFG / autoguidance.
+"""The figure of the 2D toy: samples and guided score fields, unguided / CFG / autoguidance
+/ CFG in a guidance interval.
 
 matplotlib is imported when a figure is drawn, so that the toy's numbers need no
 plotting package.
@@ -19,10 +20,12 @@ def plot_guidance(result: dict, path: str | None = None, guidance: float = 3.0,
                   sigma_field: float = 0.1, center: tuple[float, float] = (0.45, 0.45),
                   view: float = 0.95, grid: int = 24) -> Any:
     """Samples (top row) and the guided score field `(D_w(x; sigma) - x) / sigma^2` at
-    `sigma_field` (bottom row) for the data, unguided, CFG and autoguidance, over the
-    true class-0 density (shaded) and class 1 (grey), in the square of half-size `view`
-    around `center`. Saves a PNG at `path` if given;
-    returns the matplotlib figure."""
+    `sigma_field` (bottom row) for the data, unguided, CFG, autoguidance and, when
+    `result` has them ('cfg_interval' samples, `result['guidance_interval']`), CFG in the
+    guidance interval `(sigma_lo, sigma_hi]` (its field: CFG's if `sigma_field` is inside,
+    else the unguided one, as on the sampler's steps there), over the true class-0
+    density (shaded) and class 1 (grey), in the square of half-size `view` around
+    `center`. Saves a PNG at `path` if given; returns the matplotlib figure."""
     import matplotlib.pyplot as plt
 
     mix, nets, samples, metrics = (result[k] for k in ("mix", "nets", "samples", "metrics"))
@@ -47,7 +50,16 @@ def plot_guidance(result: dict, path: str | None = None, guidance: float = 3.0,
               "autoguidance": field(nets["guide"])}
     titles = {"data": "data (class 0)", "unguided": "unguided",
               "cfg": f"CFG, w={guidance:g}", "autoguidance": f"autoguidance, w={guidance:g}"}
-    fig, axes = plt.subplots(2, 4, figsize=(16, 8.4))
+    field_notes = {}
+    if "cfg_interval" in samples:
+        lo, hi = result["guidance_interval"]
+        inside = lo < sigma_field <= hi
+        fields["cfg_interval"] = fields["cfg" if inside else "unguided"]
+        titles["cfg_interval"] = f"CFG, w={guidance:g}, guidance interval ({lo:g}, {hi:g}]"
+        field_notes["cfg_interval"] = (f"\nCFG's: sigma={sigma_field:g} is inside the interval"
+                                       if inside else f"\nunguided: sigma={sigma_field:g} is "
+                                       f"outside the interval")
+    fig, axes = plt.subplots(2, len(titles), figsize=(4 * len(titles), 8.8))
     for j, name in enumerate(titles):
         for ax in axes[:, j]:
             ax.contourf(gx, gy, dens[1], levels=[-1.0, 50], colors=["#e4e4e4"])
@@ -65,7 +77,7 @@ def plot_guidance(result: dict, path: str | None = None, guidance: float = 3.0,
         axes[1, j].quiver(apts[:, 0], apts[:, 1], *(f / np.maximum(norm, 1e-6)).T,
                           np.log1p(norm[:, 0]), cmap="viridis", scale=30, width=3e-3)
         axes[1, j].set_title(f"score field at sigma={sigma_field:g} (direction; colour: "
-                             f"log(1+|score|))", fontsize=9)
+                             f"log(1+|score|)){field_notes.get(name, '')}", fontsize=9)
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=80)

@@ -164,12 +164,15 @@ def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outd
                     rho: float = 7.0, S_churn: float = 0.0, S_min: float = 0.0,
                     S_max: float = float("inf"), S_noise: float = 1.0, rng: str = "jax",
                     progress: bool = True, all_processes: bool = True,
-                    vae: vae_lib.SDVAE | None = None
+                    vae: vae_lib.SDVAE | None = None,
+                    guidance_interval: tuple[float, float] | None = None
                     ) -> Iterable[tuple[np.ndarray, np.ndarray]]:
     """Yield `(seeds [b], images uint8 [b, H, W, C])` batches; write `seed%06d.png` files
     to `outdir` (in `outdir/000000/`, `outdir/001000/`, ... with `subdirs`) if given.
-    Sampler settings (`num_steps` ... `S_noise`), guidance and the per-seed random
-    stream `rng` ('jax' or the release's, 'release'): `sampler.sample_images`. With
+    Sampler settings (`num_steps` ... `S_noise`), guidance, the guidance interval
+    `(sigma_lo, sigma_hi)` (guidance only on the steps with `sigma_lo < t_i <= sigma_hi`,
+    `guidance.guided_steps`) and the per-seed random stream `rng` ('jax' or the
+    release's, 'release'): `sampler.sample_images`. With
     `vae` (a latent net, `check_vae`), the samples are decoded to RGB uint8
     `[b, 8H, 8W, 3]` by `vae.decode`, split over the same devices.
 
@@ -194,7 +197,7 @@ def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outd
             net, variables, seeds_dev, class_idx, guide_net=guide_net, guide_variables=guide_vars,
             guidance=guidance, num_steps=num_steps, sigma_min=sigma_min, sigma_max=sigma_max,
             rho=rho, S_churn=S_churn, S_min=S_min, S_max=S_max, S_noise=S_noise,
-            rng=rng, raw=vae is not None))[:len(b)]
+            rng=rng, raw=vae is not None, guidance_interval=guidance_interval))[:len(b)]
         if vae is not None:
             imgs = vae.decode(imgs, sharding=sharding)
         if outdir:

@@ -4,7 +4,9 @@ Deterministic 2nd-order Heun sampler of Karras et al. 2022, "Elucidating the Des
 Space of Diffusion-Based Generative Models" (Algorithm 2, with the optional stochastic
 "churn"), on the rho-schedule of their Eq. 5, together with the guidance form shared by
 classifier-free guidance and autoguidance (Karras et al. 2024, arXiv:2406.02507, Eq. 1):
-`D_w(x; sigma) = D_g(x; sigma) + w (D_main(x; sigma) - D_g(x; sigma))`.
+`D_w(x; sigma) = D_g(x; sigma) + w (D_main(x; sigma) - D_g(x; sigma))`, optionally only
+on the steps inside a guidance interval (Kynkaeaenniemi et al. 2024, arXiv:2404.07724):
+`guidance.make_denoiser`, `guidance.guided_steps`, re-exported here.
 
 Randomness is drawn per image from its integer seed (`seed_keys`; or, with
 `rng='release'`, as the authors' release draws it, `release_rng.py`), so an image depends
@@ -24,8 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from edm2_jax.sampling.guidance import (Denoiser, check_guidance_interval,  # noqa: F401
+                                        guided_steps, make_denoiser)
+
 Array = jax.Array
-Denoiser = Callable[[Array, Array, "Array | None"], Array]
 
 # Sub-streams of a seed's key, so that adding a new random draw never changes old ones.
 _NOISE_STREAM, _LABEL_STREAM, _CHURN_STREAM = 0, 1, 2
@@ -62,7 +66,8 @@ def edm_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
                 rho: float = 7.0, S_churn: float = 0.0, S_min: float = 0.0,
                 S_max: float = float("inf"), S_noise: float = 1.0,
                 churn_noise: Callable[[Array], Array] | None = None,
-                rng: Array | None = None) -> Array:
+                rng: Array | None = None,
+                guidance_interval: tuple[float, float] | None = None) -> Array:
     """EDM Heun sampler (Karras et al. 2022, Algorithms 1 and 2) from unit noise to `x_0`.
 
     Starts at `x = noise * t_0` and integrates the probability-flow ODE
@@ -71,11 +76,15 @@ def edm_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
     `2 N - 1` times. Steps with `S_min <= t_i <= S_max` first raise the noise level to
     `t_hat = (1 + gamma) t_i`, `gamma = min(S_churn / N, sqrt(2) - 1)`, by adding
     `sqrt(t_hat^2 - t_i^2) S_noise eps`, `eps ~ N(0, I)` (`S_churn = 0`: deterministic).
-    The first N-1 steps are one `lax.fori_loop`, so `denoise` is traced once per site.
+    The first N-1 steps are one `lax.fori_loop`, so `denoise` is traced once per site;
+    with a guidance interval (`guided_steps`), one for each of the up to three ranges
+    unguided / guided / unguided, and the unguided ones call `denoise(..., guided=False)`
+    (the main net alone: the guide is not evaluated there).
 
     Args:
       denoise: `denoise(x [B,H,W,C] f32, sigma scalar f32, labels) -> D [B,H,W,C]`,
-        e.g. from `make_denoiser`.
+        e.g. from `make_denoiser`; with an interval that leaves steps unguided it must
+        also take `guided=False` (the main net alone), as `make_denoiser`'s do.
       noise: `[B, H, W, C]` unit Gaussian noise (e.g. `seed_noise`).
       labels: passed through to `denoise` unchanged (`[B, label_dim]` one-hot or None).
       num_steps, sigma_min, sigma_max, rho: the schedule `N`, see `edm_sigma_steps`.
@@ -83,10 +92,21 @@ def edm_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
       churn_noise: `churn_noise(i int32 scalar) -> eps` of `noise.shape` for step `i`
         (e.g. `seed_churn_noise`, independent of batch size); or else
       rng: a PRNG key; step `i` then draws from `fold_in(rng, i)` for the whole batch.
+      guidance_interval: `(sigma_lo, sigma_hi)` (`guided_steps`), by default that of
+        `denoise` (`make_denoiser(guidance_interval=...)`); None: every step as `denoise`.
     Returns: `x_0` `[B, H, W, C]` float32.
-    Raises: ValueError when `S_churn > 0` and neither `churn_noise` nor `rng` is given.
+    Raises: ValueError when `S_churn > 0` and neither `churn_noise` nor `rng` is given,
+      on a bad interval (`guided_steps`), or one other than `denoise`'s.
     """
-    t_steps = jnp.asarray(edm_sigma_steps(num_steps, sigma_min, sigma_max, rho), jnp.float32)
+    own = getattr(denoise, "guidance_interval", None)
+    if guidance_interval is None:
+        guidance_interval = own
+    elif own is not None and check_guidance_interval(guidance_interval) != own:
+        raise ValueError(f"guidance_interval={guidance_interval} but the denoiser's is {own}; "
+                         f"pass it once (to make_denoiser)")
+    t_host = edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)
+    a, b = guided_steps(guidance_interval, t_host)
+    t_steps = jnp.asarray(t_host, jnp.float32)
     stochastic = S_churn > 0
     if stochastic and churn_noise is None:
         if rng is None:
@@ -106,59 +126,29 @@ def edm_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
         std = t_cur * jnp.sqrt(gamma_i * (2 + gamma_i))
         return x_cur + std * S_noise * eps, t_hat
 
-    def heun_step(i, x_cur):
+    def D(x, sigma, guided):  # guided: a Python bool, one per step range
+        out = denoise(x, sigma, labels) if guided else denoise(x, sigma, labels, guided=False)
+        return out.astype(jnp.float32)
+
+    def heun_step(i, x_cur, guided=True):
         t_cur, t_next = t_steps[i], t_steps[i + 1]
         x_hat, t_hat = increase_noise(i, x_cur, t_cur)
-        d_cur = (x_hat - denoise(x_hat, t_hat, labels).astype(jnp.float32)) / t_hat
+        d_cur = (x_hat - D(x_hat, t_hat, guided)) / t_hat
         x_next = x_hat + (t_next - t_hat) * d_cur
-        d_prime = (x_next - denoise(x_next, t_next, labels).astype(jnp.float32)) / t_next
+        d_prime = (x_next - D(x_next, t_next, guided)) / t_next
         return x_hat + (t_next - t_hat) * (0.5 * d_cur + 0.5 * d_prime)
 
     x = jnp.asarray(noise, jnp.float32) * t_steps[0]
-    x = jax.lax.fori_loop(0, num_steps - 1, heun_step, x)
+    last = num_steps - 1
+    for start, stop, guided in ((0, a, False), (a, b, True), (b, last, False)):
+        if min(stop, last) > start:
+            x = jax.lax.fori_loop(start, min(stop, last), functools.partial(
+                heun_step, guided=guided), x)
 
     # Last step to t_N = 0: Euler only (Heun's correction would divide by t_N).
-    i = num_steps - 1
-    x_hat, t_hat = increase_noise(jnp.int32(i), x, t_steps[i])
-    d_cur = (x_hat - denoise(x_hat, t_hat, labels).astype(jnp.float32)) / t_hat
-    return x_hat + (t_steps[i + 1] - t_hat) * d_cur
-
-
-# ---------------------------------------------------------------------------------------
-# Guidance.
-
-def make_denoiser(net: Any, variables: Any, guide_net: Any = None, guide_variables: Any = None,
-                  guidance: float = 1.0) -> Denoiser:
-    """Guided denoiser `D_g + w (D_main - D_g)` (arXiv:2406.02507, Eq. 1), `w = guidance`.
-
-    `net`, `guide_net` are `Precond` modules with their `{'params', 'buffers'}`. The guide
-    gets the labels only if it is conditional (`label_dim > 0`, autoguidance with a
-    smaller / less-trained version of the main model); an unconditional guide
-    (`label_dim == 0`) gives classifier-free guidance. With a Python `guidance == 1` (or
-    no guide) the result is the main model alone and the guide is never evaluated;
-    `guidance` may also be a scalar array (e.g. traced, to sweep it without recompiling).
-
-    Returns: `denoise(x [B,H,W,C], sigma scalar or [B], labels [B,L] | None) -> D` float32.
-    Raises: ValueError when `guidance != 1` without a guide, or a guide without variables.
-    """
-    static_w = isinstance(guidance, (int, float))  # else an array: traced, no recompiles
-    guided = guide_net is not None and (not static_w or guidance != 1)
-    if guide_net is None and (not static_w or guidance != 1):
-        raise ValueError(f"guidance={guidance} needs a guide: pass guide_net and "
-                         "guide_variables, or use guidance=1.0")
-    if guide_net is not None and guide_variables is None:
-        raise ValueError("guide_net given without guide_variables; pass both")
-
-    def denoise(x, sigma, labels=None):
-        sigma = jnp.broadcast_to(jnp.asarray(sigma, jnp.float32).reshape(-1), (x.shape[0],))
-        D = net.apply(variables, x, sigma, labels).astype(jnp.float32)
-        if not guided:
-            return D
-        g_labels = labels if guide_net.label_dim else None
-        D_g = guide_net.apply(guide_variables, x, sigma, g_labels).astype(jnp.float32)
-        return D_g + guidance * (D - D_g)
-
-    return denoise
+    x_hat, t_hat = increase_noise(jnp.int32(last), x, t_steps[last])
+    d_cur = (x_hat - D(x_hat, t_hat, a <= last < b)) / t_hat
+    return x_hat + (t_steps[last + 1] - t_hat) * d_cur
 
 
 # ---------------------------------------------------------------------------------------
@@ -256,9 +246,9 @@ def release_seed_draws(seeds: Sequence[int] | Array, shape: Sequence[int], label
 
 
 @functools.partial(jax.jit, static_argnames=("net", "guide_net", "guidance", "sampler_kwargs",
-                                             "raw"))
+                                             "raw", "guidance_interval"))
 def _sample(net, variables, guide_net, guide_variables, seeds, labels, guidance,
-            sampler_kwargs, noise=None, churn_table=None, raw=False):
+            sampler_kwargs, noise=None, churn_table=None, raw=False, guidance_interval=None):
     kw = dict(sampler_kwargs)
     shape = (net.img_resolution, net.img_resolution, net.img_channels)
     churn = seed_churn_noise(seeds, shape) if kw.get("S_churn", 0) > 0 else None
@@ -266,7 +256,8 @@ def _sample(net, variables, guide_net, guide_variables, seeds, labels, guidance,
         churn = lambda i: churn_table[i]  # noqa: E731
     if noise is None:
         noise = seed_noise(seeds, shape)
-    denoise = make_denoiser(net, variables, guide_net, guide_variables, guidance)
+    denoise = make_denoiser(net, variables, guide_net, guide_variables, guidance,
+                            guidance_interval)
     x = edm_sampler(denoise, noise, labels, churn_noise=churn, **kw)
     return x if raw else decode_uint8(x)
 
@@ -276,7 +267,8 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
                   guide_variables: Any = None, guidance: float = 1.0, num_steps: int = 32,
                   sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0,
                   S_churn: float = 0.0, S_min: float = 0.0, S_max: float = float("inf"),
-                  S_noise: float = 1.0, rng: str = "jax", raw: bool = False) -> Array:
+                  S_noise: float = 1.0, rng: str = "jax", raw: bool = False,
+                  guidance_interval: tuple[float, float] | None = None) -> Array:
     """Generate one pixel-space image per seed with the (guided) EDM sampler, jitted.
 
     Noise, churn noise and random labels all come from each seed's own stream, so an
@@ -295,9 +287,11 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
       guide_net, guide_variables, guidance: see `make_denoiser`.
       num_steps ... S_noise: see `edm_sampler`.
       rng: `'jax'` or `'release'` (then `seeds` must be concrete values, not traced).
+      guidance_interval: `(sigma_lo, sigma_hi)`: guidance only on the steps with
+        `sigma_lo < t_i <= sigma_hi` (`guidance.guided_steps`); None: on every step.
     Returns: `[B, H, W, C]` uint8 (float32 with `raw`).
-    Raises: ValueError on labels that do not fit the net (the message names the fix)
-      or an unknown `rng`.
+    Raises: ValueError on labels that do not fit the net (the message names the fix),
+      an unknown `rng`, or a bad interval or one at `guidance == 1` (before compiling).
     """
     if rng not in ("jax", "release"):
         raise ValueError(f"rng={rng!r}: use 'jax' (JAX keys per seed) or 'release' (the "
@@ -336,12 +330,16 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
                                 S_churn=float(S_churn), S_min=float(S_min),
                                 S_max=float(S_max), S_noise=float(S_noise)).items())
     edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)  # validate outside of jit
+    interval = check_guidance_interval(guidance_interval)
     if guidance == 1:
+        if interval is not None:
+            raise ValueError(f"guidance_interval={interval} with guidance=1 changes nothing; "
+                             f"drop the interval or set guidance != 1 (with a guide)")
         guide_net = guide_variables = None
     elif guide_net is None or guide_variables is None:
         raise ValueError(f"guidance={guidance} needs guide_net and guide_variables")
     return _sample(net, variables, guide_net, guide_variables, _seed_array(seeds), labels,
-                   float(guidance), sampler_kwargs, noise, churn_table, bool(raw))
+                   float(guidance), sampler_kwargs, noise, churn_table, bool(raw), interval)
 
 
 def save_image_grid(images: np.ndarray, path: str, rows: int, cols: int) -> None:
