@@ -17,10 +17,36 @@ one `error:` line, exit status 1 (`modes/common.py`).
 """
 from __future__ import annotations
 
+import sys
+
 from edm2_jax import process
+
+
+def start_line(argv: list[str]) -> str | None:
+    """The line printed first, before JAX is imported (seconds, more on loaded cores), so
+    that a training start is never silent: for `--mode=train` (the default), naming
+    `--config` and `--workdir`; None for `--help`, `--list_presets` and the other
+    modes (they announce their own stages)."""
+    def value(name: str) -> str | None:  # of the last --name=V or --name V
+        found = None
+        for i, a in enumerate(argv):
+            if a.startswith(f"--{name}="):
+                found = a.split("=", 1)[1]
+            elif a == f"--{name}" and i + 1 < len(argv):
+                found = argv[i + 1]
+        return found
+    quick = ("--help", "--list_presets")
+    if any(a in ("-h", "-?") or a.startswith(quick) for a in argv) or value(
+            "mode") not in (None, "train"):
+        return None
+    what = ", ".join(v for v in (value("config"), value("workdir")) if v)
+    return f"edm2-jax train{f' ({what})' if what else ''}: importing JAX..."
+
 
 if __name__ == "__main__":
     process.setup_entry_point()  # before JAX starts; may re-execute this process
+    if _line := start_line(sys.argv[1:]):  # after the re-exec: printed once
+        print(_line, flush=True)
 
 from absl import app, flags  # noqa: E402
 

@@ -474,9 +474,16 @@ def _cli_env(cache: str) -> dict:
                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 
 
+# The lines of every start, each naming a set-up stage as it begins or what it found.
+_START_UP = re.compile(r"(edm2-jax train|Loading the data|network\.\w+: |Data: |Network: |CPU: "
+                       r"|Train state: )")
+
+
 def _quiet(log: str, max_lines: int = 12) -> None:
-    """The output of a failed run: no traceback, no Orbax/asyncio noise, a few lines."""
-    lines = [x for x in log.splitlines() if x.strip() and not re.search(r"\d+%\|", x)]  # no tqdm
+    """The output of a failed run: no traceback, no Orbax/asyncio noise, a few lines
+    besides the start-up's stage lines."""
+    lines = [x for x in log.splitlines() if x.strip() and not re.search(r"\d+%\|", x)  # tqdm
+             and not _START_UP.match(x)]
     assert "Traceback" not in log and "RuntimeError: Event loop is closed" not in log, log[-3000:]
     assert len(lines) <= max_lines, "\n".join(lines[:40])
 
@@ -580,7 +587,7 @@ def _bad_input_cases(full_run, tmp: Path) -> list:
     new = tmp / "new"
     return [
         (tiny + [f"--workdir={new}", "--config.foo=1"],
-         r"unknown config field 'foo'.*must be a field of the config file", new),
+         r"unknown config field foo in the overrides.*must be a field of the config file", new),
         ([f"--config={REPO}/configs/nope.py", f"--workdir={new}"],
          r"--config: .*nope\.py.*e\.g\. --config=configs/fashion_mnist\.py:tiny", new),
         (tiny + [f"--workdir={new}", "--config.batch_size=0"],

@@ -6,6 +6,7 @@ subprocess checks the re-exec itself (same PID, same arguments, the settings see
 the new process and by JAX). That a step over 2 devices equals the 1-device step up to
 float32 summation order is tests/test_fsdp.py's (8 devices)."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -152,3 +153,35 @@ def test_sampling_modes_split_the_cpu_instead_of_the_ynn_flag():
     # A user's own setting of either switch decides as for any mode.
     assert CE.ynn_for_command(["--mode=generate"], {CE.XLA_DEFAULTS_ENV: "1"})
     assert CE.ynn_for_command(["--mode=generate"], {CE.DEVICES_ENV: "off"})
+
+
+@pytest.mark.skipif(not GLIBC_LINUX, reason="the re-exec is for Linux with glibc")
+def test_a_training_start_prints_its_first_line_once_before_importing_jax(tmp_path):
+    """`python -m edm2_jax.main` (re-executing itself for the allocator) prints the
+    start line once, in the re-executed process, before JAX is imported (`-X importtime`
+    writes each import as it completes; the flag survives the re-exec)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "LD_PRELOAD", "GLIBC_TUNABLES", CE.APPLIED, CE.DEVICES_SET)}
+    env.update({CE.MALLOC_ENV: "thp", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "edm2_jax.main",
+                        "--config=configs/fashion_mnist.py:tiny", f"--workdir={tmp_path}/run",
+                        "--config.no_such_field=1"], cwd=root, env=env, timeout=300,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = r.stdout.splitlines()
+    start = f"edm2-jax train (configs/fashion_mnist.py:tiny, {tmp_path}/run): importing JAX..."
+    assert lines.count(start) == 1, r.stdout[-3000:]
+    jax_import = next(i for i, x in enumerate(lines)
+                      if re.fullmatch(r"import time:.*\|\s+jax(\.\S+)?\s*", x))
+    assert lines.index(start) < jax_import
+    assert r.returncode == 1 and "error: unknown config field no_such_field" in r.stdout
+
+
+def test_the_start_line_is_for_training_only():
+    from edm2_jax.main import start_line
+    assert start_line(["--config=c.py:tiny", "--workdir=w"]) == \
+        "edm2-jax train (c.py:tiny, w): importing JAX..."
+    assert start_line(["--mode", "train", "--workdir", "w"]) == \
+        "edm2-jax train (w): importing JAX..."
+    for argv in (["--mode=eval", "--net=n"], ["--mode", "generate"], ["--helpfull"], ["-h"]):
+        assert start_line(argv) is None, argv

@@ -4,6 +4,13 @@ The claims:
 - The logged figures of a status line are the means over every step since the previous
   status line: two runs that differ only in how often they checkpoint log the same loss
   at the same steps.
+- Status lines (and snapshots, checkpoints) land at the first step whose image count
+  reaches each whole multiple of their interval, also where the batch size does not
+  divide it, and print the exact kimg; their img/s counts training time only (sample
+  grids, evaluations and probes left out).
+- A signal during a sample grid is acknowledged at once, naming the grid; the grid
+  finishes and the checkpoint of that step is saved; a signal before a snapshot's grid
+  skips the grid (the snapshot is saved).
 - After a divergence, the printed advice resumes and trains when followed exactly: the
   learning rate that trained the healthy checkpoint (not a tenth of the one that
   diverged), and a gradient clip only when none is set.
@@ -19,9 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -34,7 +41,7 @@ import numpy as np
 import pytest
 
 from edm2_jax.training import loop, preemption
-from edm2_jax.training.progress import NonFiniteLossError
+from edm2_jax.training.progress import NonFiniteLossError, Schedule, StepMetrics, status_line
 from tests.test_train import (FMNIST_CONFIG, REPO, TINY_OVERRIDES, _steps, make_image_folder,
                               tiny_config, xla_cache)  # noqa: F401
 
@@ -70,6 +77,66 @@ def test_logged_loss_does_not_depend_on_the_checkpoint_cadence(data, tmp_path):
         logged[every] = [(s["step"], s["loss/loss"]) for s in _stats(run) if "loss/loss" in s]
     assert [s for s, _ in logged[0.008]] == [3, 6]
     assert logged[0.008] == logged[0.048], logged
+
+
+def _schedule(batch_size: int, total_kimg: float, status_kimg: float) -> Schedule:
+    return Schedule.from_config(ml_collections.ConfigDict(dict(
+        batch_size=batch_size, total_kimg=total_kimg, status_kimg=status_kimg,
+        snapshot_kimg=status_kimg, checkpoint_kimg=status_kimg)))
+
+
+def test_status_lines_land_at_whole_multiples_of_status_kimg():
+    """Each status line at the first step whose image count reaches k * status_kimg
+    (k = 1, 2, ...): the smallest n with n * batch >= k * interval, ceil(k * interval /
+    batch), worked out per multiple; where the batch divides the interval, every
+    interval / batch steps (the release's `nimg % status_nimg == 0`)."""
+    # Fashion-MNIST's default: batch 64, status every 4 kimg, 64 kimg in all.
+    sched = _schedule(64, 64, 4)
+    due = [n for n in range(1, sched.total_steps + 1) if sched.status_due(n)]
+    assert due == [math.ceil(k * 4000 / 64) for k in range(1, 17)]
+    assert due[:4] == [63, 125, 188, 250] and due[-1] == sched.total_steps == 1000
+    kimg = [n * 64 / 1000 for n in due]
+    assert all(k * 4 <= x < k * 4 + 0.064 for k, x in enumerate(kimg, 1))  # never drifts
+    # A batch that divides the interval: the release's rule.
+    sched = _schedule(50, 10, 1)
+    assert [n for n in range(1, 201) if sched.status_due(n)] == \
+        [n for n in range(1, 201) if n * 50 % 1000 == 0]
+    # An interval smaller than a batch: every step.
+    sched = _schedule(64, 1, 0.016)
+    assert all(sched.status_due(n) for n in range(1, 20))
+    # The status line prints the exact kimg.
+    stats = dict(kimg=63 * 64 / 1000, **{"loss/loss": 1.5}, lr=1e-2, sec_per_kimg=5.0,
+                 img_per_sec=200.0, mem_gib=1.0)
+    assert status_line(stats).startswith("kimg     4.032  loss 1.5000")
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_img_per_sec_counts_training_time_only(capsys):
+    """4 steps of 8 images, 1 s each, and a 100 s sample grid in between: the status line
+    says 32 / 4 = 8 img/s and 4 s / 0.032 kimg = 125 sec/kimg (by hand); the next
+    interval counts from there, without the grid."""
+    clock = _Clock()
+    log = StepMetrics(batch_size=8, workdir="run", nimg=0, clock=clock)
+    for step in range(4):
+        clock.t += 1.0
+        log.add({"objective": np.float32(1.0), "loss/loss": np.float32(2.0)}, step)
+        if step == 1:
+            with log.excluded():
+                clock.t += 100.0
+    s = log.status(4)
+    assert (s["img_per_sec"], s["sec_per_kimg"], s["loss/loss"]) == (8.0, 125.0, 2.0)
+    assert s["time"] == 104.0  # the wall time since the start includes the grid
+    assert "First step done 1.0 s after start" in capsys.readouterr().out
+    clock.t += 2.0
+    log.add({"objective": np.float32(1.0), "loss/loss": np.float32(2.0)}, 4)
+    assert log.status(5)["img_per_sec"] == 4.0  # 8 images in 2 s
 
 
 # --------------------------------------------------------------------------------------
@@ -214,6 +281,55 @@ def test_a_signal_before_the_state_is_restored_is_reported_as_start_up(capsys):
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
     assert stop.received_at == 12 and "Received signal 2 at step 12" in capsys.readouterr().out
+
+
+def test_a_signal_during_the_sample_grid_is_acknowledged_at_once_then_saved(
+        data, tmp_path, monkeypatch, capsys):
+    """SIGINT sent while step 2's sample grid samples (4 steps, a snapshot at step 2, a
+    checkpoint only at step 4): the line acknowledging it, naming the grid, comes before
+    the grid's own line; the grid is written, then checkpoint 2, and the run stops
+    there."""
+    grid = loop.save_sample_grid
+
+    def grid_with_a_signal(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        grid(*args, **kwargs)
+        print("<grid returned>")
+
+    monkeypatch.setattr(loop, "save_sample_grid", grid_with_a_signal)
+    run = tmp_path / "run"
+    cfg = tiny_config(data, snapshot_kimg=0.016, checkpoint_kimg=0.032)
+    r = loop.train_and_evaluate(cfg, str(run))
+    out = capsys.readouterr().out
+    assert not r["finished"] and r["step"] == 2
+    ack = ("Received signal 2 at step 2 during the sample grid: finishing it, then saving a "
+           "checkpoint and exiting")
+    assert ack in out and out.index(ack) < out.index("<grid returned>"), out
+    assert (run / "samples" / "000000000016.png").exists()
+    assert _steps(run) == [2] and _steps(run, "snapshots") == [2]
+    assert [s["step"] for s in _stats(run)] == [2]
+
+
+def test_a_signal_before_a_snapshot_skips_its_grid(data, tmp_path, monkeypatch, capsys):
+    """SIGINT while step 2 (a snapshot step) trains: the snapshot and checkpoint 2 are
+    saved, the grid is skipped and says so."""
+    make_iterator = loop.data_lib.make_iterator
+
+    def signalling_iterator(*args, **kwargs):
+        for i, batch in enumerate(make_iterator(*args, **kwargs)):
+            if i == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+            yield batch
+
+    monkeypatch.setattr(loop.data_lib, "make_iterator", signalling_iterator)
+    run = tmp_path / "run"
+    r = loop.train_and_evaluate(tiny_config(data, snapshot_kimg=0.016), str(run))
+    out = capsys.readouterr().out
+    assert not r["finished"] and r["step"] == 2
+    assert "Received signal 2 at step 1: finishing this step" in out, out
+    assert "sample grid and evaluation skipped: stopping (the snapshot is saved)" in out
+    assert not (run / "samples").exists() or not list((run / "samples").iterdir())
+    assert _steps(run) == [2] and _steps(run, "snapshots") == [2]
 
 
 # --------------------------------------------------------------------------------------

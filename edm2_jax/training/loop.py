@@ -11,6 +11,7 @@ is `edm2_jax.run`'s; the resume check is `resume.py`'s, preemption `preemption.p
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -59,16 +60,49 @@ def save_sample_grid(config: ml_collections.ConfigDict, net: Precond, variables:
     imgs = sampling.sample_images(net, variables, sampling.split_seeds(seeds), labels,
                                   num_steps=int(config.sample.num_steps),
                                   rng=str(config.sample.get("rng", "jax")))
+    while not imgs.is_ready():  # waits in Python: a signal is acknowledged at once
+        time.sleep(0.05)
     paths.write_through_local(  # PIL writes local files
         path, lambda local: sampling.save_image_grid(np.asarray(imgs), local, rows, cols))
 
 
 def eval_line(nimg: int, ema_key: str, res: dict) -> str:
     """The log line of an evaluation's results `res` (`eval/<metric>` -> value)."""
-    return (f"kimg {nimg / 1000:9.1f}  eval (EMA {ema_key}): " + "  ".join(
+    return (f"kimg {nimg / 1000:9.3f}  eval (EMA {ema_key}): " + "  ".join(
         f"{k[5:]} {v:.4g}" for k, v in res.items()
         if k != "eval/time_s" and not k.startswith("eval/num_"))
         + f"  [{res['eval/time_s']:.1f} s]")
+
+
+def grid_and_eval(config: ml_collections.ConfigDict, net: Precond, state: dict, workdir: str,
+                  nimg: int, step: int, stop: preemption.StopRequest, sample_key: str,
+                  snapshot_keys: list[str], evaluator: Any, logger: Any, is_main: bool
+                  ) -> None:
+    """At a snapshot: the sample grid of EMA `sample_key` (process 0) and the evaluation
+    (`evaluator`, process 0, when configured), each announced as it starts, through the
+    bar. A signal meanwhile is acknowledged at once (`stop.doing`): the grid or the
+    evaluation in progress finishes, the evaluation not yet begun is skipped."""
+    host = emas_on_host(state, snapshot_keys)  # every process
+    if is_main:
+        t, n = time.time(), int(config.sample.grid_rows) * int(config.sample.grid_cols)
+        tqdm.write(f"Sample grid: {n} images of EMA sigma_rel={sample_key}, "
+                   f"{config.sample.num_steps} steps...")
+        path = layout.samples_path_at(workdir, nimg)
+        with stop.doing("the sample grid"):
+            save_sample_grid(config, net, host[sample_key], path)
+        tqdm.write(f"Sample grid (EMA sigma_rel={sample_key}, {config.sample.num_steps} "
+                   f"steps, one class per column): {path} [{time.time() - t:.1f} s]")
+    if evaluator is not None:
+        if stop.signal is not None:
+            tqdm.write(f"kimg {nimg / 1000:9.3f}  evaluation skipped: stopping")
+            return
+        tqdm.write(f"Evaluation (EMA {evaluator.ema_key}): {evaluator.metrics.names} of "
+                   f"{evaluator.num_images} images...")
+        with stop.doing("the evaluation"):
+            res = evaluator(net, host[evaluator.ema_key])
+        if logger:
+            logger.log(dict(kimg=nimg / 1000, step=step, **res))
+        tqdm.write(eval_line(nimg, evaluator.ema_key, res))
 
 
 # --------------------------------------------------------------------------------------
@@ -146,8 +180,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
     # wrong: data first (a missing or broken dataset fails before anything is compiled),
     # then the config check (same run, or a clear error before any step), then the
     # evaluation, then the model and its state (checked against its checksums); the
-    # config is recorded only then.
+    # config is recorded only then. Each stage that may take a while says so as it starts.
+    print(f"Loading the data ({config.data.source})...", flush=True)
     source, config = setup.setup_data(config)
+    print(f"Data: {data_lib.describe(source)}", flush=True)
     current = resume.check_config(workdir, config)
     eval_key, evaluator = setup.setup_eval(config, is_main)
     batch_size = int(config.batch_size)
@@ -157,8 +193,21 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
             batch_size, lambda d: step_lib.batch_splits(config, d))
     model = setup.setup_model(config, num_devices)
     mesh, net = model.mesh, model.net
+    n_params = sum(int(np.prod(x.shape)) for x in
+                   jax.tree.leaves(model.abstract_state["params"]))
+    print(f"Network: {n_params:,} parameters ({config.network.dtype} compute); batch "
+          f"{batch_size} on {mesh.size} device(s) of {jax.process_count()} process(es), mesh "
+          f"{dict(mesh.shape)}, {model.num_accum} micro-batch(es) per step; EMAs "
+          f"sigma_rel={list(config.ema.sigma_rels)}")
+    line = process_setup.log_line() if process_setup is not None else None
+    if line:
+        print(line)
     resume_step = setup.effective_resume_step(config, workdir)
     managers = checkpoints.TrainCheckpoints(workdir, keep=int(config.keep_checkpoints))
+    which = f"checkpoint {resume_step}" if resume_step else "the newest checkpoint"
+    print(f"Train state: restoring {which}..." if layout.step_dirs(os.path.join(
+        workdir, layout.CHECKPOINTS)) else "Train state: initialising the network (compiles "
+          "its initialisation first)...", flush=True)
     try:
         state, resumed, managers = setup.restore_or_init(config, model, managers, resume_step)
     except BaseException:
@@ -175,21 +224,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
 
     nimg = step0 * batch_size
     if step0 >= sched.total_steps:
-        print(f"Run in {workdir} is already finished at {nimg / 1000:.1f} kimg "
+        print(f"Run in {workdir} is already finished at {nimg / 1000:.3f} kimg "
               f"(total_kimg={config.total_kimg}). Nothing to do.")
         managers.close()
         return {"kimg": nimg / 1000, "finished": True}
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
     print(f"{'Resuming' if resumed else 'Starting'} in {workdir} at step {step0}, "
-          f"{nimg / 1000:.1f} kimg", flush=True)
-    print(f"Data: {data_lib.describe(source)}")
-    print(f"Network: {n_params:,} parameters ({config.network.dtype} compute); batch "
-          f"{batch_size} on {mesh.size} device(s) of {jax.process_count()} process(es), mesh "
-          f"{dict(mesh.shape)}, {model.num_accum} micro-batch(es) per step; EMAs "
-          f"sigma_rel={list(config.ema.sigma_rels)}")
-    line = process_setup.log_line() if process_setup is not None else None
-    if line:
-        print(line)
+          f"{nimg / 1000:.3f} kimg", flush=True)
 
     step_fn = step_lib.jit_train_step(
         step_lib.make_train_step(config, net, model.tx, model.num_accum), mesh,
@@ -210,11 +250,26 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
             logger.log(dict(kimg=0.0, step=0, **res))
     metrics_log = StepMetrics(batch_size, workdir, nimg)
     last: dict = {}
-    bar = tqdm(total=sched.total_steps, initial=step0, unit="step", disable=not is_main,
-               dynamic_ncols=True, mininterval=2.0)
-
     step = step0
     stopping = consensus.before_start()
+    if not stopping:
+        print("Compiling the training step (the first step; up to ~1 min on CPU)...",
+              flush=True)
+    bar = None  # from the first step on (its ETA leaves the compile out); lines: tqdm.write
+
+    def report() -> dict:
+        """The status line after `step`, then the probes (their time left out of img/s)."""
+        stats = metrics_log.status(step)
+        if logger:
+            logger.log(stats)
+        tqdm.write(status_line(stats))
+        if diag is not None:  # every process
+            with metrics_log.excluded():
+                res = diag(state)
+            if logger:
+                logger.log(dict(kimg=nimg / 1000, step=step, **res))
+        return stats
+
     try:
         while step < sched.total_steps and not stopping:
             state, metrics = step_fn(state, shard_lib.global_batch(mesh, next(it)))
@@ -222,39 +277,36 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
             stop.step = step
             stopping = consensus.after_step()
             metrics_log.add(metrics, step - 1)
-            bar.update(1)
+            if bar is None:
+                bar = tqdm(total=sched.total_steps, initial=step, unit="step",
+                           disable=not is_main, dynamic_ncols=True, mininterval=2.0)
+            else:
+                bar.update(1)
             nimg = step * batch_size
             done = step >= sched.total_steps
 
-            if step % sched.status_every == 0 or done or stopping:
-                last = metrics_log.status(step)
-                if logger:
-                    logger.log(last)
-                bar.write(status_line(last))
-                if diag is not None:  # every process; its time counts in the next img/s
-                    res = diag(state)
-                    if logger:
-                        logger.log(dict(kimg=nimg / 1000, step=step, **res))
+            reported = sched.status_due(step) or done or stopping
+            if reported:
+                last = report()
 
-            if step % sched.snapshot_every == 0 or done:
+            if sched.snapshot_due(step) or done:
                 metrics_log.check()
                 managers.save_snapshot(step, nimg, state["ema"], tuple(config.ema.sigma_rels),
                                        batch_size, buffers=state["buffers"])
-                host = emas_on_host(state, snapshot_keys)  # every process
-                if is_main:
-                    t = time.time()
-                    path = layout.samples_path_at(workdir, nimg)
-                    save_sample_grid(config, net, host[sample_key], path)
-                    print(f"Sample grid (EMA sigma_rel={sample_key}, {config.sample.num_steps} "
-                          f"steps, one class per column): {path} [{time.time() - t:.1f} s]")
-                if evaluator is not None:
-                    res = evaluator(net, host[eval_key])
-                    if logger:
-                        logger.log(dict(kimg=nimg / 1000, step=step, **res))
-                    bar.write(eval_line(nimg, evaluator.ema_key, res))
-                del host
+                if stopping and not done:  # the same decision on every process
+                    tqdm.write(f"kimg {nimg / 1000:9.3f}  sample grid and evaluation "
+                               f"skipped: stopping (the snapshot is saved)")
+                else:
+                    with metrics_log.excluded():
+                        grid_and_eval(config, net, state, workdir, nimg, step, stop,
+                                      sample_key, snapshot_keys, evaluator, logger, is_main)
+                    # A signal during the grid: saved now (one process; with several,
+                    # the next step's collective decides).
+                    stopping = stopping or consensus.between_steps()
+                    if stopping and not reported:
+                        last = report()
 
-            if step % sched.checkpoint_every == 0 or done or stopping:
+            if sched.checkpoint_due(step) or done or stopping:
                 metrics_log.check()
                 managers.save_state(step, state)
     except (NonFiniteLossError, checkpoints.NonFiniteStateError) as e:
@@ -269,7 +321,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
     else:
         failed = None
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         it.close() if hasattr(it, "close") else None
         if logger:
             logger.close()
@@ -285,7 +338,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
         print(f"Stopped by {why} at step {step}, {nimg / 1000:.3f} kimg; {saved}. Re-run the "
               f"same command to resume.", flush=True)
         return dict(last, finished=False, step=step)
-    print(f"Training finished at {nimg / 1000:.1f} kimg in "
+    print(f"Training finished at {nimg / 1000:.3f} kimg in "
           f"{time.time() - metrics_log.t_start:.0f} s.")
     return dict(last, finished=True)
 
@@ -311,8 +364,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     many of the devices to train on (`fits(d)`: whether the step splits over `d`), and
     `log_line()`, a line to print about the process (or None). None: all devices.
 
-    Faults: SIGTERM/SIGINT finish the current step, save a checkpoint and return (all
-    processes stop at the same step, at most one step later; `preemption.py`); a second
+    Faults: SIGTERM/SIGINT finish the current step (or sample grid; a snapshot's grid not
+    yet begun is skipped), save a checkpoint and return (all processes stop at the same
+    step, at most one step later; `preemption.py`); a second
     signal ends the process at once without saving: one `error:` line, exit status
     128 + the signal's number (130 SIGINT, 143 SIGTERM; in a notebook,
     KeyboardInterrupt), the unfinished save deleted on the next start. A run killed at

@@ -55,6 +55,9 @@ class TrainingEval:
         self.ema_key = self.ema_key_of(config)
         self.vae = self.vae_of(config)
         t = time.time()
+        if log:
+            print(f"Evaluation during training: preparing the references of "
+                  f"{str(e.metrics)!r} vs the {e.ref_split} split...", flush=True)
         clf_config = cls_lib.TrainConfig(epochs=int(e.classifier_epochs),
                                          batch_size=int(e.classifier_batch_size))
         self.metrics = Metrics(str(e.metrics).split(","), self.num_images,

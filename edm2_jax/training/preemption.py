@@ -7,12 +7,15 @@ a checkpoint and returns; a second signal ends the process at once (`stop_now`).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
+from typing import Iterator
 
 import jax
+from tqdm import tqdm
 
 from edm2_jax.training import sharding as shard_lib
 
@@ -50,6 +53,10 @@ class StopRequest:
     one ends the process at once (`stop_now`), or, in an interactive interpreter (a
     notebook's kernel), raises KeyboardInterrupt. The previous handlers come back on exit.
     Outside the main thread, where Python cannot catch signals, it changes nothing.
+
+    The first signal is acknowledged at once with one line (through the progress bar,
+    `tqdm.write`) saying what happens next: within `with stop.doing("the sample grid"):`
+    that work is finished first, then the checkpoint saved.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -58,6 +65,7 @@ class StopRequest:
         self.signal: int | None = None
         self.received_at: int | None = None
         self.step: int | None = None
+        self.activity: str | None = None  # what the loop is doing besides a step
         self._old: dict = {}
 
     def __enter__(self) -> "StopRequest":
@@ -69,6 +77,16 @@ class StopRequest:
         for s, handler in self._old.items():
             signal.signal(s, handler)
 
+    @contextlib.contextmanager
+    def doing(self, activity: str) -> Iterator[None]:
+        """A block of work other than a step (e.g. 'the sample grid'), named by the line
+        that acknowledges a signal received within it."""
+        self.activity = activity
+        try:
+            yield
+        finally:
+            self.activity = None
+
     def where(self, step: int | None) -> str:
         """'at step N', or 'during start-up' before the state is restored."""
         return f"at step {step}" if step is not None else "during start-up"
@@ -79,13 +97,16 @@ class StopRequest:
                 raise KeyboardInterrupt(f"second signal {signum}: stopped without saving")
             stop_now(signum, self.where(self.step))
         self.signal, self.received_at = signum, self.step
-        msg = (f"\nReceived signal {signum} {self.where(self.step)}: finishing this step, "
-               f"saving a checkpoint, exiting (send it again to stop at once, without "
-               f"saving).")
+        where, doing = self.where(self.step), "finishing this step"
+        if self.activity:
+            where, doing = f"{where} during {self.activity}", "finishing it"
+        msg = (f"Received signal {signum} {where}: {doing}, then saving a checkpoint and "
+               f"exiting (send it again to stop at once, without saving).")
         try:
-            print(msg, flush=True)
+            tqdm.write(msg)
+            sys.stdout.flush()
         except RuntimeError:  # the signal came during a write to stdout (reentrant call)
-            os.write(1, (msg + "\n").encode())
+            os.write(1, ("\n" + msg + "\n").encode())
 
 
 class StopConsensus:
@@ -101,6 +122,12 @@ class StopConsensus:
     def before_start(self) -> bool:
         """A signal during start-up: stop before the first step (one process only; with
         several, the first steps' collectives decide)."""
+        return jax.process_count() == 1 and self.stop.signal is not None
+
+    def between_steps(self) -> bool:
+        """Whether to stop now, between the collectives of two steps (after a sample
+        grid): the local flag with one process; False with several (the next step's
+        collective decides, so that all stop at the same step)."""
         return jax.process_count() == 1 and self.stop.signal is not None
 
     def after_step(self) -> bool:

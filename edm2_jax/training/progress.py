@@ -4,14 +4,17 @@ whose loss is NaN/inf) and the status line.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import resource
 import time
+from typing import Callable, Iterator
 
 import jax
 import ml_collections
 import numpy as np
+from tqdm import tqdm
 
 
 class NonFiniteLossError(RuntimeError):
@@ -21,20 +24,47 @@ class NonFiniteLossError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """When the loop reports, snapshots and checkpoints, in steps."""
+    """When the loop reports, snapshots and checkpoints: each at the first step whose
+    image count reaches a whole multiple of its interval (`due`). The intervals are in
+    images (`*_nimg`, from the config's kimg); where the batch size divides an interval,
+    that is every `interval / batch_size` steps (as in the release, which requires it);
+    where it does not, a report lands up to one batch past the multiple (batch 64,
+    status_kimg 4: steps 63, 125, 188, ... at kimg 4.032, 8.000, 12.032, ...), never
+    drifting away from it, and the status line prints the exact kimg."""
+    batch_size: int
     total_steps: int
-    status_every: int
-    snapshot_every: int
-    checkpoint_every: int
+    status_nimg: int
+    snapshot_nimg: int
+    checkpoint_nimg: int
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> "Schedule":
+        nimg = lambda kimg: max(1, int(round(float(kimg) * 1000)))  # noqa: E731
         batch_size = int(config.batch_size)
-        steps = lambda kimg: max(1, int(round(kimg * 1000 / batch_size)))  # noqa: E731
-        return cls(total_steps=math.ceil(int(round(config.total_kimg * 1000)) / batch_size),
-                   status_every=steps(config.status_kimg),
-                   snapshot_every=steps(config.snapshot_kimg),
-                   checkpoint_every=steps(config.checkpoint_kimg))
+        return cls(batch_size=batch_size,
+                   total_steps=math.ceil(int(round(config.total_kimg * 1000)) / batch_size),
+                   status_nimg=nimg(config.status_kimg),
+                   snapshot_nimg=nimg(config.snapshot_kimg),
+                   checkpoint_nimg=nimg(config.checkpoint_kimg))
+
+    def due(self, interval_nimg: int, step: int) -> bool:
+        """Whether step `step` (1-based: the image count is `step * batch_size` after it)
+        is the first to reach a multiple `k * interval_nimg`, k >= 1, that the step
+        before it had not reached."""
+        b = self.batch_size
+        return step >= 1 and (step * b) // interval_nimg > ((step - 1) * b) // interval_nimg
+
+    def status_due(self, step: int) -> bool:
+        """A status line after step `step` (`due`; the loop adds the last step and a stop)."""
+        return self.due(self.status_nimg, step)
+
+    def snapshot_due(self, step: int) -> bool:
+        """EMA snapshot, sample grid and evaluation after step `step` (`due`)."""
+        return self.due(self.snapshot_nimg, step)
+
+    def checkpoint_due(self, step: int) -> bool:
+        """A checkpoint after step `step` (`due`)."""
+        return self.due(self.checkpoint_nimg, step)
 
 
 class StepMetrics:
@@ -42,16 +72,32 @@ class StepMetrics:
     in flight, so that progress and timings are honest), and the timings of the status
     lines. A status line's figures are the means over every step since the previous
     status line, whatever was saved in between (`check` at a save moves the metrics to
-    the host without ending the interval). `check` and `status` raise
-    NonFiniteLossError on a NaN/inf loss."""
+    the host without ending the interval); its speed (sec/kimg, img/s) counts training
+    time only: the time spent within `excluded()` (sample grids, evaluations, probes)
+    is left out. `check` and `status` raise NonFiniteLossError on a NaN/inf loss."""
 
-    def __init__(self, batch_size: int, workdir: str, nimg: int):
-        self.batch_size, self.workdir = batch_size, workdir
+    def __init__(self, batch_size: int, workdir: str, nimg: int,
+                 clock: Callable[[], float] = time.time):
+        self.batch_size, self.workdir, self.clock = batch_size, workdir, clock
         self.pending: list = []  # on the device
         self.checked: list = []  # on the host, finite, since the last status line
-        self.t_start = self.t_status = time.time()
+        self.t_start = self.t_status = clock()
+        self.excluded_s = 0.0  # time within `excluded()` since the last status line
         self.nimg_status = nimg
         self.first_step_time: float | None = None
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """A block whose wall time the next status line's speed leaves out (a sample
+        grid, an evaluation); the pending steps are waited for first, so that their
+        time stays counted."""
+        if self.pending:
+            jax.block_until_ready(self.pending[-1]["objective"])
+        t = self.clock()
+        try:
+            yield
+        finally:
+            self.excluded_s += self.clock() - t
 
     def add(self, metrics: dict, step: int) -> None:
         """The metrics of step `step` (0-based), still on the device."""
@@ -61,9 +107,9 @@ class StepMetrics:
             jax.block_until_ready(self.pending[-2]["objective"])
         if self.first_step_time is None:
             jax.block_until_ready(metrics["objective"])
-            self.first_step_time = time.time() - self.t_start
-            print(f"First step done {self.first_step_time:.1f} s after start (includes "
-                  f"compile)")
+            self.first_step_time = self.clock() - self.t_start
+            tqdm.write(f"First step done {self.first_step_time:.1f} s after start (includes "
+                       f"compile)")
 
     def check(self) -> None:
         """Move the pending metrics to the host and check their loss (before a save);
@@ -75,7 +121,7 @@ class StepMetrics:
             if not np.isfinite(m["objective"]):
                 raise NonFiniteLossError(
                     f"non-finite loss ({m['objective']}) at step {m['_step']} "
-                    f"(kimg {m['_step'] * self.batch_size / 1000:.1f}); stopping. The "
+                    f"(kimg {m['_step'] * self.batch_size / 1000:.3f}); stopping. The "
                     f"checkpoints in {self.workdir}/checkpoints are kept (lower "
                     f"optim.ref_lr or set optim.grad_clip, then resume).")
         self.checked.extend(host)
@@ -90,16 +136,18 @@ class StepMetrics:
         return {k: float(np.mean([m[k] for m in host])) for k in host[0] if k != "_step"}
 
     def status(self, step: int) -> dict:
-        """The status line's stats at `step`: metric means, speed, memory, time."""
+        """The status line's stats at `step`: metric means, speed over the training time
+        since the last status line (`excluded()` time left out), memory, wall time."""
         nimg = step * self.batch_size
         means = self.means() or {}
-        dt = time.time() - self.t_status
+        now = self.clock()
+        dt = now - self.t_status - self.excluded_s
         kimg_done = (nimg - self.nimg_status) / 1000
         stats = dict(kimg=nimg / 1000, step=step, **means,
                      sec_per_kimg=dt / max(kimg_done, 1e-9),
                      img_per_sec=kimg_done * 1000 / max(dt, 1e-9),
-                     mem_gib=memory_gib(), time=time.time() - self.t_start)
-        self.t_status, self.nimg_status = time.time(), nimg
+                     mem_gib=memory_gib(), time=now - self.t_start)
+        self.t_status, self.nimg_status, self.excluded_s = now, nimg, 0.0
         return stats
 
 
@@ -117,5 +165,5 @@ def memory_gib() -> float:
 
 def status_line(s: dict) -> str:
     """The status line of `StepMetrics.status`'s stats."""
-    return (f"kimg {s['kimg']:9.1f}  loss {s['loss/loss']:.4f}  lr {s['lr']:.2e}  sec/kimg "
+    return (f"kimg {s['kimg']:9.3f}  loss {s['loss/loss']:.4f}  lr {s['lr']:.2e}  sec/kimg "
             f"{s['sec_per_kimg']:.2f}  img/s {s['img_per_sec']:.1f}  mem {s['mem_gib']:.2f} GiB")
