@@ -406,7 +406,7 @@ def test_missing_torch_is_reported_with_the_install_command(tmp_path, monkeypatc
     pkl = tmp_path / "net.pkl"
     write_release_pickle(pkl, sd, label_dim=0)
     monkeypatch.setitem(sys.modules, "torch", None)       # `import torch` now fails
-    with pytest.raises(ImportError, match=r"pip install edm2-jax\[torch\]"):
+    with pytest.raises(ImportError, match=r"needs torch: pip install -e '\.\[torch\]'"):
         P.load_state_dict(pkl)
     assert len(P.load_state_dict(golden("uncond"))) == len(sd)   # npz needs no torch
 
@@ -450,3 +450,15 @@ def test_convert_writes_a_checkpoint_load_network_reads_back(tmp_path, capsys):
     jax.tree_util.tree_map(np.testing.assert_array_equal, variables, expected)
     with pytest.raises(FileExistsError):
         C.convert(str(src), out)
+
+
+def test_export_without_torch_is_one_error_line_before_any_work(tmp_path, monkeypatch, capsys):
+    from edm2_jax.modes import common, release as release_mode
+    monkeypatch.setitem(sys.modules, "torch", None)       # `import torch` now fails
+    # The net does not exist: a FileNotFoundError would mean the net was read first.
+    rc = common.report_errors(lambda: release_mode.main_export(str(tmp_path / "no-net"),
+                                                               str(tmp_path / "out.pkl")))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1
+    assert err[0].startswith("error: --mode=export") and "needs torch: pip install" in err[0]
+    assert not (tmp_path / "out.pkl").exists()

@@ -327,10 +327,7 @@ def _without_optional_installs(root: Path) -> str:
 
 # README commands that, after the quick start alone, end otherwise than at their note,
 # and why; each must still do so (a fixed one is to be removed from here).
-UNCLEAN_WITHOUT_OPTIONAL_INSTALLS = {
-    "--mode=export": "without torch, a traceback: release/pickle_io.import_torch raises "
-                     "ImportError, which is not one of modes/common.USER_ERRORS",
-}
+UNCLEAN_WITHOUT_OPTIONAL_INSTALLS: dict[str, str] = {}
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from absl import app, flags
 from edm2_jax import paths
 from edm2_jax.modes import common
 from edm2_jax.modes import generate as generate_mode  # noqa: F401 (--net, --ema)
-from edm2_jax.release import convert
+from edm2_jax.release import convert, pickle_io
 from edm2_jax.release import training_state as release_state
 from edm2_jax.release.export import RELEASE_KWARGS, export_network_pickle
 from edm2_jax.run import checkpoints, integrity, layout, network_dir
@@ -81,6 +81,7 @@ def main_export(net_path: str, dst: str, ema: str | None = None) -> str:
     `generate.load_net` reads (network checkpoint, run, snapshot) as a release pickle."""
     if not dst:
         raise ValueError("--mode=export needs --dst=FILE.pkl")
+    pickle_io.import_torch("--mode=export (writing the release's pickles)")  # before any work
     net, variables, desc = generate.load_net(net_path, ema)
     config = {k: getattr(net, k) for k in RELEASE_KWARGS}
     # The release's use_fp16 as recorded (a converted release net's); else its default.

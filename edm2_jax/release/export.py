@@ -88,7 +88,7 @@ def export_network_pickle(variables: Mapping, net_config: Mapping, path: str,
     `use_fp16`: the release's constructor argument (whether it runs the net in float16
     on CUDA), written when given; None leaves the release's default (True). Raises
     ImportError without torch, FileExistsError for an existing `path`."""
-    torch = import_torch()
+    torch = import_torch("writing the release's pickles")
     if os.path.exists(path):
         raise FileExistsError(f"{path} exists; remove it or choose another --dst")
     kwargs = {k: (list(v) if isinstance(v, (list, tuple)) else v)

@@ -33,7 +33,7 @@ import numpy as np
 # Positional order of the release's Precond.__init__ (for pickles that recorded init_args).
 _PRECOND_POSITIONAL = ("img_resolution", "img_channels", "label_dim", "use_fp16",
                        "sigma_data", "logvar_channels")
-_TORCH_HINT = "pip install edm2-jax[torch]  (or: pip install torch)"
+_TORCH_HINT = "pip install -e '.[torch]' in the checkout (or: pip install torch)"
 # The state entries of a Precond written by `export.export_network_pickle`.
 EXPORT_KWARGS = "edm2_jax_kwargs"
 EXPORT_STATE_DICT = "edm2_jax_state_dict"
@@ -136,12 +136,17 @@ _SAFE_BUILTINS = {"set", "frozenset", "slice", "range", "complex", "bytearray", 
                   "object", "dict", "list", "tuple", "int", "float", "bool", "str"}
 
 
-def import_torch():
-    """The `torch` module; raises ImportError naming how to install it."""
+class TorchMissingError(ImportError):
+    """torch is not installed; the message names what needed it and how to install it."""
+
+
+def import_torch(purpose: str = "reading PyTorch weights"):
+    """The `torch` module; raises `TorchMissingError` naming `purpose` and how to install
+    it."""
     try:
         import torch  # noqa: F401
     except ImportError as e:
-        raise ImportError(f"reading PyTorch weights needs torch: {_TORCH_HINT}") from e
+        raise TorchMissingError(f"{purpose} needs torch: {_TORCH_HINT}") from e
     return torch
 
 
@@ -151,7 +156,7 @@ class ReleaseUnpickler(pickle.Unpickler):
     `torch_utils.persistence._reconstruct_persistent_obj` -> `PersistentObject`,
     `dnnlib[.util].EasyDict` -> `EasyDict`; torch, numpy, collections and a few safe
     builtins resolve normally (torch is imported on first use, ImportError naming
-    `pip install edm2-jax[torch]` if absent); any other global becomes an inert
+    `pip install -e ".[torch]"` if absent); any other global becomes an inert
     `_Opaque` placeholder.
     """
 
@@ -349,7 +354,7 @@ def load_release(path: str) -> ReleaseWeights:
 
     Returns `ReleaseWeights(state_dict, net_kwargs, info)`; arrays float32 numpy in the
     release's layout (fp16 pickles are cast). Raises FileNotFoundError for a missing
-    file, ImportError naming `pip install edm2-jax[torch]` when a PyTorch file needs
+    file, ImportError naming `pip install -e ".[torch]"` when a PyTorch file needs
     torch, ValueError when the file holds no EDM2 Precond.
     """
     path = os.fspath(path)
