@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 import warnings
 from typing import Callable, Sequence
@@ -365,8 +366,12 @@ def main_phema(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None 
     n_ema = sum(len(f.sigma_rels) for f in files)
     print(f"Post-hoc EMA from {len(files)} snapshot file(s) ({n_ema} EMAs, kimg "
           f"{files[0].nimg / 1000:g}..{files[-1].nimg / 1000:g}) in {workdir}")
-    paths = reconstruct(workdir, sigma_rels, at_kimg=at_kimg, out_dir=out_dir,
-                        per_tensor=per_tensor, exist_ok=True)  # a re-run keeps what is done
+    with warnings.catch_warnings(record=True) as caught:  # one line each, no source line
+        warnings.simplefilter("always")
+        paths = reconstruct(workdir, sigma_rels, at_kimg=at_kimg, out_dir=out_dir,
+                            per_tensor=per_tensor, exist_ok=True)  # a re-run keeps what is done
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr, flush=True)
     for p in paths:
         _, m = ckpt_lib.read_network_json(p)
         print(f"  sigma_rel {m['sigma_rel']:.3f}  kimg {m['kimg']:g}  profile error "
