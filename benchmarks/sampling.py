@@ -2,8 +2,11 @@
 
     python benchmarks/sampling.py --preset=img64-xs --batch=8 --steps=32
     python benchmarks/sampling.py --config=configs/fashion_mnist.py --batch=100 --steps=32
+    python benchmarks/sampling.py --preset=img64-xs --guidance=2 --guidance_interval=0.28,1.61
 
-Random N(0, 1) weights (throughput does not depend on them); prints one line: compile
+Random N(0, 1) weights (throughput does not depend on them); with `--guidance`, a guide
+of the same architecture with other random weights (4N-2 evaluations per image, fewer
+with `--guidance_interval`, whose unguided steps skip the guide); prints one line: compile
 time (s) and img/s over `--repeats` batches after a warm-up batch, for comparison with
 the release's generate_images.py on the same hardware.
 """
@@ -47,6 +50,8 @@ def main():
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--guidance", type=float, default=1.0, help="!= 1: guided by a second net")
+    p.add_argument("--guidance_interval", default=None, help="LO,HI: guide only there")
     args = p.parse_args()
 
     cfg = network_config(args)
@@ -57,15 +62,27 @@ def main():
     variables["params"]["unet"]["out_gain"] = variables["params"]["unet"]["out_gain"] * 0 + 0.1
     seeds = np.arange(args.batch)
     labels = 0 if net.label_dim else None
+    guide = {}
+    if args.guidance != 1:
+        guide_vars = random_variables(net, seed=1)
+        guide_vars["params"]["unet"]["out_gain"] = guide_vars["params"]["unet"]["out_gain"] * 0 + 0.1
+        interval = (tuple(float(v) for v in args.guidance_interval.split(","))
+                    if args.guidance_interval else None)
+        guide = dict(guide_net=net, guide_variables=guide_vars, guidance=args.guidance,
+                     guidance_interval=interval)
     t = time.time()
-    jax.block_until_ready(sample_images(net, variables, seeds, labels, num_steps=args.steps))
+    jax.block_until_ready(sample_images(net, variables, seeds, labels, num_steps=args.steps,
+                                        **guide))
     compile_s = time.time() - t
     t = time.time()
     for r in range(args.repeats):
         jax.block_until_ready(sample_images(net, variables, seeds + (r + 1) * args.batch, labels,
-                                            num_steps=args.steps))
+                                            num_steps=args.steps, **guide))
     dt = (time.time() - t) / args.repeats
     name = args.config or args.preset
+    if guide:
+        name += f" guidance {args.guidance:g}" + (f" interval ({args.guidance_interval}]"
+                                                  if args.guidance_interval else "")
     print(f"{name} {args.dtype} batch {args.batch} steps {args.steps} ({2 * args.steps - 1} NFE): "
           f"first batch (incl. compile) {compile_s:.1f} s, {dt:.2f} s/batch, "
           f"{args.batch / dt:.2f} img/s on {jax.devices()[0].platform} x{jax.device_count()}")

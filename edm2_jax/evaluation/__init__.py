@@ -7,6 +7,7 @@ set splits or a network's samples, with reference statistics in the release's fo
     fid.py, stats.py       feature statistics, Frechet distance, KID, precision/recall
     inception.py, dinov2.py  the feature networks
     classifier.py, classifier_metrics.py  the project classifier and its `cls` metrics
+    stream.py              a network's metrics in one streamed, resumable pass
     commands.py            the bodies of `--mode=eval` and `--mode=ref`
 
 May import `paths`, `model`, `backends`, `data`, `run`, `release` and `sampling`; never

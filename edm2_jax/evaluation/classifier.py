@@ -181,6 +181,17 @@ def source_arrays(source, max_items: int | None = None) -> tuple[np.ndarray, np.
             np.array([lab for _, lab in items], np.int64))
 
 
+def source_batches(source, batch_size: int = 500):
+    """The images of a data `Source` as uint8 `[<= batch_size, H, W, C]` batches in index
+    order (slices of the in-memory arrays of `FashionMNIST`, else `source[i]` stacked), so
+    that features of a large split are extracted without holding every image twice."""
+    images = getattr(source, "images", None)
+    in_memory = isinstance(images, np.ndarray) and len(images) == len(source) and images.ndim == 4
+    for a in range(0, len(source), batch_size):
+        b = min(a + batch_size, len(source))
+        yield images[a:b] if in_memory else np.stack([source[i][0] for i in range(a, b)])
+
+
 # ---------------------------------------------------------------------------------------
 # Training and cache.
 
@@ -267,6 +278,9 @@ def train_classifier(train_images: np.ndarray, train_labels: np.ndarray, num_cla
         return optax.apply_updates(params, updates), opt_state, loss
 
     rng = np.random.default_rng(config.seed)
+    if log:
+        print(f"classifier: training SmallCNN on {n} images, {config.epochs} epochs of "
+              f"{steps_per_epoch} steps", flush=True)
     for epoch in range(config.epochs):
         perm = rng.permutation(n)
         losses = []
@@ -354,4 +368,4 @@ def get_classifier(source_train, source_test, cache_dir: str | None = None,
 
 
 __all__ = ["Classifier", "SmallCNN", "TrainConfig", "default_cache_dir", "get_classifier",
-           "num_stages", "source_arrays", "train_classifier"]
+           "num_stages", "source_arrays", "source_batches", "train_classifier"]

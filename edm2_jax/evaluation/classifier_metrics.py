@@ -55,6 +55,20 @@ def evaluate_features_metrics(gen_uint8, ref, classifier: Classifier, *,
     else:
         ref_images = ref if isinstance(ref, np.ndarray) else source_arrays(ref)[0]
         ref_feats = classifier.features(classifier.check_images(ref_images, "reference images"))
+    return features_metrics(gen_feats, ref_feats, kid_subsets=kid_subsets,
+                            kid_subset_size=kid_subset_size, pr_k=pr_k, pr_num_ref=pr_num_ref,
+                            seed=seed)
+
+
+def features_metrics(gen_feats, ref_feats, *, kid_subsets: int = 100,
+                     kid_subset_size: int = 1000, pr_k: int = 3,
+                     pr_num_ref: int | None = None, seed: int = 0) -> dict:
+    """`evaluate_features_metrics` of features already extracted: float `[N_g, D]`
+    generated and `[N_r, D]` reference features of one classifier (`Classifier.features`,
+    e.g. accumulated batch by batch while generating). KID's random subsets index the
+    generated features in the order given. Returns and raises as
+    `evaluate_features_metrics`."""
+    gen_feats, ref_feats = np.asarray(gen_feats), np.asarray(ref_feats)
     if len(gen_feats) < pr_k + 1 or len(ref_feats) < pr_k + 1:
         raise ValueError(f"need at least {pr_k + 1} generated and reference images, got "
                          f"{len(gen_feats)} and {len(ref_feats)}")

@@ -23,6 +23,21 @@ generating on the fly) and `--mode=ref` (reference statistics in the release's f
 
 The metric names and what they measure: `evaluation.metrics`.
 
+A `--net` (or a `--preset`, which names one) is measured in one streamed pass
+(`evaluation.stream`): generate -> decode -> features batch by batch, float64 statistics
+accumulated, no image set held whole; PNGs only with `--outdir`. Seeds are split over the
+local devices and over the processes of a multi-host job, whose statistics are summed at
+the end. The pass is resumable: a partial state (`<out_json>.partial.p<process>.npz`, or
+`./edm2-eval-<fingerprint>.partial.p<process>.npz` without `--out_json`) is saved every
+1000 images or 60 s and when the run stops; the same command then generates only the
+seeds not done yet. The results add `preset`, `seeds` (a range string), `num_steps`,
+`guidance`, `guidance_interval`, the `net` and `guide` paths, and the stream's
+`time_per_image_s` / `images_per_s`.
+
+    # FID-50k of a preset's autoguided net, resumable, PNGs kept:
+    python -m edm2_jax.main --mode=eval --preset=edm2-img64-s-autog-fid --models=models/ \
+        --out_json=results.jsonl --outdir=out
+
 Latent (img512) networks: their samples are decoded to RGB by the SD VAE (`--vae=PATH`;
 `generate.check_vae`: a latent net without it fails before anything heavy, naming
 `--vae`) and measured as uint8 RGB. Reference data from a latent data set (no `--ref`)
@@ -36,12 +51,15 @@ import json
 import time
 from typing import Any, Sequence
 
+import jax
+
 from edm2_jax import data as data_lib
 from edm2_jax import paths
 from edm2_jax.evaluation import dinov2 as dinov2_lib
 from edm2_jax.evaluation import fid
 from edm2_jax.evaluation import images
 from edm2_jax.evaluation import metrics as metrics_lib
+from edm2_jax.evaluation import stream
 from edm2_jax.model import vae as vae_lib
 from edm2_jax.sampling import generate
 
@@ -77,18 +95,29 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int |
               ref_split: str = "test", data_split_images: str | None = None,
               classifier_config: Any = None, seeds: str | Sequence[int] | None = None,
               subset_seed: int = 0, dinov2: str | None = None, vae_path: str | None = None,
-              **gen_kw) -> dict:
+              preset: str | None = None, outdir: str | None = None, **gen_kw) -> dict:
     """CLI body of `--mode=eval` (see module doc). Prints and returns the results.
 
-    `seeds` (`'0-49999'` or ints; default `0 .. num_images - 1`) are the seeds a `--net`
-    generates; `num_images` None means `len(seeds)`. `subset_seed` picks the random
-    subset of an `--images` folder (`images.folder_subset`). `vae_path`: `--vae`, the SD
-    VAE that decodes a latent net's samples (checked first, `generate.check_vae`) and
-    latent reference data. `gen_kw`: `images.net_images`'s (guide_path, guide_ema,
-    guidance, class_idx, sampler settings). With `out_json`, appends the results as one
-    JSON line. Raises ValueError when `seeds` and `num_images` disagree, for a latent net
-    without `--vae` or a pixel-space net with one."""
+    A `--net` is measured in one streamed, resumable pass (`evaluation.stream`): its
+    samples for `seeds` (`'0-49999'` or ints; default `0 .. num_images - 1`; `num_images`
+    None means `len(seeds)`) go batch by batch through the VAE (a latent net) and the
+    feature networks, split over the local devices and the processes; PNGs are written
+    to `outdir` only when given; a partial state beside `out_json` (or in the current
+    directory) lets the same command resume after a kill. `preset`: the name of the
+    release preset that chose net, guide and guidance (recorded in the results only).
+    `subset_seed` picks the random subset of an `--images` folder
+    (`images.folder_subset`). `vae_path`: `--vae`, the SD VAE that decodes a latent net's
+    samples (checked first, `generate.check_vae`) and latent reference data. `gen_kw`:
+    guide_path, guide_ema, guidance, guidance_interval, class_idx and the sampler
+    settings of `generate.generate_images` (`progress=False` silences the bars).
+    With `out_json`, appends the results as one JSON line (with the net: also preset,
+    seeds as a range string, num_steps, guidance, guidance_interval, net and guide paths,
+    `time_per_image_s` and `images_per_s` of the stream). Raises ValueError when `seeds`
+    and `num_images` disagree, for a latent net without `--vae` or a pixel-space net
+    with one, for `outdir` without a net; OutputLocationError for an unwritable
+    `outdir` or partial-state location; all before any image is generated."""
     names = [m.strip() for m in metrics.split(",") if m.strip()]
+    log = bool(gen_kw.pop("progress", True))
     if net_path:  # before anything heavy: a latent net needs --vae, an RGB net refuses it
         vae = generate.check_vae(net_path, vae_path, gen_kw.get("guide_path"))
     else:
@@ -115,28 +144,100 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int |
     if sum(map(bool, (images_dir, net_path, data_split_images))) != 1:
         raise ValueError("--mode=eval needs exactly one of --images=DIR, --net=PATH or "
                          "--data_split_images=SPLIT")
-    if data_split_images:
-        imgs = images.source_images(data_config, data_split_images, num_images,
-                                    batch_size=batch_size)
-    elif images_dir:
-        imgs = images.folder_images(images_dir, num_images, batch_size, seed=subset_seed)
-    else:
-        imgs = images.net_images(net_path, seeds or range(num_images), batch_size, ema=ema,
-                                 num_steps=num_steps, vae=vae, **gen_kw)
+    if outdir and not net_path:
+        raise ValueError(f"--outdir={outdir} keeps the PNGs a --net generates while it is "
+                         f"measured; drop it for --images / --data_split_images")
+    if outdir:
+        paths.check_output_dir(outdir, "--outdir")
     if data_split_images and vae is None and _is_latent_data(data_config):
         raise ValueError(f"--data_split_images={data_split_images}: the --config data are "
                          f"SD-VAE latents; pass --vae=PATH to decode them to RGB")
-    if data_split_images and vae is not None:
-        imgs = images.decoded_source_images(data_config, data_split_images, num_images, vae,
-                                            batch_size)
-    res = metrics_lib.evaluate(imgs, num_images, names, ref=ref, data_config=data_config,
-                               ref_split=ref_split, classifier_config=classifier_config,
-                               dinov2=dinov2, vae=vae)
-    print(json.dumps(res, indent=2))
-    if out_json:
-        _append_result(out_json, json.dumps(dict(
-            res, images=images_dir or data_split_images, net=net_path, ref_split=ref_split,
-            guide=gen_kw.get("guide_path"), guidance=gen_kw.get("guidance", 1.0))) + "\n")
+    kw = dict(ref=ref, data_config=data_config, ref_split=ref_split,
+              classifier_config=classifier_config, dinov2=dinov2, vae=vae)
+    if net_path:
+        res = _eval_net(net_path, list(seeds or range(num_images)), names, ema=ema,
+                        batch_size=batch_size, num_steps=num_steps, out_json=out_json,
+                        preset=preset, outdir=outdir, log=log, gen_kw=gen_kw, **kw)
+    else:
+        if data_split_images and vae is not None:
+            imgs = images.decoded_source_images(data_config, data_split_images, num_images,
+                                                vae, batch_size)
+        elif data_split_images:
+            imgs = images.source_images(data_config, data_split_images, num_images,
+                                        batch_size=batch_size)
+        else:
+            imgs = images.folder_images(images_dir, num_images, batch_size, seed=subset_seed)
+        what = images_dir or f"the {data_split_images} split of the --config data"
+        res = metrics_lib.evaluate(imgs, num_images, names, log=log, what=what, **kw)
+        res.update(images=images_dir or data_split_images, net=None,
+                   guide=gen_kw.get("guide_path"), guidance=gen_kw.get("guidance", 1.0))
+    state_path = res.pop("_partial_state", None)
+    if jax.process_index() == 0:
+        print(json.dumps(res, indent=2))
+        if out_json:
+            _append_result(out_json, json.dumps(dict(res, ref_split=ref_split)) + "\n")
+    if state_path:
+        stream.sync_processes("edm2_eval_written")  # every figure out before any state goes
+        stream.remove_partial(state_path)
+    return res
+
+
+def _eval_net(net_path: str, seeds: list[int], names: list[str], *, ema: str | None,
+              batch_size: int, num_steps: int, out_json: str | None, preset: str | None,
+              outdir: str | None, log: bool, gen_kw: dict, **metric_kw) -> dict:
+    """`main_eval` of a network: the streamed, resumable pass of `evaluation.stream`.
+    Returns the results, with `_partial_state` (the path to remove once they are out)."""
+    gen_kw = dict(gen_kw)
+    guide_path, guide_ema = gen_kw.pop("guide_path", None), gen_kw.pop("guide_ema", None)
+    guidance = gen_kw.pop("guidance", 1.0)
+    interval = gen_kw.pop("guidance_interval", None)
+    if interval is not None:
+        gen_kw["guidance_interval"] = interval = tuple(float(x) for x in interval)
+    print(f"Loading the network {net_path}" + (f" (preset {preset})" if preset else ""))
+    net, variables, desc = generate.load_net(net_path, ema)
+    guide = generate.load_guide(guide_path, guide_ema, guidance)
+    data_config = metric_kw.get("data_config")
+    settings = dict(
+        net=desc, guide=guide_path and f"{guide_path} ema={guide_ema}", guidance=guidance,
+        guidance_interval=interval, seeds=stream.seeds_spec(seeds), num_images=len(seeds),
+        metrics=sorted(names), num_steps=num_steps, sampler=gen_kw,
+        vae=getattr(metric_kw.get("vae"), "path", None),
+        dinov2=metric_kw.get("dinov2") if "fd_dinov2" in names else None,
+        cls=[data_config, repr(metric_kw.get("classifier_config"))] if "cls" in names else None,
+        processes=[jax.process_index(), jax.process_count()]
+        + ([batch_size] if jax.process_count() > 1 else []))
+    state_path = stream.partial_path(out_json, settings)
+    paths.check_output_file(state_path, "--out_json" if out_json else
+                            "the partial state (kept in the current directory without "
+                            "--out_json)")
+    suite = metrics_lib.Metrics(names, len(seeds), log=log, **metric_kw)
+    share = stream.process_share(seeds, batch_size)
+    gen = suite.features()
+    if stream.load_partial(state_path, settings, gen, share):
+        print(f"Resuming from {state_path}: {gen.num_items} of {len(share)} images done")
+    done = set(gen.ids.tolist())
+    todo = [s for s in share if s not in done]
+    vae = metric_kw.get("vae")
+    print(f"Generating and measuring {len(todo)} images from {desc}"
+          + (f", decoded by the SD VAE {vae.path}" if vae else "")
+          + (f" -> {outdir}" if outdir else "")
+          + " (the first batch includes compiling the sampler and the feature networks)")
+    batches = generate.generate_images(net, variables, todo, outdir=outdir,
+                                       batch_size=batch_size, guide=guide, guidance=guidance,
+                                       num_steps=num_steps, all_processes=False, vae=vae,
+                                       progress=log, **gen_kw)
+    run = stream.stream_features(gen, batches, state_path, settings, len(share))
+    images_here, seconds = stream.sum_over_processes([run["images"], run["seconds"]])
+    gen = stream.gather_processes(gen, suite.features)
+    res = {"num_images": len(seeds), **suite.info, **suite.results(gen, order=seeds)}
+    wall = seconds / jax.process_count()
+    res.update(preset=preset, net=net_path, guide=guide_path, guidance=guidance,
+               guidance_interval=list(interval) if interval else None,
+               seeds=stream.seeds_spec(seeds), num_steps=num_steps,
+               images_generated=int(images_here), time_stream_s=wall,
+               time_per_image_s=wall / images_here if images_here else None,
+               images_per_s=images_here / wall if images_here else None,
+               _partial_state=state_path)
     return res
 
 
@@ -178,6 +279,7 @@ def main_ref(*, dest: str, images_dir: str | None, data_config: Any, split: str,
                              f"encoded from (dataset_tool convert's output)")
     else:
         raise ValueError("--mode=ref needs the dataset: --images=DIR|ZIP or --config")
+    print(f"Loading the feature networks of {', '.join(names)}")
     extractors = {m: metrics_lib.feature_extractor(m, dinov2) for m in names}
     stats = fid.stats_from_source_multi(source, extractors, num_images=num_images,
                                         batch_size=batch_size, seed=seed)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
+from tqdm import tqdm
 
 from edm2_jax.evaluation import inception
 from edm2_jax.evaluation.stats import FeatureStats, frechet_distance
@@ -83,24 +84,24 @@ def stats_from_images(batches: Iterable, params,
 
 
 def stats_from_source(source, params, num_images: int | None = None, batch_size: int = 64,
-                      seed: int = 0,
-                      feature_fn: Callable = inception.features_uint8) -> FeatureStats:
+                      seed: int = 0, feature_fn: Callable = inception.features_uint8,
+                      progress: bool = True) -> FeatureStats:
     """Reference statistics of a dataset (any `edm2_jax.data` Source: `source[i]` is
     `(uint8 [H, W, C], label)`), like the release's `calculate_metrics.py ref`.
 
     Args: num_images: use a random subset of this many images (chosen with
       `np.random.RandomState(seed)`, then taken in index order), None = all; batch_size:
-      images per extractor call.
+      images per extractor call; progress: a start line and a tqdm bar (img, ETA).
     Returns: `FeatureStats`.
     Raises ValueError if the source has fewer than 2 images or fewer than `num_images`.
     """
-    return stats_from_source_multi(source, {"_": (params, feature_fn)}, num_images,
-                                   batch_size, seed)["_"]
+    return stats_from_source_multi(source, {"features": (params, feature_fn)}, num_images,
+                                   batch_size, seed, progress)["features"]
 
 
 def stats_from_source_multi(source, extractors: dict[str, tuple[Any, Callable]],
                             num_images: int | None = None, batch_size: int = 64,
-                            seed: int = 0) -> dict[str, FeatureStats]:
+                            seed: int = 0, progress: bool = True) -> dict[str, FeatureStats]:
     """`stats_from_source` for several feature extractors in one pass over the data
     (the release's `ref` computes FID and FD_DINOv2 statistics together).
 
@@ -121,6 +122,12 @@ def stats_from_source_multi(source, extractors: dict[str, tuple[Any, Callable]],
     if len(idx) < 2:
         raise ValueError(f"reference statistics need at least 2 images, got {len(idx)}")
     stats = {m: FeatureStats() for m in extractors}
+    name = getattr(source, "name", type(source).__name__)
+    if progress:
+        print(f"Reference statistics ({', '.join(extractors)}) of {len(idx)} images of "
+              f"{name}", flush=True)
+    bar = tqdm(total=len(idx), unit="img", desc="reference", disable=not progress,
+               dynamic_ncols=True)
     for start in range(0, len(idx), batch_size):
         images = np.stack([source[int(i)][0] for i in idx[start:start + batch_size]])
         if len(images) < batch_size and start > 0:  # pad: one compilation per extractor
@@ -131,6 +138,8 @@ def stats_from_source_multi(source, extractors: dict[str, tuple[Any, Callable]],
         for m, (params, feature_fn) in extractors.items():
             feats = np.asarray(feature_fn(params, padded), np.float64)[:len(images)]
             stats[m].append(feats)
+        bar.update(len(images))
+    bar.close()
     return stats
 
 

@@ -5,7 +5,8 @@ classifier, ...) is someone else's business. All functions take features as `[N,
 arrays (any real dtype; converted to float64).
 
 - `FeatureStats`: streaming mean and unbiased (N - 1) covariance, merged batch by batch
-  with Chan et al.'s pairwise update, so a 50k-image set never has to sit in memory.
+  (or set by set: processes, resumed runs) with Chan et al.'s pairwise update, so a
+  50k-image set never has to sit in memory.
 - `frechet_distance`: Frechet distance between Gaussians fitted to two feature sets
   (Heusel et al. 2017, "GANs trained by a two time-scale update rule", Eq. 6; FID when the
   features are Inception-v3 pool_3).
@@ -51,7 +52,9 @@ class FeatureStats:
 
     Attributes: `num_items` (int), `dim` (D, None before the first append).
     `mean()` -> float64 `[D]`; `cov()` -> float64 `[D, D]` with the N - 1 denominator
-    (equal to `np.cov(all_x, rowvar=False)`); `mean_cov()` -> both.
+    (equal to `np.cov(all_x, rowvar=False)`); `mean_cov()` -> both. `merge(other)` adds
+    another set's statistics (sums over processes, resumed runs); `state()` /
+    `from_state()` convert to and from plain arrays.
     Raises ValueError on a feature dimension that changes between calls, on non-finite
     features, and from `mean()` / `cov()` with fewer than 1 / 2 items.
     """
@@ -74,7 +77,9 @@ class FeatureStats:
             return self
         mean_b = x.mean(axis=0)
         xc = x - mean_b
-        scatter_b = xc.T @ xc
+        return self._merge(n_b, mean_b, xc.T @ xc)
+
+    def _merge(self, n_b: int, mean_b: np.ndarray, scatter_b: np.ndarray) -> "FeatureStats":
         n_a = self.num_items
         n = n_a + n_b
         delta = mean_b - self._mean
@@ -82,6 +87,44 @@ class FeatureStats:
         self._scatter = self._scatter + scatter_b + np.outer(delta, delta) * (n_a * n_b / n)
         self.num_items = n
         return self
+
+    def merge(self, other: "FeatureStats") -> "FeatureStats":
+        """Add the features of `other` (statistics of another set, e.g. another process's
+        or an earlier run's share) with the same pairwise update as `append`; the result
+        equals the statistics of both sets appended here, up to float64 rounding.
+        Raises ValueError when the feature dimensions differ."""
+        if other.num_items == 0:
+            return self
+        if self.dim is None:
+            self.dim, self._mean, self._scatter = other.dim, np.zeros(other.dim), np.zeros(
+                (other.dim, other.dim))
+        if other.dim != self.dim:
+            raise ValueError(f"FeatureStats.merge: dimensions differ ({self.dim} vs "
+                             f"{other.dim}); merge statistics of one feature extractor")
+        return self._merge(other.num_items, other._mean, other._scatter)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The statistics as arrays (`num_items` int64 [], `mean` float64 [D], `scatter`
+        float64 [D, D]; empty D before the first append), for `from_state` (e.g. through
+        `np.savez`)."""
+        d = self.dim or 0
+        return {"num_items": np.asarray(self.num_items, np.int64),
+                "mean": np.zeros(d) if self._mean is None else self._mean,
+                "scatter": np.zeros((d, d)) if self._scatter is None else self._scatter}
+
+    @classmethod
+    def from_state(cls, state) -> "FeatureStats":
+        """The `FeatureStats` whose `state()` is `state` (a mapping of those three arrays).
+        Raises ValueError on inconsistent shapes."""
+        n, mean, scatter = (int(state["num_items"]), np.asarray(state["mean"], np.float64),
+                            np.asarray(state["scatter"], np.float64))
+        if mean.ndim != 1 or scatter.shape != (mean.size, mean.size) or n < 0:
+            raise ValueError(f"FeatureStats state: mean {mean.shape} and scatter "
+                             f"{scatter.shape} for {n} items do not fit together")
+        out = cls(mean.size or None)
+        if n:
+            out.num_items, out._mean, out._scatter = n, mean.copy(), scatter.copy()
+        return out
 
     def mean(self) -> np.ndarray:
         if self.num_items < 1:

@@ -8,6 +8,12 @@
         the release's format (its `calculate_metrics.py ref`).
 
     python -m edm2_jax.main --mode=eval --net=nets/img64-s --ref=img64.pkl --num_images=50000
+    python -m edm2_jax.main --mode=eval --preset=edm2-img64-s-autog-fid --models=models/
+
+With `--preset=NAME --models=DIR` (`modes/generate.py`) the preset's networks, guidance
+and interval generate the images; `--metrics` defaults to the figure the preset reports
+(fid or fd_dinov2), and `--ref` to the release's reference statistics of its data
+(`img512.pkl` / `img64.pkl`) in DIR when there (else the `--config` data set, if given).
 
 Defines the metric flags `--mode=phema_sweep` shares (`--metrics`, `--num_images`,
 `--ref`, `--ref_split`, `--dinov2`); the network and sampler flags are `modes/generate.py`'s.
@@ -20,8 +26,11 @@ from absl import app, flags
 
 from edm2_jax import paths
 from edm2_jax.evaluation import commands as eval_commands
+from edm2_jax.evaluation import metrics as metrics_lib
 from edm2_jax.modes import common
-from edm2_jax.modes import generate as generate_mode  # --net, --batch, the sampler's flags
+from edm2_jax.modes import generate as generate_mode  # --net, --preset, the sampler's flags
+from edm2_jax.sampling import presets
+from edm2_jax.training import sharding
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("images", None, "eval: folder of images to evaluate instead of --net.")
@@ -40,23 +49,55 @@ flags.DEFINE_string("data_split_images", None, "eval: evaluate N images of this 
                     "dataset instead of --net/--images (the floor a perfect model reaches).")
 
 
+def _preset_metrics_ref(preset: presets.Preset) -> tuple[str, str | None]:
+    """`--metrics` and `--ref` of an eval of `preset`: the flags when given, else the
+    metric the preset reports and the release's reference statistics of its data in
+    `--models` (None: the `--config` data set). Raises FileNotFoundError naming the
+    file and where to get it when neither is there."""
+    if FLAGS.images or FLAGS.data_split_images:
+        raise ValueError(f"--preset={preset.name} generates the images to evaluate; drop "
+                         f"--images / --data_split_images (or drop --preset)")
+    metrics = FLAGS.metrics if FLAGS["metrics"].present else preset.metric
+    names = {m.strip() for m in metrics.split(",")}
+    if FLAGS.ref or not names & set(metrics_lib.FD_METRICS):
+        return metrics, FLAGS.ref
+    ref = os.path.join(FLAGS.models, preset.ref)
+    if os.path.isfile(ref):
+        return metrics, ref
+    if common.config() is not None:
+        return metrics, None
+    raise FileNotFoundError(f"--preset={preset.name} is evaluated against the release's "
+                            f"{preset.ref}, which --models={FLAGS.models} does not hold: "
+                            f"download {presets.REFS_URL}{preset.ref} into it, or give "
+                            f"--ref=PATH")
+
+
 def run_eval() -> None:
-    """`--mode=eval` (`commands.main_eval`)."""
+    """`--mode=eval` (`commands.main_eval`), of `--images`, a data split, `--net` or
+    `--preset`."""
+    sharding.maybe_initialize_distributed()  # one of several hosts: each takes its share
     seeds = FLAGS.seeds if FLAGS["seeds"].present else None
     common.check_output_file(FLAGS.out_json, "--out_json")  # before any work
     out_dir = os.path.dirname(paths.normalize(FLAGS.out_json or "."))
     if FLAGS.out_json and not paths.is_url(out_dir) and not os.path.isdir(out_dir):
         raise FileNotFoundError(f"--out_json={FLAGS.out_json}: its directory {out_dir} does "
                                 f"not exist; create it or pass a file in an existing one")
+    preset = generate_mode.check_preset()
+    metrics, ref = FLAGS.metrics, FLAGS.ref
+    if preset:  # before the conversion
+        metrics, ref = _preset_metrics_ref(preset)
+        common.check_output_dir(FLAGS.outdir, "--outdir")
+    resolved = generate_mode.resolve_preset(preset)
     eval_commands.main_eval(
-        images_dir=FLAGS.images, net_path=FLAGS.net,
+        images_dir=FLAGS.images,
         num_images=None if seeds and not FLAGS["num_images"].present else FLAGS.num_images,
-        metrics=FLAGS.metrics, ref=FLAGS.ref, ref_split=FLAGS.ref_split,
+        metrics=metrics, ref=ref, ref_split=FLAGS.ref_split,
         data_split_images=FLAGS.data_split_images, data_config=common.data_config(),
-        ema=FLAGS.ema, batch_size=FLAGS.batch, out_json=FLAGS.out_json,
+        batch_size=FLAGS.batch, out_json=FLAGS.out_json,
         class_idx=FLAGS.class_idx, seeds=seeds, subset_seed=FLAGS.subset_seed,
-        guide_path=FLAGS.guide, guide_ema=FLAGS.guide_ema, guidance=FLAGS.guidance,
-        dinov2=FLAGS.dinov2, vae_path=FLAGS.vae, **generate_mode.sampler_flags())
+        dinov2=FLAGS.dinov2, vae_path=FLAGS.vae, preset=resolved.name if resolved else None,
+        outdir=FLAGS.outdir, **generate_mode.network_flags(resolved),
+        **generate_mode.sampler_flags(resolved))
 
 
 def run_ref() -> None:

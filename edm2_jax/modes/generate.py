@@ -4,21 +4,36 @@ snapshot) into `--outdir` and/or a `--grid` PNG; `--guide`/`--guidance` for
 
     python -m edm2_jax.main --mode=generate --net=runs/fmnist --seeds=0-63 --grid=grid.png
 
-Also defines the flags of the network and the sampler that `--mode=eval` and
-`--mode=phema_sweep` share (`--net`, `--ema`, `--batch`, `--steps`, the schedule).
+A named preset (`--preset=NAME --models=DIR`, `sampling/presets.py`; `--list_presets`
+prints them) stands for `--net`, `--guide`, `--guidance` and `--guidance_interval`: the
+release's pickles in DIR, converted on first use. Giving any of those flags (or `--ema`,
+`--guide_ema`) together with `--preset` is an error: a preset's figures are those of its
+exact settings; to vary one, pass the networks yourself (`--list_presets` names the files).
+
+    python -m edm2_jax.main --mode=generate --preset=edm2-img512-xxl-guid-interval-fid \
+        --models=models/ --vae=sd-vae-ft-mse/ --seeds=0-63 --grid=grid.png
+
+Also defines the flags that `--mode=eval` shares (`--net`, `--ema`, `--batch`, `--steps`,
+the schedule, `--preset`, `--models`, `--guidance_interval`), as does `--mode=phema_sweep`
+(`--batch`, `--steps`, `--vae`).
 """
 from __future__ import annotations
 
+import math
+import sys
+
 from absl import app, flags
 
-from edm2_jax.sampling import generate
+from edm2_jax.modes import common
+from edm2_jax.sampling import generate, presets
+from edm2_jax.training import sharding
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("net", None, "generate: network checkpoint, training run dir or RUN/snapshots/<step>.")
 flags.DEFINE_string("ema", None, "generate: which EMA of a run ('0.100', 'online'); default largest sigma_rel.")
 flags.DEFINE_string("seeds", "0-63", "generate/eval: seeds, e.g. '0-49999' or '1,5,7-9' (eval "
                     "default: 0..num_images-1).")
-flags.DEFINE_string("outdir", None, "generate: directory for PNGs.")
+flags.DEFINE_string("outdir", None, "generate, eval: directory for PNGs.")
 flags.DEFINE_bool("subdirs", False, "generate: one subdirectory per 1000 seeds.")
 flags.DEFINE_string("grid", None, "generate: also write all images as one grid PNG here.")
 flags.DEFINE_integer("class_idx", None, "generate: class for every image (default random per seed).")
@@ -41,19 +56,144 @@ flags.DEFINE_enum("rng", "jax", ["jax", "release"], "generate/eval: per-seed noi
 flags.DEFINE_float("rho", 7.0, "generate/eval: time-step exponent of the schedule (EDM Eq. 5).")
 
 
-def sampler_flags() -> dict:
-    """The EDM sampler's settings from the flags (`generate.generate_images` kwargs)."""
+def parse_guidance_interval(text) -> tuple[float, float] | None:
+    """`--guidance_interval`: 'LO,HI' -> `(sigma_lo, sigma_hi)`, the noise levels between
+    which the Heun steps are guided (`sigma_lo < t_i <= sigma_hi`, Kynkäänniemi et al.
+    2024); HI may be 'inf'. '' or 'none' -> None (every step). Raises ValueError for
+    other text, NaN, or unless `0 <= LO < HI`."""
+    if text is None or (isinstance(text, str) and text.strip().lower() in ("", "none")):
+        return None
+    parts = text.split(",") if isinstance(text, str) else list(text)
+    try:
+        lo, hi = (float(v) for v in parts)
+    except (TypeError, ValueError):
+        raise ValueError("give two noise levels LO,HI, e.g. --guidance_interval=0.28,1.61 "
+                         "(HI may be inf)") from None
+    if math.isnan(lo) or math.isnan(hi) or not 0 <= lo < hi:
+        raise ValueError("the interval (LO, HI] needs 0 <= LO < HI, e.g. "
+                         "--guidance_interval=0.28,1.61")
+    return lo, hi
+
+
+class _IntervalParser(flags.ArgumentParser):
+    syntactic_help = "LO,HI (noise levels, HI may be inf)"
+
+    def parse(self, argument):
+        return parse_guidance_interval(argument)
+
+    def flag_type(self):
+        return "interval"
+
+
+class _IntervalSerializer(flags.ArgumentSerializer):
+    def serialize(self, value):
+        return "" if value is None else f"{value[0]!r},{value[1]!r}"
+
+
+class _ListPresetsFlag(flags.BooleanFlag):
+    """`--list_presets`: prints the preset table and exits with status 0 while the flags
+    are parsed, whatever the mode (as absl's `--help` prints the usage)."""
+
+    def __init__(self):
+        super().__init__("list_presets", False, "print the named presets (--preset) with "
+                         "their files, guidance, interval and reported figure, and exit.")
+
+    def parse(self, argument):
+        super().parse(argument)
+        if self.value:
+            print(presets.table(), flush=True)
+            sys.exit(0)
+
+
+flags.DEFINE(_IntervalParser(), "guidance_interval", None,
+             "generate/eval: guide only the sampler steps whose noise level t_i is in "
+             "(LO, HI], e.g. '0.28,1.61' (HI may be inf); default every step.",
+             serializer=_IntervalSerializer())
+flags.DEFINE_string("preset", None, "generate/eval: a named preset (--list_presets): sets "
+                    "--net, --guide, --guidance, --guidance_interval from --models.")
+flags.DEFINE_string("models", None, "generate/eval with --preset: local folder holding the "
+                    "release's network pickles (each converted on first use into "
+                    "<stem>.edm2jax/ beside it).")
+flags.DEFINE_flag(_ListPresetsFlag())
+
+# What a preset sets: giving one of these with --preset is an error.
+PRESET_SETS = ("net", "ema", "guide", "guide_ema", "guidance", "guidance_interval")
+
+
+def check_preset() -> presets.Preset | None:
+    """`--preset`, checked before any conversion (cheap): no flag it sets given as well,
+    a known name, `--models` holding its pickles, `--vae` fitting its data. None
+    without `--preset`. Raises ValueError / FileNotFoundError naming the fix."""
+    if not FLAGS.preset:
+        if FLAGS.models:
+            raise ValueError(f"--models={FLAGS.models} is read only with --preset=NAME; "
+                             f"name a preset (--list_presets) or drop --models")
+        return None
+    given = [f"--{f}" for f in PRESET_SETS if FLAGS[f].present]
+    if given:
+        raise ValueError(f"--preset={FLAGS.preset} sets the networks and guidance itself; "
+                         f"drop {', '.join(given)}, or drop --preset and give --net/--guide/"
+                         f"--guidance/--guidance_interval yourself (--list_presets names "
+                         f"each preset's files)")
+    preset = presets.get(FLAGS.preset)
+    if not FLAGS.models:
+        raise ValueError(f"--preset={preset.name} needs --models=DIR, the folder holding "
+                         f"{' and '.join(preset.files)} (from {presets.RELEASE_URL})")
+    presets.check_files(preset, FLAGS.models)
+    presets.check_vae(preset, FLAGS.vae)
+    return preset
+
+
+def resolve_preset(preset: presets.Preset | None) -> presets.ResolvedPreset | None:
+    """`presets.resolve` (converting the pickles on first use), announced on one line."""
+    if preset is None:
+        return None
+    guide = (f", guide {preset.guide}, guidance {preset.guidance:g}" if preset.guide else "")
+    lo_hi = preset.guidance_interval
+    interval = f" in sigma ({lo_hi[0]:g}, {lo_hi[1]:g}]" if lo_hi else ""
+    print(f"Preset {preset.name}: net {preset.net}{guide}{interval} (reported: "
+          f"{preset.figure()})", flush=True)
+    return presets.resolve(preset.name, FLAGS.models)
+
+
+def network_flags(resolved: presets.ResolvedPreset | None) -> dict:
+    """The networks and guidance (`net_path`, `ema`, `guide_path`, `guide_ema`,
+    `guidance`): the preset's, else the flags'. Raises ValueError for
+    `--guidance_interval` without guidance (no `--guide`, or `--guidance=1`)."""
+    if resolved:
+        return dict(net_path=resolved.net_path, ema=None, guide_path=resolved.guide_path,
+                    guide_ema=None, guidance=resolved.guidance)
+    if FLAGS.guidance_interval and (not FLAGS.guide or FLAGS.guidance == 1):
+        raise ValueError("--guidance_interval limits guidance to some noise levels; it needs "
+                         "guidance: --guide=PATH and --guidance=W (W != 1), or drop it")
+    return dict(net_path=FLAGS.net, ema=FLAGS.ema, guide_path=FLAGS.guide,
+                guide_ema=FLAGS.guide_ema, guidance=FLAGS.guidance)
+
+
+def sampler_flags(resolved: presets.ResolvedPreset | None = None) -> dict:
+    """The EDM sampler's settings from the flags (`generate.generate_images` kwargs),
+    with the guidance interval of `resolved` when a preset is given."""
     return dict(num_steps=FLAGS.steps, sigma_min=FLAGS.sigma_min, sigma_max=FLAGS.sigma_max,
                 rho=FLAGS.rho, S_churn=FLAGS.S_churn, S_min=FLAGS.S_min, S_max=FLAGS.S_max,
-                S_noise=FLAGS.S_noise, rng=FLAGS.rng)
+                S_noise=FLAGS.S_noise, rng=FLAGS.rng,
+                guidance_interval=(resolved.guidance_interval if resolved
+                                   else FLAGS.guidance_interval))
 
 
 def run() -> None:
-    """`--mode=generate` (`generate.main_generate`)."""
-    if not FLAGS.net:
-        raise app.UsageError("--mode=generate needs --net=PATH")
+    """`--mode=generate` (`generate.main_generate`), from `--net` or `--preset`."""
+    sharding.maybe_initialize_distributed()  # one of several hosts: each takes its share
+    preset = check_preset()
+    if not preset and not FLAGS.net:
+        raise app.UsageError("--mode=generate needs --net=PATH (or --preset=NAME --models=DIR)")
+    if preset:  # what main_generate checks first, before the conversion
+        generate.parse_seeds(FLAGS.seeds)
+        if not FLAGS.outdir and not FLAGS.grid:
+            raise ValueError("--mode=generate needs --outdir=DIR and/or --grid=FILE.png")
+        common.check_output_dir(FLAGS.outdir, "--outdir")
+        common.check_output_file(FLAGS.grid, "--grid")
+    resolved = resolve_preset(preset)
     generate.main_generate(
-        FLAGS.net, FLAGS.seeds, FLAGS.outdir, ema=FLAGS.ema, batch_size=FLAGS.batch,
-        class_idx=FLAGS.class_idx, subdirs=FLAGS.subdirs, guide_path=FLAGS.guide,
-        guide_ema=FLAGS.guide_ema, guidance=FLAGS.guidance, grid=FLAGS.grid,
-        vae_path=FLAGS.vae, **sampler_flags())
+        seeds=FLAGS.seeds, outdir=FLAGS.outdir, batch_size=FLAGS.batch,
+        class_idx=FLAGS.class_idx, subdirs=FLAGS.subdirs, grid=FLAGS.grid,
+        vae_path=FLAGS.vae, **network_flags(resolved), **sampler_flags(resolved))

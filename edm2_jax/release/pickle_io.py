@@ -9,8 +9,7 @@ Files understood by `load_release` / `load_state_dict`:
   pickles as a call `_reconstruct_persistent_obj(meta)`, `meta = {type, version,
   module_src, class_name, state}`, `state` the object's `__dict__` (`_parameters`,
   `_buffers`, `_modules`, `_init_args`, `_init_kwargs`). `ReleaseUnpickler` maps those
-  names to inert stand-ins: the authors' code is never imported or run; torch reads the
-  tensors.
+  names to inert stand-ins: their code is never imported or run; torch reads the tensors.
 * a `torch.save`d `state_dict()` of their `Precond` (`.pt` / `.pth`), or a `torch.save`d
   dict holding one under `'ema'` / `'net'`.
 * an `.npz` with the `state_dict` keys, optionally prefixed `w/` (the golden files).
@@ -137,12 +136,11 @@ _SAFE_BUILTINS = {"set", "frozenset", "slice", "range", "complex", "bytearray", 
 
 
 class TorchMissingError(ImportError):
-    """torch is not installed; the message names what needed it and how to install it."""
+    """torch is not installed (the message names what needed it and the install)."""
 
 
 def import_torch(purpose: str = "reading PyTorch weights"):
-    """The `torch` module; raises `TorchMissingError` naming `purpose` and how to install
-    it."""
+    """The `torch` module; raises `TorchMissingError` naming `purpose` and the install."""
     try:
         import torch  # noqa: F401
     except ImportError as e:
@@ -155,9 +153,8 @@ class ReleaseUnpickler(pickle.Unpickler):
 
     `torch_utils.persistence._reconstruct_persistent_obj` -> `PersistentObject`,
     `dnnlib[.util].EasyDict` -> `EasyDict`; torch, numpy, collections and a few safe
-    builtins resolve normally (torch is imported on first use, ImportError naming
-    `pip install -e ".[torch]"` if absent); any other global becomes an inert
-    `_Opaque` placeholder.
+    builtins resolve normally (torch imported on first use: `import_torch`); any other
+    global becomes an inert `_Opaque` placeholder.
     """
 
     def find_class(self, module: str, name: str):
