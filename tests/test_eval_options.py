@@ -57,7 +57,7 @@ def test_eval_generates_with_guidance_seeds_and_schedule(nets):
         list(eval_images.net_images(net_path, [0], guidance=2.0))
 
 
-def _dispatch(argv, monkeypatch):
+def dispatch(argv, monkeypatch):
     """Run main.py's dispatch on `argv`, returning the kwargs it passed to the mode."""
     got = {}
     monkeypatch.setattr(eval_commands, "main_eval", lambda **kw: got.update(kw))
@@ -72,13 +72,13 @@ def _dispatch(argv, monkeypatch):
 
 
 def test_command_line_passes_guidance_seeds_and_schedule(monkeypatch):
-    ev = _dispatch(["--mode=eval", "--net=N", "--guide=G", "--guidance=1.4", "--seeds=5-9",
+    ev = dispatch(["--mode=eval", "--net=N", "--guide=G", "--guidance=1.4", "--seeds=5-9",
                     "--rho=5", "--sigma_max=40", "--S_churn=3", "--metrics=cls"], monkeypatch)
     assert (ev["guide_path"], ev["guidance"], ev["seeds"], ev["num_images"]) == ("G", 1.4, "5-9", None)
     assert (ev["rho"], ev["sigma_max"], ev["sigma_min"], ev["S_churn"]) == (5.0, 40.0, 0.002, 3.0)
-    ev = _dispatch(["--mode=eval", "--images=D", "--subset_seed=123"], monkeypatch)
+    ev = dispatch(["--mode=eval", "--images=D", "--subset_seed=123"], monkeypatch)
     assert (ev["subset_seed"], ev["seeds"], ev["num_images"]) == (123, None, 50000)
-    gen = _dispatch(["--mode=generate", "--net=N", "--outdir=O", "--sigma_min=0.05", "--rho=9",
+    gen = dispatch(["--mode=generate", "--net=N", "--outdir=O", "--sigma_min=0.05", "--rho=9",
                      "--S_noise=1.003", "--rng=release"], monkeypatch)
     assert (gen["sigma_min"], gen["rho"], gen["S_noise"], gen["num_steps"]) == (0.05, 9.0, 1.003, 32)
     assert gen["rng"] == "release" and ev["rng"] == "jax"

@@ -22,8 +22,6 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from edm2_jax import main as main_lib
-from edm2_jax.evaluation import commands as eval_commands
 from edm2_jax.modes import generate as generate_mode
 from edm2_jax.release import convert as C
 from edm2_jax.run import network_dir
@@ -31,6 +29,7 @@ from edm2_jax.sampling import generate, presets
 from edm2_jax.sampling.sampler import sample_images
 from tests.test_cli_errors import assert_one_error, run_cli
 from tests.test_convert import write_release_pickle
+from tests.test_eval_options import dispatch
 
 ROOT = Path(__file__).resolve().parents[1]
 URL = "https://nvlabs-fi-cdn.nvidia.com/edm2/posthoc-reconstructions/"
@@ -248,36 +247,22 @@ def test_list_presets_prints_every_preset():
     assert rows["edm2-img512-xxl-guid-interval-fid"][4:] == ["(0.28,", "1.61]", "fid", "1.40"]
 
 
-def _dispatch(argv, monkeypatch):
-    """Run main.py's dispatch on `argv`; the kwargs it passed to main_generate/main_eval."""
-    got = {}
-    monkeypatch.setattr(eval_commands, "main_eval", lambda **kw: got.update(kw))
-    monkeypatch.setattr(generate, "main_generate", lambda *a, **kw: got.update(kw, args=a))
-    main_lib.FLAGS.unparse_flags()
-    try:
-        main_lib.FLAGS(["edm2_jax.main"] + argv)
-        main_lib._dispatch()
-    finally:
-        main_lib.FLAGS.unparse_flags()
-    return got
-
-
 def test_command_line_fills_networks_guidance_and_interval(models, tmp_path, monkeypatch):
     name = "edm2-img512-xxl-guid-interval-dino"
     r = presets.resolve(name, str(models))
     common = [f"--preset={name}", f"--models={models}", "--vae=VAE"]
-    gen = _dispatch(["--mode=generate", *common, f"--grid={tmp_path / 'g.png'}"], monkeypatch)
+    gen = dispatch(["--mode=generate", *common, f"--grid={tmp_path / 'g.png'}"], monkeypatch)
     assert (gen["net_path"], gen["guide_path"], gen["guidance"]) == (r.net_path, r.guide_path, 2.9)
     assert gen["guidance_interval"] == (0.60, 5.0) and gen["vae_path"] == "VAE"
     (models / "img512.pkl").write_bytes(b"")                  # the release's reference statistics
-    ev = _dispatch(["--mode=eval", *common, f"--outdir={tmp_path / 'o'}"], monkeypatch)
+    ev = dispatch(["--mode=eval", *common, f"--outdir={tmp_path / 'o'}"], monkeypatch)
     assert (ev["preset"], ev["metrics"], ev["ref"]) == (name, "fd_dinov2", str(models / "img512.pkl"))
     assert (ev["net_path"], ev["guide_path"], ev["guidance"]) == (r.net_path, r.guide_path, 2.9)
     assert ev["guidance_interval"] == (0.60, 5.0) and ev["outdir"] == str(tmp_path / "o")
-    ev = _dispatch(["--mode=eval", "--net=N", "--guide=G", "--guidance=2", "--metrics=cls",
+    ev = dispatch(["--mode=eval", "--net=N", "--guide=G", "--guidance=2", "--metrics=cls",
                     "--guidance_interval=0.5,inf"], monkeypatch)
     assert ev["guidance_interval"] == (0.5, float("inf")) and ev["preset"] is None
-    ev = _dispatch(["--mode=eval", "--net=N", "--metrics=cls"], monkeypatch)
+    ev = dispatch(["--mode=eval", "--net=N", "--metrics=cls"], monkeypatch)
     assert ev["guidance_interval"] is None and ev["outdir"] is None
 
     for argv, words in (
@@ -289,9 +274,9 @@ def test_command_line_fills_networks_guidance_and_interval(models, tmp_path, mon
             (["--preset=edm2-img64-s-fid"], "needs --models=DIR"),
             (["--net=N", "--guide=G", "--guidance_interval=0,1"], "--guidance=W (W != 1)")):
         with pytest.raises(ValueError, match=re.escape(words)):
-            _dispatch(["--mode=generate", "--grid=g.png", *argv], monkeypatch)
+            dispatch(["--mode=generate", "--grid=g.png", *argv], monkeypatch)
     with pytest.raises(FileNotFoundError, match=r"img64\.pkl.*dataset-refs/img64\.pkl"):
-        _dispatch(["--mode=eval", "--preset=edm2-img64-s-fid", f"--models={models}"], monkeypatch)
+        dispatch(["--mode=eval", "--preset=edm2-img64-s-fid", f"--models={models}"], monkeypatch)
 
 
 @pytest.mark.parametrize("text, want", [("0.28,1.61", (0.28, 1.61)), (" 0, inf ", (0.0, float("inf"))),
