@@ -325,11 +325,6 @@ def _without_optional_installs(root: Path) -> str:
     return str(root)
 
 
-# README commands that, after the quick start alone, end otherwise than at their note,
-# and why; each must still do so (a fixed one is to be removed from here).
-UNCLEAN_WITHOUT_OPTIONAL_INSTALLS: dict[str, str] = {}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("installs", ["all", "quick start only"])
 def test_readme_commands_run_in_order_at_tiny_sizes(installs, tmp_path):
@@ -346,7 +341,7 @@ def test_readme_commands_run_in_order_at_tiny_sizes(installs, tmp_path):
             [_without_optional_installs(tmp_path / "hidden"), env.get("PYTHONPATH", "")])
     counts = {"run": 0, "stopped at its prerequisite": 0, "installs": 0,
               "programs not here (named by their note)": 0}
-    failures, unclean = [], set()
+    failures = []
     for c in COMMANDS:
         for step in dataclasses.replace(c, text=_tiny(c.text, fmnist)).steps():
             kind = _kind(step)
@@ -368,15 +363,10 @@ def test_readme_commands_run_in_order_at_tiny_sizes(installs, tmp_path):
                 counts["run"] += 1
             elif c.needs and not (why := _stopped_at_its_prerequisite(c, r)):
                 counts["stopped at its prerequisite"] += 1
-            elif installs != "all" and (known := [k for k in UNCLEAN_WITHOUT_OPTIONAL_INSTALLS
-                                                  if k in c.text]):
-                unclean.update(known)
             else:
                 failures.append(f"{_where(c)}\n  ran: {shlex.join(step)}\n  "
                                 f"{why if c.needs else r.stderr[-2000:]}")
-    counts["known to end unclean"] = len(unclean)
     print(f"README commands ({installs} installs): "
           + ", ".join(f"{n} {k}" for k, n in counts.items()))
     assert not failures, "\n".join(failures)
-    assert unclean == (set() if installs == "all" else set(UNCLEAN_WITHOUT_OPTIONAL_INSTALLS))
     assert (work / "runs" / "fmnist" / "samples").is_dir() and (work / "grid.png").is_file()
