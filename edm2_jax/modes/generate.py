@@ -19,13 +19,12 @@ the schedule, `--preset`, `--models`, `--guidance_interval`), as does `--mode=ph
 """
 from __future__ import annotations
 
-import math
 import sys
 
 from absl import app, flags
 
 from edm2_jax.modes import common
-from edm2_jax.sampling import generate, presets
+from edm2_jax.sampling import generate, guidance, presets
 from edm2_jax.training import sharding
 
 FLAGS = flags.FLAGS
@@ -59,20 +58,16 @@ flags.DEFINE_float("rho", 7.0, "generate/eval: time-step exponent of the schedul
 def parse_guidance_interval(text) -> tuple[float, float] | None:
     """`--guidance_interval`: 'LO,HI' -> `(sigma_lo, sigma_hi)`, the noise levels between
     which the Heun steps are guided (`sigma_lo < t_i <= sigma_hi`, Kynkäänniemi et al.
-    2024); HI may be 'inf'. '' or 'none' -> None (every step). Raises ValueError for
-    other text, NaN, or unless `0 <= LO < HI`."""
+    2024; `guidance.check_guidance_interval`); HI may be 'inf'. '' or 'none' -> None
+    (every step). Raises ValueError for other text, NaN, or unless `0 <= LO < HI`."""
     if text is None or (isinstance(text, str) and text.strip().lower() in ("", "none")):
         return None
-    parts = text.split(",") if isinstance(text, str) else list(text)
     try:
-        lo, hi = (float(v) for v in parts)
-    except (TypeError, ValueError):
-        raise ValueError("give two noise levels LO,HI, e.g. --guidance_interval=0.28,1.61 "
-                         "(HI may be inf)") from None
-    if math.isnan(lo) or math.isnan(hi) or not 0 <= lo < hi:
-        raise ValueError("the interval (LO, HI] needs 0 <= LO < HI, e.g. "
-                         "--guidance_interval=0.28,1.61")
-    return lo, hi
+        return guidance.check_guidance_interval(text.split(",") if isinstance(text, str)
+                                                else text)
+    except ValueError:
+        raise ValueError("give two noise levels LO,HI with 0 <= LO < HI, e.g. "
+                         "--guidance_interval=0.28,1.61 (HI may be inf)") from None
 
 
 class _IntervalParser(flags.ArgumentParser):
