@@ -260,7 +260,7 @@ def test_command_line_fills_networks_guidance_and_interval(models, tmp_path, mon
     assert (ev["net_path"], ev["guide_path"], ev["guidance"]) == (r.net_path, r.guide_path, 2.9)
     assert ev["guidance_interval"] == (0.60, 5.0) and ev["outdir"] == str(tmp_path / "o")
     ev = dispatch(["--mode=eval", "--net=N", "--guide=G", "--guidance=2", "--metrics=cls",
-                    "--guidance_interval=0.5,inf"], monkeypatch)
+                   "--guidance_interval=0.5,inf"], monkeypatch)
     assert ev["guidance_interval"] == (0.5, float("inf")) and ev["preset"] is None
     ev = dispatch(["--mode=eval", "--net=N", "--metrics=cls"], monkeypatch)
     assert ev["guidance_interval"] is None and ev["outdir"] is None
