@@ -277,10 +277,15 @@ def test_bfloat16_path_close_to_float32(tiny):
         unet = UNet(**unet_kw, dtype=dt)
         outs[dt] = unet.apply({"params": params["unet"], "buffers": v["buffers"]["unet"]},
                               x, c_noise, labels)
-        assert outs[dt].dtype == jnp.float32
+        assert outs[dt].dtype == dt  # the raw network returns its compute dtype
     ref = outs[jnp.float32]
-    rel = float(jnp.abs(outs[jnp.bfloat16] - ref).max() / jnp.abs(ref).max())
+    rel = float(jnp.abs(outs[jnp.bfloat16].astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
     assert 0 < rel <= 5e-2, rel  # > 0: bf16 really was used
+    # The preconditioned denoiser and its uncertainty are float32 whatever the dtype.
+    net = Precond(**TINY, dtype=jnp.bfloat16)
+    d, logvar = net.apply({"params": params, "buffers": v["buffers"]}, x, jnp.exp(4 * c_noise),
+                          labels, return_logvar=True)
+    assert d.dtype == jnp.float32 and logvar.dtype == jnp.float32
 
 
 def test_precond_from_config_rejects_unknown_fields():

@@ -125,7 +125,7 @@ def _conv_relayout_bwd(res, dy):
     xt, dyt = barrier(relayout, x, dy, key=w)
     dw = jax.lax.conv_general_dilated(
         xt, dyt, window_strides=(1, 1), padding=((kh // 2, kh // 2), (kw // 2, kw // 2)),
-        dimension_numbers=("NHWC", "HWIO", "NHWC"), preferred_element_type=jnp.float32)
+        dimension_numbers=("NHWC", "HWIO", "NHWC"), preferred_element_type=x.dtype)
     dw = jnp.transpose(dw, (1, 2, 0, 3))  # [C_in, kh, kw, C_out] -> HWIO
     return _input_grad(x, w, dy).astype(x.dtype), dw.astype(w.dtype)
 
@@ -148,7 +148,7 @@ def _conv_matmul_bwd(res, dy):
     dyf = dy.reshape(-1, co).astype(x.dtype)
     dw = jnp.stack([
         jnp.matmul(xp[:, i:i + h, j:j + wd, :].reshape(-1, ci).T, dyf,
-                   preferred_element_type=jnp.float32)
+                   preferred_element_type=x.dtype)
         for i in range(kh) for j in range(kw)]).reshape(w.shape)
     return _input_grad(x, w, dy).astype(x.dtype), dw.astype(w.dtype)
 

@@ -52,6 +52,14 @@ def normalize(x: Array, axis: int | Sequence[int] | None = None, eps: float = 1e
     elif isinstance(axis, int):
         axis = (axis,)
     axis = tuple(a % x.ndim for a in axis)
+    return _normalize(x, axis, eps)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(1, 2))
+def _normalize(x: Array, axis: tuple[int, ...], eps: float) -> Array:
+    # Rematerialised: the backward pass keeps `x` alone, in its own dtype, and recomputes
+    # its float32 copy and norm, where autodiff would keep float32 copies of the input
+    # (twice the bytes of a bfloat16 activation). The same operations either way.
     n = math.prod(x.shape[a] for a in axis)
     x32 = x.astype(jnp.float32)
     norm = jnp.sqrt(jnp.sum(jnp.square(x32), axis=axis, keepdims=True))
@@ -66,9 +74,11 @@ def pixel_norm(x: Array, eps: float = 1e-4) -> Array:
 
 # Magnitude-preserving SiLU (Equation 81).
 
+@jax.checkpoint
 def mp_silu(x: Array) -> Array:
     """`silu(x) / 0.596` (Eq. 81): unit variance for unit-variance Gaussian `x`.
-    Any shape and float dtype; the result keeps both."""
+    Any shape and float dtype; the result keeps both. Rematerialised: the backward pass
+    keeps `x` alone and recomputes `sigmoid(x)` (half the bytes autodiff would keep)."""
     return jax.nn.silu(x) / 0.596
 
 
@@ -181,11 +191,16 @@ def resample(x: Array, mode: str = "keep") -> Array:
 # Convolution (the spatial kernel of MPConv).
 
 def conv_same(x: Array, w: Array) -> Array:
-    """NHWC `x` [N, H, W, in] * HWIO `w` [kh, kw, in, out] -> [N, H, W, out] float32:
-    stride 1, 'same' zero padding (odd kernels), XLA's convolution and its autodiff."""
+    """NHWC `x` [N, H, W, in] * HWIO `w` [kh, kw, in, out] -> [N, H, W, out]: stride 1,
+    'same' zero padding (odd kernels), XLA's convolution and its autodiff.
+
+    `x` and `w` share one dtype, the compute dtype, and so does the result (the
+    precision policy of `MPConv`): bfloat16 operands give a bfloat16 result, accumulated
+    in float32 inside the kernel by GPUs and TPUs, and their autodiff is bfloat16 too.
+    """
     return jax.lax.conv_general_dilated(
         x, w, window_strides=(1, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
-        preferred_element_type=jnp.float32)
+        preferred_element_type=x.dtype)
 
 
 # The ops a backend may compute its own way.
@@ -201,8 +216,9 @@ class Kernels:
     Attributes:
       mp_silu: `x -> silu(x) / 0.596` (Eq. 81), any shape.
       clip_act: `(x, limit) -> clip(x, -limit, limit)` with `torch.clamp`'s gradient.
-      conv: `(x [N, H, W, in], w [kh, kw, in, out]) -> [N, H, W, out]` float32, stride
-        1, 'same' padding; called for kernels larger than 1x1 (1x1 is a matmul).
+      conv: `(x [N, H, W, in], w [kh, kw, in, out]) -> [N, H, W, out]` in the dtype of
+        `x` and `w` (the compute dtype, `conv_same`), stride 1, 'same' padding; called for
+        kernels larger than 1x1 (1x1 is a matmul).
     """
 
     mp_silu: Callable[[Array], Array] = mp_silu
@@ -264,11 +280,12 @@ class MPConv(nn.Module):
     Attributes:
       in_channels, out_channels: channel counts (last axis of input / output).
       kernel: `()` for dense, `(k, k)` for a conv (1x1 is computed as a matmul).
-      dtype: compute dtype of the matmul / convolution (float32 or bfloat16).
+      dtype: compute and output dtype (float32, bfloat16 or float16).
       normalize_weight: True (configs D-G): the weight normalisation of Eq. 47/66 in
         the forward pass; False (config C): a standard layer.
       conv: the spatial convolution (`Kernels.conv`; default `conv_same`).
-    Call: `x` `[..., in]` (dense) or `[N, H, W, in]` (conv), scalar `gain` -> float32.
+    Call: `x` `[..., in]` (dense) or `[N, H, W, in]` (conv), any float dtype, scalar
+    `gain` -> `[..., out]` / `[N, H, W, out]` of `dtype`.
     """
 
     in_channels: int
@@ -292,11 +309,9 @@ class MPConv(nn.Module):
             w = w.astype(self.dtype)
         x = x.astype(self.dtype)
         if math.prod(self.kernel) == 1:  # dense, or a 1x1 conv
-            y = jnp.matmul(x, w.reshape(self.in_channels, self.out_channels),
-                           preferred_element_type=jnp.float32)
-        else:
-            y = self.conv(x, w)
-        return y.astype(jnp.float32)
+            return jnp.matmul(x, w.reshape(self.in_channels, self.out_channels),
+                              preferred_element_type=self.dtype)
+        return self.conv(x, w)
 
 
 # Forced weight normalisation (Section 2.3, Equation 66).

@@ -106,9 +106,11 @@ def fields_of(module: nn.Module, cls: type) -> dict:
 class Block(BlockFields):
     """Encoder or decoder block of the EDM2 U-Net (Figure 21).
 
-    Call: `x` `[N, H, W, in]` float32, `emb` `[N, emb_channels]`, `train` enables
-    dropout (needs the `'dropout'` rng) -> `[N, H', W', out]` float32, clipped to
-    `[-clip_act, clip_act]`.
+    Call: `x` `[N, H, W, in]`, `emb` `[N, emb_channels]` float32, `train` enables
+    dropout (needs the `'dropout'` rng) -> `[N, H', W', out]` of the compute `dtype`,
+    clipped to `[-clip_act, clip_act]`. The activations are `dtype` throughout; the
+    embedding's per-channel scale is computed in float32 and cast to `dtype` where it
+    multiplies them (the precision policy, docs/recipe.md).
     """
 
     in_channels: int
@@ -149,7 +151,7 @@ class Block(BlockFields):
             c = emb_linear(emb) + 1
         if self.group_norm:
             y = group_rms_norm(y)
-        y = act(y * c[:, None, None, :])
+        y = act(y * c[:, None, None, :].astype(y.dtype))
         if train and self.dropout > 0:
             y = nn.Dropout(self.dropout, deterministic=False)(y)
         y = self._conv(cout, cout, (3, 3), "conv_res1")(y)
@@ -176,11 +178,21 @@ class Block(BlockFields):
         qkv = self._conv(c, 3 * c, (1, 1), "attn_qkv")(x)
         qkv = normalize(qkv.reshape(n, h * w, heads, cph, 3), axis=3)
         q, k, v = (qkv[..., i].astype(self.dtype) for i in range(3))
+        # Both matmuls take and give `dtype` (float32 accumulation inside); the softmax
+        # is taken in float32 and its weights cast back to `dtype`.
         logits = jnp.einsum("nqhc,nkhc->nhqk", q, k / jnp.asarray(math.sqrt(cph), self.dtype),
-                            preferred_element_type=jnp.float32)
-        weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
-        y = jnp.einsum("nhqk,nkhc->nqhc", weights, v, preferred_element_type=jnp.float32)
+                            preferred_element_type=self.dtype)
+        weights = _softmax(logits)
+        y = jnp.einsum("nhqk,nkhc->nqhc", weights, v, preferred_element_type=self.dtype)
         return self._conv(c, c, (1, 1), "attn_proj")(y.reshape(n, h, w, c))
+
+
+@jax.checkpoint
+def _softmax(logits: Array) -> Array:
+    """Softmax over the last axis, taken in float32, returned in `logits.dtype`.
+    Rematerialised: the backward pass keeps the logits in their own dtype and recomputes
+    the float32 weights (autodiff would keep those, twice the bytes in bfloat16)."""
+    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
 
 
 # The U-Net (Figure 21).
@@ -190,7 +202,8 @@ class UNet(UNetFields):
     docstring. Raw network `F`.
 
     Call: `x` `[N, H, W, img_channels]`, `c_noise` `[N]`, `labels` `[N, label_dim]`
-    one-hot (or None when `label_dim == 0`) -> `[N, H, W, img_channels]` float32.
+    one-hot (or None when `label_dim == 0`) -> `[N, H, W, img_channels]` of the compute
+    `dtype` (the embedding is float32 whatever `dtype` is; docs/recipe.md, "Precision").
     """
 
     def setup(self):

@@ -1,0 +1,138 @@
+"""The precision policy of the network, and its check on a traced program.
+
+The policy (docs/recipe.md, "Precision"), the release's fp16 mode with bfloat16 in its
+place:
+
+- A network of compute dtype `dtype` (`Precond(dtype=...)`, `config.network.dtype`)
+  runs every convolution and matmul of its U-Net, forward and backward, on `dtype`
+  operands with a `dtype` result; GPUs and TPUs accumulate in float32 inside the kernel.
+  The activations between layers are `dtype` (`MPConv.dtype` is the compute and output
+  dtype, as Flax's `nn.Conv(dtype=...)`).
+- Float32 whatever `dtype` is: the stored parameters and their forced normalisation,
+  the noise and label embedding (`FLOAT32_LAYERS`, the layers computed in float32, and
+  the Fourier features before them), the learned uncertainty (`logvar_linear`), the
+  preconditioning `c_skip x + c_out F`, the loss, the gradients, Adam's state and the
+  EMAs. Reductions (the norms of `mp.normalize`, the softmax of attention) compute in
+  float32 and return `dtype`.
+- A float32 network computes in float32 throughout, bit for bit as it always has.
+
+`audit(jaxpr, dtype)` lists every convolution and matmul of a traced program
+(`jax.make_jaxpr` of a training step or a sampler) that breaks the policy; the test
+suite runs it on the bfloat16 training step and sampler (tests/test_precision.py).
+
+May import: jax (this module is part of `edm2_jax.model`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator
+
+import jax.numpy as jnp
+
+# The layers of `networks.Precond` computed in float32 whatever the compute dtype: the
+# noise and label embedding (`UNet.emb_noise`, `UNet.emb_label`, each block's
+# `emb_linear`) and the uncertainty head (`Precond.logvar_linear`). Each is a dense
+# [N, in] x [in, out] matmul, a negligible cost.
+FLOAT32_LAYERS = ("emb_noise", "emb_label", "emb_linear", "logvar_linear")
+
+MATMUL_PRIMITIVES = ("conv_general_dilated", "dot_general")
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """One convolution or matmul of a traced program.
+
+    Attributes:
+      primitive: 'conv_general_dilated' or 'dot_general'.
+      operand_dtypes: the two operands' dtypes, e.g. ('bfloat16', 'bfloat16').
+      result_dtype: the result's dtype.
+      shapes: the operands' shapes.
+      name_stack: where it was traced, e.g. 'transpose(jvp(Precond))/unet/enc_8x8_block0/
+        conv_res1' (Flax module names; 'transpose(...)' marks the backward pass).
+    """
+
+    primitive: str
+    operand_dtypes: tuple[str, ...]
+    result_dtype: str
+    shapes: tuple[tuple[int, ...], ...]
+    name_stack: str
+
+    @property
+    def layer(self) -> str:
+        """The innermost Flax module (or op name) of `name_stack`."""
+        return self.name_stack.rsplit("/", 1)[-1]
+
+    @property
+    def float32_path(self) -> bool:
+        """Whether it belongs to a layer the policy keeps in float32 (`FLOAT32_LAYERS`)."""
+        return any(part in FLOAT32_LAYERS for part in self.name_stack.split("/"))
+
+    @property
+    def backward(self) -> bool:
+        """Whether it is part of a backward pass (traced under `transpose(...)`)."""
+        return "transpose(" in self.name_stack
+
+    def __str__(self) -> str:
+        op = "conv" if self.primitive == "conv_general_dilated" else "dot"
+        ins = " x ".join(f"{d}{list(s)}" for d, s in zip(self.operand_dtypes, self.shapes))
+        return f"{op} {ins} -> {self.result_dtype} at {self.name_stack}"
+
+
+def _sub_jaxprs(params: dict) -> Iterator[Any]:
+    for value in params.values():
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if hasattr(v, "eqns"):
+                yield v
+            elif hasattr(getattr(v, "jaxpr", None), "eqns"):
+                yield v.jaxpr
+
+
+def matmuls(jaxpr: Any) -> list[Matmul]:
+    """Every `conv_general_dilated` and `dot_general` of `jaxpr` (a `ClosedJaxpr` from
+    `jax.make_jaxpr`, or a `Jaxpr`), in program order, nested programs included (jit,
+    scan, fori_loop, cond, custom_vjp, remat)."""
+    out: list[Matmul] = []
+
+    def walk(jp):
+        for eqn in jp.eqns:
+            if eqn.primitive.name in MATMUL_PRIMITIVES:
+                out.append(Matmul(
+                    eqn.primitive.name,
+                    tuple(str(v.aval.dtype) for v in eqn.invars[:2]),
+                    str(eqn.outvars[0].aval.dtype),
+                    tuple(tuple(v.aval.shape) for v in eqn.invars[:2]),
+                    str(eqn.source_info.name_stack)))
+            for sub in _sub_jaxprs(eqn.params):
+                walk(sub)
+
+    walk(getattr(jaxpr, "jaxpr", jaxpr))
+    return out
+
+
+def audit(jaxpr: Any, dtype: Any) -> list[Matmul]:
+    """The convolutions and matmuls of `jaxpr` that break the policy for a network of
+    compute dtype `dtype` (module docstring): outside `FLOAT32_LAYERS`, one with an
+    operand of another dtype than `dtype` or a result of another dtype than `dtype`
+    (a float32 result of bfloat16 operands makes XLA:GPU run a float32 TF32 kernel, and
+    its backward pass float32). Inside `FLOAT32_LAYERS`, one with a bfloat16/float16
+    operand. An empty list: the program keeps the policy. For `dtype` float32 every
+    convolution and matmul must be float32."""
+    want = str(jnp.dtype(dtype))
+    bad = []
+    for m in matmuls(jaxpr):
+        expect = "float32" if m.float32_path else want
+        if any(d != expect for d in m.operand_dtypes) or m.result_dtype != expect:
+            bad.append(m)
+    return bad
+
+
+def summary(jaxpr: Any) -> dict[str, int]:
+    """Counts of the convolutions and matmuls of `jaxpr` by kind, pass and precision, e.g.
+    `{'conv fwd bfloat16->bfloat16': 20, 'dot bwd float32->float32 (float32 path)': 8}`."""
+    counts: dict[str, int] = {}
+    for m in matmuls(jaxpr):
+        op = "conv" if m.primitive == "conv_general_dilated" else "dot"
+        key = (f"{op} {'bwd' if m.backward else 'fwd'} {'/'.join(sorted(set(m.operand_dtypes)))}"
+               f"->{m.result_dtype}" + (" (float32 path)" if m.float32_path else ""))
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
