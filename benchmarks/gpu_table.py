@@ -1,0 +1,539 @@
+"""One command, one table: edm2-jax against the authors' release on one GPU, for training
+and sampling of the released presets, with where our training step's time goes.
+
+    python benchmarks/gpu_table.py --release=/path/to/edm2 --out=gpu_table.md
+    python benchmarks/gpu_table.py --presets=img64-s --batch=128 --out=t.md   # ours only
+    JAX_PLATFORMS=cpu python benchmarks/gpu_table.py --presets=tiny --batch=8 \
+        --sample_batch=4 --steps=4 --out=/tmp/t.md                        # smoke test, CPU
+
+For each preset (`--presets`, default img64-xs,img64-s,img512-xs,img512-s; `tiny` is a
+small 16x16 net for smoke tests), at training batch `--batch` and sampler batch
+`--sample_batch` (Heun, `--steps` steps, labels class 0; "guided" = the net guided by
+itself at `--guidance`, the cost of classifier-free guidance or autoguidance with a
+guide of the same size), it measures:
+
+- img/s of one training step (loss, backward, Adam, EMAs: `compare_release.py`'s
+  `Release.train` and our `train_throughput.compiled_step`) and of the sampler, for the
+  release (its fp16 mode, as it trains by default) and ours (`--dtype`, bfloat16);
+- model TFLOP/s and MFU (convolutions and matmuls counted from the forward jaxpr, x3 for
+  a training step, x(2 steps - 1) per sampled image; of `--peak_tflops`, default the
+  chip's dense bf16 rate);
+- peak device memory of each process (`peak_bytes_in_use`; torch's
+  `max_memory_allocated`) and our compiled programs' buffers (`memory_analysis()`:
+  temp, and arguments);
+- compile time: our training step's lower + compile, and the sampler's first batch
+  less a steady batch;
+- a `jax.profiler` trace of `--profile_steps` training steps, summed by kernel class:
+  convolutions forward / input gradient / weight gradient with their precision, matmuls
+  with theirs, reductions, elementwise fusions, transposes, copies, and the idle gaps
+  between kernels (`profile_summary`).
+
+Each side runs in its own processes (ours: one for training, one for sampling, so each
+peak is its own; the release: one). Ours compile in parallel at the start (their
+compiles use the CPU and barely the GPU; `--serial_compile` runs them one at a time),
+then every measurement runs alone on the GPU, one process at a time, each side warmed
+up first and timed over `--iters` steps or batches. The table goes to `--out` as
+Markdown (and the raw figures to `<out>.json`), and is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+DEFAULT_PRESETS = "img64-xs,img64-s,img512-xs,img512-s"
+# A small net for smoke tests (16x16x3, 10 classes): not a release preset.
+TINY = dict(img_resolution=16, img_channels=3, label_dim=10, model_channels=16,
+            channel_mult=(1, 2), num_blocks=1, attn_resolutions=(8,), dropout=0.0)
+
+
+# ----------------------------------------------------------------------------- profile
+
+# Kernel classes of a training step, by the kernel's name or its HLO op (lower case).
+CONV_PATTERNS = {"conv forward": r"fprop|cudnn-conv(?!-bw)|cudnn\$convforward|convolution",
+                 "conv input-grad": r"dgrad|cudnn-conv-bw-input|convbackwardinput",
+                 "conv weight-grad": r"wgrad|cudnn-conv-bw-filter|convbackwardfilter"}
+CLASS_PATTERNS = [
+    ("matmul", r"gemm|nvjet|cublas|cutlass|\bdot\b|dot[._]|matmul|ynn_fusion"),
+    ("reduction", r"reduc"),
+    ("transpose", r"transpose"),
+    ("copy", r"copy|memcpy|memset|dynamic[-_]update[-_]slice|concatenate"),
+]
+
+
+def _precision(name: str) -> str:
+    """A kernel's operand precision from its name (cuDNN/cuBLAS spell it there)."""
+    for pat, label in (("tf32", "tf32"), ("bf16", "bf16"), ("f16", "fp16"), ("f32", "f32"),
+                       ("s1688|s16816|h1688|h16816", "fp16")):
+        if re.search(pat, name):
+            return label
+    return "?"
+
+
+def classify(name: str, hlo_op: str = "") -> str:
+    """The class of one kernel (`profile_summary`'s rows), from its name and HLO op."""
+    text = f"{name} {hlo_op}".lower()
+    for label, pat in CONV_PATTERNS.items():
+        if re.search(pat, text) and not re.search(r"gemm_fusion|triton_gemm", text):
+            if label != "conv forward" or re.search(r"conv|fprop|xmma", text):
+                return f"{label} {_precision(name.lower())}"
+    for label, pat in CLASS_PATTERNS:
+        if re.search(pat, text):
+            return f"{label} {_precision(name.lower())}" if label == "matmul" else label
+    return "elementwise"
+
+
+def _trace_events(logdir: str) -> list[dict]:
+    paths = [os.path.join(d, f) for d, _, fs in os.walk(logdir) for f in fs
+             if f.endswith("perfetto_trace.json.gz") or f.endswith(".trace.json.gz")]
+    if not paths:
+        raise FileNotFoundError(f"no trace under {logdir}")
+    paths.sort(key=lambda p: ("perfetto" not in p, p))
+    with gzip.open(paths[0], "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def profile_summary(logdir: str, steps: int) -> dict:
+    """Kernel time of a `jax.profiler` trace in `logdir` summed by class (`classify`),
+    per step: `{'classes': {class: {'ms': .., 'count': ..}}, 'busy_ms', 'idle_ms',
+    'span_ms', 'source'}`. On a GPU the device's kernels (every stream); on the CPU the
+    XLA ops the runtime records (`hlo_op`), where idle is the time no op runs."""
+    events = _trace_events(logdir)
+    procs = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device_pids = {p for p, n in procs.items() if n.startswith("/device:")}
+    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    if device_pids:
+        kernels = [e for e in xs if e.get("pid") in device_pids]
+        source = "device kernels"
+    else:
+        kernels = [e for e in xs if e.get("args", {}).get("hlo_op")]
+        source = "host XLA ops"
+    if not kernels:
+        raise ValueError(f"the trace in {logdir} holds no kernels")
+    classes: dict[str, dict] = {}
+    intervals = []
+    for e in kernels:
+        args = e.get("args", {})
+        c = classify(e["name"], str(args.get("hlo_op", "")) + " " + str(args.get("long_name", "")))
+        d = classes.setdefault(c, {"ms": 0.0, "count": 0})
+        d["ms"] += e["dur"] / 1e3 / steps
+        d["count"] += 1
+        intervals.append((e["ts"], e["ts"] + e["dur"]))
+    intervals.sort()
+    busy, end = 0.0, None
+    start = intervals[0][0]
+    for a, b in intervals:
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    span = end - start
+    for d in classes.values():
+        d["count"] = d["count"] / steps
+    return {"classes": dict(sorted(classes.items(), key=lambda kv: -kv[1]["ms"])),
+            "busy_ms": busy / 1e3 / steps, "idle_ms": (span - busy) / 1e3 / steps,
+            "span_ms": span / 1e3 / steps, "source": source}
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def build_config(preset: str, batch: int, dtype: str):
+    from edm2_jax.model.presets import NETWORK_PRESETS, TRAINING_PRESETS
+    from train_throughput import load_config
+    config = load_config(os.path.join(os.path.dirname(HERE), "configs", "fashion_mnist.py"))
+    if preset == "tiny":
+        config.network.update(TINY)
+    else:
+        config.network.update(dict(NETWORK_PRESETS[preset]))
+        tp = TRAINING_PRESETS[preset]
+        config.loss.P_mean, config.loss.P_std = tp["P_mean"], tp["P_std"]
+        config.optim.ref_lr, config.optim.t_ref = tp["ref_lr"], tp["t_ref"]
+    config.batch_size = batch
+    config.batch_per_device = 0
+    config.network.dtype = dtype
+    return config
+
+
+def _mem(compiled) -> dict:
+    try:
+        m = compiled.memory_analysis()
+        return {"temp_gib": m.temp_size_in_bytes / 2**30, "arg_gib": m.argument_size_in_bytes / 2**30}
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        return {}
+
+
+class OursTrain:
+    def __init__(self, args):
+        import jax
+        from compare_release import forward_flops
+        from train_throughput import compiled_step
+        self.jax, self.args = jax, args
+        self.config = build_config(args.preset, args.batch, args.dtype)
+        self.step, self.state, self.batch, info = compiled_step(self.config)
+        self.bs = args.batch
+        self.info = {"compile_s": info["compile_s"], "params": info["n_params"],
+                     "flops_per_img": 3 * forward_flops(info["net"], 1), **_mem(self.step)}
+
+    def run(self, iters: int) -> float:
+        t = time.perf_counter()
+        for _ in range(iters):
+            self.state, metrics = self.step(self.state, self.batch)
+        self.jax.block_until_ready((self.state, metrics))
+        return self.bs * iters / (time.perf_counter() - t)
+
+    def measure(self) -> dict:
+        self.run(self.args.warmup)
+        img_s = max(self.run(self.args.iters) for _ in range(self.args.repeats))
+        out = {"train_img_s": img_s, "peak_gib": _peak_gib(self.jax)}
+        if self.args.profile_steps:
+            out["profile"] = self.profile(self.args.profile_steps)
+        return out
+
+    def profile(self, steps: int) -> dict:
+        import tempfile
+        logdir = tempfile.mkdtemp(prefix="edm2_jax_trace_")
+        try:
+            with self.jax.profiler.trace(logdir, create_perfetto_trace=True):
+                self.run(steps)
+            return profile_summary(logdir, steps)
+        except Exception as e:  # noqa: BLE001 - the table says why it has no profile
+            return {"error": f"{type(e).__name__}: {e}"}
+
+
+class OursSample:
+    def __init__(self, args):
+        import jax
+        import numpy as np
+        from compare_release import forward_flops
+        from forward import random_variables
+        from edm2_jax.sampling.sampler import sample_images, split_seeds
+        from edm2_jax.training import state as state_lib
+        self.jax, self.np, self.args = jax, np, args
+        config = build_config(args.preset, args.batch, args.dtype)
+        self.net = state_lib.make_network(config)
+        v = random_variables(self.net)
+        v["params"]["unet"]["out_gain"] = v["params"]["unet"]["out_gain"] * 0 + 0.1
+        self.v, self.sample_images, self.split_seeds = v, sample_images, split_seeds
+        self.seed0 = 0
+        self.info = {"flops_per_img": forward_flops(self.net, 1) * (2 * args.steps - 1)}
+        for guided in (False, True):  # compile both programs now (first batch - steady)
+            first = self._batch(guided)
+            steady = self._batch(guided)
+            self.info[f"compile_s{'_guided' if guided else ''}"] = max(first - steady, 0.0)
+
+    def _batch(self, guided: bool) -> float:
+        b = self.args.sample_batch
+        seeds = self.split_seeds(self.np.arange(self.seed0, self.seed0 + b))
+        self.seed0 += b
+        kw = dict(guide_net=self.net, guide_variables=self.v,
+                  guidance=self.args.guidance) if guided else {}
+        t = time.perf_counter()
+        self.jax.block_until_ready(self.sample_images(
+            self.net, self.v, seeds, 0 if self.net.label_dim else None,
+            num_steps=self.args.steps, **kw))
+        return time.perf_counter() - t
+
+    def measure(self) -> dict:
+        out = {}
+        for guided in (False, True):
+            key = "guided" if guided else "sample"
+            t = min(sum(self._batch(guided) for _ in range(self.args.sample_iters))
+                    for _ in range(self.args.repeats))
+            out[f"{key}_img_s"] = self.args.sample_batch * self.args.sample_iters / t
+            out[f"{key}_peak_gib"] = _peak_gib(self.jax)
+        return out
+
+
+class ReleaseSide:
+    def __init__(self, args):
+        import compare_release
+        ns = argparse.Namespace(release=args.release, device="", dtype=args.dtype,
+                                work=["train", "sample"], threads=0, steps=args.steps)
+        self.rel = compare_release.Release(build_config(args.preset, args.batch, args.dtype), ns)
+        self.torch, self.args = self.rel.torch, args
+        self.info = {"device": self.torch.cuda.get_device_name(0)
+                     if self.rel.device.type == "cuda" else "cpu"}
+
+    def _peak(self) -> float:
+        if self.rel.device.type != "cuda":
+            return float("nan")
+        return self.torch.cuda.max_memory_allocated(self.rel.device) / 2**30
+
+    def _reset(self):
+        if self.rel.device.type == "cuda":
+            self.torch.cuda.reset_peak_memory_stats(self.rel.device)
+
+    def _sample(self, iters: int, guided: bool) -> float:
+        torch, rel = self.torch, self.rel
+        b = self.args.sample_batch
+        rel.net.eval().requires_grad_(False)
+        with torch.no_grad():
+            rel.net.unet.out_gain.fill_(0.1)
+            rel._sync()
+            t = time.perf_counter()
+            for _ in range(iters):
+                noise = torch.randn(b, *rel.shape, device=rel.device)
+                labels = (torch.eye(rel.label_dim, device=rel.device)[
+                    torch.zeros(b, dtype=torch.long)] if rel.label_dim else None)
+                kw = dict(gnet=rel.net, guidance=self.args.guidance) if guided else {}
+                x = rel.edm_sampler(rel.net, noise, labels, num_steps=self.args.steps, **kw)
+                (x * 127.5 + 128).clip(0, 255).to(torch.uint8).cpu()
+            rel._sync()
+        return b * iters / (time.perf_counter() - t)
+
+    def measure(self) -> dict:
+        self._reset()
+        self.rel.train(self.args.warmup)
+        out = {"train_img_s": max(self.rel.train(self.args.iters)
+                                  for _ in range(self.args.repeats)),
+               "peak_gib": self._peak()}
+        for guided in (False, True):
+            key = "guided" if guided else "sample"
+            self._reset()
+            self._sample(1, guided)
+            out[f"{key}_img_s"] = max(self._sample(self.args.sample_iters, guided)
+                                      for _ in range(self.args.repeats))
+            out[f"{key}_peak_gib"] = self._peak()
+        return out
+
+
+def _peak_gib(jax) -> float:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use", float("nan")) / 2**30
+
+
+def worker(args) -> None:
+    """One side of one preset in its own process: build (and compile) it, print `READY
+    {info}`, then on 'measure' print `RESULT {figures}`; 'quit' ends it."""
+    from edm2_jax import process
+    process.add_default_xla_flags()
+    side = {"train": OursTrain, "sample": OursSample, "release": ReleaseSide}[args.worker](args)
+    info = dict(side.info)
+    if args.worker != "release":
+        import jax
+        dev = jax.devices()[0]
+        info["device"] = f"{dev.platform}:{dev.device_kind}"
+        info["platform"] = dev.platform
+    print("READY " + json.dumps(info), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "measure":
+            print("RESULT " + json.dumps(side.measure()), flush=True)
+        else:
+            break
+
+
+class Worker:
+    """The orchestrator's handle on one worker process."""
+
+    def __init__(self, kind: str, preset: str, argv: list[str], env: dict):
+        self.kind, self.preset = kind, preset
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), *argv, f"--worker={kind}",
+             f"--preset={preset}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env=env)
+        self.info = None
+
+    def _read(self, tag: str) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(tag + " "):
+                return json.loads(line[len(tag) + 1:])
+        raise RuntimeError(f"the {self.kind} worker of {self.preset} exited "
+                           f"(code {self.proc.wait()}); its error is above")
+
+    def ready(self) -> dict:
+        if self.info is None:
+            self.info = self._read("READY")
+        return self.info
+
+    def measure(self) -> dict:
+        self.ready()
+        self.proc.stdin.write("measure\n")
+        self.proc.stdin.flush()
+        out = self._read("RESULT")
+        self.close()
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+            except BrokenPipeError:
+                pass
+            self.proc.wait()
+
+
+# ----------------------------------------------------------------------------- table
+
+PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "B200": 2250.0, "A100": 312.0}
+
+
+def _f(x, fmt="{:.1f}") -> str:
+    return "–" if x is None or x != x else fmt.format(x)
+
+
+def render(results: dict, args) -> str:
+    lines = [f"# edm2-jax vs the release: {results.get('device', '?')}", "",
+             f"Training batch {args.batch}, ours {args.dtype}, release fp16 (its default) "
+             f"on a GPU; sampler: Heun {args.steps} steps ({2 * args.steps - 1} evaluations), "
+             f"batch {args.sample_batch}, guided = guidance {args.guidance} by a guide of "
+             f"the same size. MFU of {results.get('peak_tflops', float('nan')):.0f} TFLOP/s. "
+             f"Command: `{results.get('command', '')}`", "",
+             "| preset | side | train img/s | train TFLOP/s | MFU % | peak GiB (train) | "
+             "compile s | sample img/s | guided img/s | peak GiB (sampler) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    peak = results.get("peak_tflops", float("nan"))
+    for preset, r in results["presets"].items():
+        ours, rel = r.get("ours", {}), r.get("release", {})
+        fl = r.get("train_flops_per_img", float("nan"))
+        for side, d in (("release", rel), ("edm2-jax", ours)):
+            if not d:
+                continue
+            tf = d.get("train_img_s", float("nan")) * fl / 1e12
+            comp = (f"{_f(d.get('compile_s'))} / {_f(d.get('sample_compile_s'))} / "
+                    f"{_f(d.get('guided_compile_s'))}" if side == "edm2-jax" else "–")
+            lines.append(
+                f"| {preset} | {side} | {_f(d.get('train_img_s'))} | {_f(tf)} | "
+                f"{_f(100 * tf / peak)} | {_f(d.get('peak_gib'), '{:.2f}')} | {comp} | "
+                f"{_f(d.get('sample_img_s'), '{:.2f}')} | {_f(d.get('guided_img_s'), '{:.2f}')} | "
+                f"{_f(d.get('guided_peak_gib', d.get('sample_peak_gib')), '{:.2f}')} |")
+        if ours and rel:
+            ratio = lambda k: ours.get(k, float("nan")) / rel.get(k, float("nan"))  # noqa: E731
+            lines.append(f"| {preset} | **ratio** | **{ratio('train_img_s'):.2f}x** | | | | | "
+                         f"**{ratio('sample_img_s'):.2f}x** | **{ratio('guided_img_s'):.2f}x** | |")
+        if "error" in r:
+            lines.append(f"| {preset} | error | {r['error']} | | | | | | | |")
+    lines += ["", "Compile s: training step / sampler / guided sampler (first batch less a "
+              "steady one). Our programs' buffers (`memory_analysis`, GiB): " + "; ".join(
+                  f"{p}: step temp {_f(r.get('ours', {}).get('temp_gib'), '{:.2f}')}, "
+                  f"arguments {_f(r.get('ours', {}).get('arg_gib'), '{:.2f}')}"
+                  for p, r in results["presets"].items()), ""]
+    for preset, r in results["presets"].items():
+        prof = r.get("ours", {}).get("profile")
+        if not prof:
+            continue
+        if "error" in prof:
+            lines += [f"Profile of {preset}: unavailable ({prof['error']})", ""]
+            continue
+        step_ms = prof["span_ms"]
+        lines += [f"## Where our {preset} training step goes ({prof['source']}, per step, "
+                  f"mean of {args.profile_steps}: span {step_ms:.1f} ms, busy "
+                  f"{prof['busy_ms']:.1f} ms)", "",
+                  "| kernel class | ms/step | % of span | kernels/step |", "|---|---|---|---|"]
+        for c, d in prof["classes"].items():
+            lines.append(f"| {c} | {d['ms']:.2f} | {100 * d['ms'] / step_ms:.1f} | "
+                         f"{d['count']:.0f} |")
+        lines += [f"| idle gaps | {prof['idle_ms']:.2f} | {100 * prof['idle_ms'] / step_ms:.1f} | |",
+                  ""]
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--release", default="", help="a checkout of NVlabs/edm2 (none: ours only)")
+    ap.add_argument("--presets", default=DEFAULT_PRESETS,
+                    help=f"comma-separated release presets, or 'tiny' (default {DEFAULT_PRESETS})")
+    ap.add_argument("--batch", type=int, default=128, help="training batch")
+    ap.add_argument("--sample_batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=32, help="sampler steps")
+    ap.add_argument("--guidance", type=float, default=2.0)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                    help="ours; the release runs fp16 on a GPU unless float32")
+    ap.add_argument("--iters", type=int, default=10, help="training steps per measurement")
+    ap.add_argument("--sample_iters", type=int, default=1, help="sampler batches per measurement")
+    ap.add_argument("--repeats", type=int, default=2, help="measurements (the best is kept)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--profile_steps", type=int, default=3, help="0: no profile")
+    ap.add_argument("--peak_tflops", type=float, default=0.0,
+                    help="peak for MFU (default: the GPU's dense bf16 rate)")
+    ap.add_argument("--serial_compile", action="store_true",
+                    help="start our workers one at a time instead of compiling in parallel")
+    ap.add_argument("--out", default="gpu_table.md", help="Markdown table; raw figures to <out>.json")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--preset", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    from edm2_jax.model.presets import NETWORK_PRESETS
+    unknown = [p for p in presets if p != "tiny" and p not in NETWORK_PRESETS]
+    if unknown:
+        raise SystemExit(f"error: unknown presets {unknown}; choose from "
+                         f"{sorted(NETWORK_PRESETS)} or 'tiny'")
+    if args.release and not os.path.isfile(os.path.join(args.release, "training",
+                                                        "networks_edm2.py")):
+        raise SystemExit(f"error: --release={args.release!r} is not a checkout of NVlabs/edm2 "
+                         "(no training/networks_edm2.py there)")
+
+    argv = [a for a in sys.argv[1:] if not a.startswith(("--worker", "--preset="))]
+    argv.append(f"--batch={args.batch}")
+    env = dict(os.environ)
+    # Several processes share the GPU: none takes memory up front, each takes its own.
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    t0 = time.time()
+    ours = {}
+    for p in presets:
+        for kind in ("train", "sample"):
+            ours[p, kind] = Worker(kind, p, argv, env)
+            if args.serial_compile:
+                ours[p, kind].ready()
+    results = {"presets": {}, "command": "python benchmarks/gpu_table.py " + " ".join(
+        a for a in sys.argv[1:])}
+    for p in presets:
+        r = results["presets"].setdefault(p, {})
+        try:
+            tr, sa = ours[p, "train"], ours[p, "sample"]
+            info_t, info_s = tr.ready(), sa.ready()
+            print(f"[{time.time() - t0:.0f} s] {p}: compiled (step {info_t['compile_s']:.1f} s, "
+                  f"sampler {info_s['compile_s']:.1f} s)", flush=True)
+            results["device"] = info_t["device"]
+            r["train_flops_per_img"] = info_t["flops_per_img"]
+            r["sample_flops_per_img"] = info_s["flops_per_img"]
+            if args.release:
+                rel = Worker("release", p, argv, env)
+                rel.ready()
+                r["release"] = rel.measure()
+                print(f"[{time.time() - t0:.0f} s] {p} release: {r['release']}", flush=True)
+            o = tr.measure()
+            o.update(compile_s=info_t["compile_s"], temp_gib=info_t.get("temp_gib"),
+                     arg_gib=info_t.get("arg_gib"))
+            o.update(sa.measure())
+            o.update(sample_compile_s=info_s["compile_s"],
+                     guided_compile_s=info_s["compile_s_guided"])
+            r["ours"] = o
+            print(f"[{time.time() - t0:.0f} s] {p} edm2-jax: "
+                  f"{ {k: v for k, v in o.items() if k != 'profile'} }", flush=True)
+        except Exception as e:  # noqa: BLE001 - one preset's failure leaves the others' rows
+            r["error"] = f"{type(e).__name__}: {e}"
+            print(f"{p}: {r['error']}", flush=True)
+        finally:
+            for kind in ("train", "sample"):
+                ours[p, kind].close()
+        dev = results.get("device", "")
+        results["peak_tflops"] = args.peak_tflops or next(
+            (v for k, v in PEAK_TFLOPS.items() if k in dev), float("nan"))
+        table = render(results, args)
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+        with open(args.out + ".json", "w") as f:
+            json.dump(results, f, indent=1, default=float)
+    print(table)
+    print(f"(written to {args.out} and {args.out}.json in {time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
