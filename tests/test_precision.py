@@ -175,3 +175,48 @@ def test_float32_layers_exist_in_the_network():
         mine = [m for m in f32 if m.layer == name]
         assert any(m.backward for m in mine) and any(not m.backward for m in mine), name
     assert {m.layer for m in f32} == set(precision.FLOAT32_LAYERS)
+
+
+def _saved_for_backward(dtype: str, batch: int = 8) -> list:
+    """Shapes and dtypes of what the training loss keeps for its backward pass (the
+    residuals `jax.vjp` closes over), for a bf16/f32 net of the fashion_mnist config."""
+    from edm2_jax.model import loss as loss_lib
+    from edm2_jax.model.networks import init_variables
+    net = precond_from_config(_config(dtype).network.to_dict())
+    v = init_variables(net, jax.random.PRNGKey(0))
+    r, ch, L = net.img_resolution, net.img_channels, net.label_dim
+    x = jnp.zeros((batch, r, r, ch), jnp.float32)
+
+    def loss(params):
+        return loss_lib.edm2_objective(
+            params, v["buffers"], net, x, jnp.zeros((batch, L), jnp.float32), P_mean=-0.8,
+            P_std=1.6, sigma_data=0.5, train=True, rnd_normal=jnp.zeros((batch,)),
+            noise_unit=jnp.zeros_like(x), dropout_rng=jax.random.PRNGKey(0),
+            batch_size=batch)[0]
+
+    return jax.eval_shape(lambda p: jax.tree.leaves(jax.vjp(loss, p)[1]), v["params"])
+
+
+def test_bf16_step_keeps_its_activations_for_the_backward_pass_in_bf16():
+    """The activations the backward pass needs are the bulk of the step's memory: a bf16
+    network keeps them in bf16, half the bytes of the float32 network's, and no float32
+    copy of a feature map (only the per-example embeddings and scalars, and the
+    image-sized input and output of the float32 preconditioning and loss)."""
+    batch = 8
+    per_example = {}
+    for dtype in ("float32", "bfloat16"):
+        acts = [a for a in _saved_for_backward(dtype, batch) if a.ndim >= 2 and a.shape[0] == batch]
+        per_example[dtype] = acts
+    net = precond_from_config(_config("float32").network.to_dict())
+    image = net.img_resolution ** 2 * net.img_channels
+    f32_in_bf16 = [a for a in per_example["bfloat16"] if a.dtype == jnp.float32]
+    assert all(a.size // batch <= max(image, 4 * net.model_channels) for a in f32_in_bf16), [
+        (a.shape, str(a.dtype)) for a in f32_in_bf16 if a.size // batch > image]
+    def nbytes(acts, kind):
+        return sum(a.size * a.dtype.itemsize for a in acts if (a.dtype == jnp.bool_) == kind)
+    # Floats halve (the float32 ones of the bf16 net aside); the clip masks are bool in both.
+    small = sum(a.size * a.dtype.itemsize for a in f32_in_bf16)
+    floats = {k: nbytes(v, False) for k, v in per_example.items()}
+    assert floats["bfloat16"] <= floats["float32"] / 2 + small, floats
+    assert nbytes(per_example["bfloat16"], True) == nbytes(per_example["float32"], True)
+    assert any(a.dtype == jnp.bfloat16 for a in per_example["bfloat16"])

@@ -1,0 +1,103 @@
+"""benchmarks/gpu_table.py: the GPU speed table's command runs end to end (here on the CPU,
+at a tiny size) and writes its table; its profile summary classifies the kernels that
+cuDNN, cuBLAS and XLA:GPU name, and sums their time and the idle gaps exactly."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import gpu_table  # noqa: E402
+
+
+@pytest.mark.parametrize("name,hlo_op,want", [
+    # cuDNN convolutions, as XLA:GPU runs them on an H100 (kernel names from its traces).
+    ("sm90_xmma_fprop_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nhwc_tilesize128x128x32",
+     "cudnn-conv.12", "conv forward tf32"),
+    ("sm90_xmma_wgrad_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nhwc", "cudnn-conv-bw-filter.3",
+     "conv weight-grad tf32"),
+    ("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc", "cudnn-conv.7",
+     "conv forward bf16"),
+    ("sm90_xmma_dgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nchw", "cudnn-conv-bw-input.1",
+     "conv input-grad bf16"),
+    # cuBLAS / Triton matmuls, reductions, transposes, copies, elementwise fusions.
+    ("nvjet_tst_128x192_64x4_1x2_h_bz_coopA_NNT", "custom-call.5", "matmul ?"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "cublas-gemm.2",
+     "matmul bf16"),
+    ("gemm_fusion_dot_1", "gemm_fusion_dot.1", "matmul ?"),
+    ("input_reduce_fusion_3", "reduce.4", "reduction"),
+    ("loop_transpose_fusion", "transpose.9", "transpose"),
+    ("copy_fusion_2", "copy.1", "copy"),
+    ("loop_multiply_fusion_17", "multiply.3", "elementwise"),
+])
+def test_classify_names_kernels_by_class_and_precision(name, hlo_op, want):
+    assert gpu_table.classify(name, hlo_op) == want
+
+
+def _write_trace(tmp_path, events):
+    run = tmp_path / "plugins" / "profile" / "run1"
+    run.mkdir(parents=True)
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}}]
+    with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+
+
+def test_profile_summary_sums_device_kernels_and_idle_gaps(tmp_path):
+    k = lambda name, ts, dur, pid=2: {"ph": "X", "pid": pid, "tid": 7, "ts": ts,  # noqa: E731
+                                      "dur": dur, "name": name, "args": {}}
+    _write_trace(tmp_path, [
+        k("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32", 0, 100),
+        k("loop_add_fusion", 50, 100),          # overlaps the conv on another stream: 0-150 busy
+        k("input_reduce_fusion", 200, 50),      # gap 150-200
+        k("host_side_launch", 0, 1000, pid=1),  # host events are not the device's time
+        k("sm90_xmma_wgrad_implicit_gemm_bf16bf16_bf16f32_f32", 300, 100),  # gap 250-300
+    ])
+    s = gpu_table.profile_summary(str(tmp_path), steps=2)
+    assert s["source"] == "device kernels"
+    assert s["span_ms"] == pytest.approx(400 / 1e3 / 2)
+    assert s["busy_ms"] == pytest.approx(300 / 1e3 / 2)
+    assert s["idle_ms"] == pytest.approx(100 / 1e3 / 2)
+    assert s["classes"]["conv forward bf16"] == {"ms": pytest.approx(0.05), "count": 0.5}
+    assert s["classes"]["conv weight-grad bf16"]["ms"] == pytest.approx(0.05)
+    assert s["classes"]["elementwise"]["ms"] == pytest.approx(0.05)
+    assert s["classes"]["reduction"]["ms"] == pytest.approx(0.025)
+
+
+def test_gpu_table_command_writes_its_table_on_cpu(tmp_path):
+    out = tmp_path / "table.md"
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               EDM2_JAX_COMPILATION_CACHE=str(tmp_path / "xla_cache"))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_table.py"), "--presets=tiny", "--batch=4",
+         "--sample_batch=2", "--steps=2", "--iters=1", "--warmup=1", "--repeats=1",
+         "--profile_steps=1", f"--out={out}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = out.read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| tiny | edm2-jax |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[2]) > 0 and float(cells[7]) > 0 and float(cells[8]) > 0, row
+    assert "## Where our tiny training step goes (host XLA ops" in table
+    assert "| idle gaps |" in table
+    figures = json.loads((tmp_path / "table.md.json").read_text())
+    ours = figures["presets"]["tiny"]["ours"]
+    assert ours["train_img_s"] > 0 and ours["temp_gib"] > 0
+    assert ours["profile"]["classes"], ours["profile"]
+
+
+def test_gpu_table_rejects_an_unknown_preset_before_starting_workers(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_table.py"), "--presets=img64-q",
+         f"--out={tmp_path / 't.md'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown presets ['img64-q']")
+    assert not (tmp_path / "t.md").exists()
