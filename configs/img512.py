@@ -4,6 +4,8 @@ The data are the release's pre-encoded latents: a folder or zip of `.npy` mean/s
 [8, 64, 64] with dataset.json (its `dataset_tool.py encode`, or ours:
 `python -m edm2_jax.data.dataset_tool encode`; edm2_jax/data/latents.py); generating and
 evaluating decode with the SD VAE given as --vae (config.eval.vae during training).
+Compute dtype `network.dtype='auto'`: bfloat16 on GPU/TPU, float32 on CPU
+(`configs.resolve_dtype`); `--config.network.dtype=float32` trains in float32.
 
     python -m edm2_jax.main --config=configs/img512.py:xs --workdir=runs/img512-xs \
         --config.data.path=datasets/img512-sd.zip
@@ -11,7 +13,7 @@ evaluating decode with the SD VAE given as --vae (config.eval.vae during trainin
         --seeds=0-63 --outdir=out
 
 `tiny`: 8x8x4 latents (64x64 RGB through an 8x VAE), 10 classes, a 2-level U-Net of
-width 16, batch 32, 1.024 kimg; minutes on CPU.
+width 16, batch 32, 1.024 kimg, float32; minutes on CPU.
 """
 from edm2_jax.configs import preset_config
 
@@ -23,7 +25,8 @@ def get_config(variant: str = "s"):
     c.data.encoder = "sd-vae"
     if tiny:
         c.network.update(img_resolution=8, img_channels=4, label_dim=10, model_channels=16,
-                         channel_mult=(1, 2), num_blocks=1, attn_resolutions=(), dropout=0.0)
+                         channel_mult=(1, 2), num_blocks=1, attn_resolutions=(), dropout=0.0,
+                         dtype="float32")
         c.batch_size = 32
         c.optim.ref_lr, c.optim.t_ref, c.optim.rampup_kimg = 0.01, 1000, 0.256
         c.total_kimg = 1.024

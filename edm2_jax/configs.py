@@ -2,7 +2,8 @@
 
 `base_config()` holds every field with its default; `preset_config('img64-s')` fills in a
 released preset from `presets.py`. Durations are in kimg (thousands of images), `t_ref`
-in batches, learning rates absolute.
+in batches, learning rates absolute. The presets' `network.dtype` is 'auto', made
+concrete once at start-up for the platform by `resolve_dtype`.
 """
 from __future__ import annotations
 
@@ -14,11 +15,20 @@ from edm2_jax.ema import power as ema
 from edm2_jax.model import presets
 
 
+# The values of `network.dtype`; 'auto' is resolved at start-up (`resolve_dtype`) to
+# AUTO_DTYPES[platform], float32 on a platform not listed (the CPU).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+AUTO_DTYPES = {"gpu": "bfloat16", "tpu": "bfloat16"}
+
+
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
 
-    # Network: keyword arguments of networks.Precond (dtype as a string).
+    # Network: keyword arguments of networks.Precond. dtype: the compute dtype of the
+    # U-Net's convolutions and matmuls (model/precision.py; params, EMAs and the loss are
+    # float32 whatever it is), a name in DTYPES; 'auto' is resolved at start-up
+    # (`resolve_dtype`: bfloat16 on GPU/TPU, float32 on CPU).
     c.network = ml_collections.ConfigDict(dict(
         img_resolution=32, img_channels=1, label_dim=10, model_channels=32,
         channel_mult=(1, 2, 2), num_blocks=1, attn_resolutions=(8,), dropout=0.0,
@@ -172,12 +182,36 @@ def validate(c: ml_collections.ConfigDict) -> None:
         need(str(b.cpu_conv_grad) in cpu_backend.CONV_GRADS, "backend.cpu_conv_grad",
              f"one of {', '.join(cpu_backend.CONV_GRADS)}")
         need(isinstance(b.cpu_barriers, bool), "backend.cpu_barriers", "True or False")
-    need(str(c.network.dtype) in ("float32", "bfloat16", "float16"), "network.dtype",
-         "one of float32, bfloat16, float16")
+    need(str(c.network.dtype) in DTYPES, "network.dtype",
+         f"one of {', '.join(DTYPES)} (auto: bfloat16 on GPU/TPU, float32 on CPU)")
+
+
+def compute_dtype(dtype: str, platform: str, recorded: str | None = None) -> str:
+    """The compute dtype a `network.dtype` of `dtype` trains in on `platform` (the name
+    `jax.default_backend()` gives: 'cpu', 'gpu', 'tpu'): `dtype` itself, or for 'auto'
+    the dtype `recorded` in the config.json of the run being resumed (a run keeps the
+    precision it started with), else `AUTO_DTYPES[platform]` (bfloat16 on GPU and TPU,
+    as the release trains every preset in mixed precision), else float32."""
+    if str(dtype) != "auto":
+        return dtype
+    if recorded is not None and str(recorded) in DTYPES[1:]:
+        return str(recorded)
+    return AUTO_DTYPES.get(platform, "float32")
+
+
+def resolve_dtype(c: ml_collections.ConfigDict, platform: str, recorded: str | None = None
+                  ) -> ml_collections.ConfigDict:
+    """A copy of `c` whose `network.dtype` is concrete (`compute_dtype`): the config a run
+    trains with and records, made once at start-up (`training.setup.setup_precision`,
+    `modes.release.import_training_state`) with `platform = jax.default_backend()`."""
+    c = ml_collections.ConfigDict(c.to_dict())
+    c.network.dtype = compute_dtype(c.network.dtype, platform, recorded)
+    return c
 
 
 def preset_config(name: str) -> ml_collections.ConfigDict:
-    """Config of a released preset, e.g. 'img64-s' or 'img512-xxl'.
+    """Config of a released preset, e.g. 'img64-s' or 'img512-xxl', with network.dtype
+    'auto' (`resolve_dtype`: bfloat16 on GPU/TPU, float32 on CPU).
 
     Raises KeyError naming the valid presets.
     """
@@ -185,6 +219,7 @@ def preset_config(name: str) -> ml_collections.ConfigDict:
         raise KeyError(f"unknown preset {name!r}; valid: {sorted(presets.NETWORK_PRESETS)}")
     c = base_config()
     c.network.update(presets.NETWORK_PRESETS[name])
+    c.network.dtype = "auto"  # mixed precision on GPU/TPU, as the release trains them
     t = presets.TRAINING_PRESETS[name]
     c.loss.P_mean, c.loss.P_std = t["P_mean"], t["P_std"]
     c.optim.ref_lr, c.optim.t_ref, c.optim.rampup_kimg = t["ref_lr"], t["t_ref"], t["rampup_kimg"]

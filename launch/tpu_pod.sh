@@ -41,6 +41,7 @@ check_workdir "$WORKDIR"
 case "$WORKDIR" in gs://*) ;; *) echo "warning: $WORKDIR is not a gs:// path; every worker must see the same directory" >&2 ;; esac
 if [ "$DRY_RUN" != 1 ]; then command -v gcloud >/dev/null || die "gcloud not found (install the Google Cloud SDK)"; fi
 
+[ "$DRY_RUN" != 1 ] || network_dtype "$CONFIG" "${EXTRA[@]}"
 remote="cd $REPO_DIR && python -m edm2_jax.main --config=$CONFIG --workdir=$WORKDIR"
 for arg in "${EXTRA[@]}"; do remote+=" $(printf '%q' "$arg")"; done
 project_flag=()

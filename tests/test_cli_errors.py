@@ -210,6 +210,12 @@ def unknown_field(tmp_path, tmpfs, netdir):
             ["unknown config field 'total_kimgg'", 'Did you mean "total_kimg"'], tmp_path)
 
 
+def unknown_dtype(tmp_path, tmpfs, netdir):
+    return ([TINY, f"--workdir={tmp_path}/run", "--config.network.dtype=float64"], {},
+            ["--config.network.dtype='float64'", "one of auto, float32, bfloat16, float16"],
+            tmp_path)
+
+
 def no_workdir(tmp_path, tmpfs, netdir):
     return [TINY], {}, ["needs --workdir=DIR"], tmp_path
 
@@ -262,6 +268,7 @@ CASES = {
     "phema_gcs_without_gcsfs": gcs_without_gcsfs("phema"),
     "config_unknown_variant": unknown_variant,
     "config_unknown_field": unknown_field,
+    "config_unknown_dtype": unknown_dtype,
     "no_workdir": no_workdir,
     "workdir_is_a_file": existing_file("--workdir"),
     "generate_outdir_is_a_file": existing_file("--outdir"),

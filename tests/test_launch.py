@@ -3,6 +3,7 @@ pass shellcheck (when it is installed)."""
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -11,8 +12,10 @@ SCRIPTS = ["launch/single_gpu.sh", "launch/slurm.sbatch", "launch/tpu_pod.sh"]
 
 
 def run(*args):
-    return subprocess.run(["bash", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={k: v for k, v in os.environ.items() if not k.startswith("SLURM")})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    # `python` is this interpreter (the dry-run reads the config's network.dtype with it).
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    return subprocess.run(["bash", *args], cwd=ROOT, capture_output=True, text=True, env=env)
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
@@ -45,6 +48,24 @@ def test_dry_run_prints_the_command():
     r = run("launch/tpu_pod.sh", "--tpu=pod", "--zone=z", "--config=configs/img64.py:m",
             "--workdir=gs://b/r", "--dry-run", "--skip-install")
     assert r.returncode == 0 and "pip install" not in r.stdout and "edm2_jax.main" in r.stdout
+
+
+def test_dry_run_prints_the_compute_dtype():
+    """The presets' 'auto' (bfloat16 on GPU/TPU), an explicit override, Fashion-MNIST's
+    float32; each line before the command."""
+    auto = "network.dtype: auto (bfloat16 on GPU/TPU, float32 on CPU"
+    r = run("launch/single_gpu.sh", "--config=configs/img64.py:xs", "--workdir=runs/x", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].startswith(auto), r.stdout
+    r = run("launch/single_gpu.sh", "--config=configs/img64.py:xs", "--workdir=runs/x", "--dry-run",
+            "--", "--config.network.dtype=float32")
+    assert r.stdout.splitlines()[0] == "network.dtype: float32", r.stdout
+    r = run("launch/slurm.sbatch", "--config=configs/fashion_mnist.py", "--workdir=/lustre/x",
+            "--dry-run")
+    assert "network.dtype: float32\n+ srun" in r.stdout, r.stdout
+    r = run("launch/tpu_pod.sh", "--tpu=pod", "--zone=z", "--config=configs/img512.py:xl",
+            "--workdir=gs://b/r", "--dry-run", "--skip-install")
+    assert r.returncode == 0 and auto in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

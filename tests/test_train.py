@@ -469,6 +469,90 @@ def test_missing_fashion_mnist_names_the_package(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+# --------------------------------------------------------------------------------------
+# Compute precision: the presets train in mixed precision on GPU/TPU, as the release does
+
+
+def _config_file(name: str, variant: str) -> ml_collections.ConfigDict:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"{name}_config", REPO / "configs" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config(variant)
+
+
+def test_presets_default_to_auto_dtype_and_fashion_mnist_to_float32():
+    for name, variant in (("img64", "xs"), ("img64", "s"), ("img512", "xs"), ("img512", "xxl"),
+                          ("ablation", "e,img64-s")):
+        assert _config_file(name, variant).network.dtype == "auto", (name, variant)
+    for name, variant in (("fashion_mnist", "default"), ("fashion_mnist", "tiny"),
+                          ("img512", "tiny"), ("ablation", "g"), ("ablation", "c,tiny")):
+        assert _config_file(name, variant).network.dtype == "float32", (name, variant)
+
+
+def test_auto_dtype_is_bfloat16_on_gpu_and_tpu_float32_on_cpu():
+    from edm2_jax import configs
+    assert configs.compute_dtype("auto", "gpu") == "bfloat16"
+    assert configs.compute_dtype("auto", "tpu") == "bfloat16"
+    assert configs.compute_dtype("auto", "cpu") == "float32"
+    # A resumed run keeps the dtype its config.json records; an explicit dtype wins.
+    assert configs.compute_dtype("auto", "gpu", recorded="float32") == "float32"
+    assert configs.compute_dtype("auto", "cpu", recorded="bfloat16") == "bfloat16"
+    for dtype in ("float32", "bfloat16"):
+        assert configs.compute_dtype(dtype, "gpu") == configs.compute_dtype(dtype, "cpu") == dtype
+    c = _config_file("img64", "xs")
+    resolved = configs.resolve_dtype(c, "gpu")
+    assert resolved.network.dtype == "bfloat16" and c.network.dtype == "auto"  # a copy
+    assert resolved.network.model_channels == c.network.model_channels
+    assert configs.resolve_dtype(c, "cpu").network.dtype == "float32"
+    c.network.dtype = "float32"  # as --config.network.dtype=float32 sets it
+    assert configs.resolve_dtype(c, "gpu").network.dtype == "float32"
+
+
+def test_unknown_dtype_is_refused_naming_the_valid_ones():
+    from edm2_jax import configs
+    c = _config_file("img64", "xs")
+    configs.validate(c)  # 'auto' is valid
+    c.network.dtype = "float64"
+    with pytest.raises(ValueError, match=r"--config.network.dtype='float64': one of auto, "
+                                         r"float32, bfloat16, float16"):
+        configs.validate(c)
+
+
+def test_start_up_records_and_names_the_precision_in_force(tmp_path, monkeypatch, capsys):
+    """`network.dtype='auto'` trains in float32 on the CPU: the config the run records
+    (config.json) says float32 and so does the start-up line; a run whose config.json
+    records bfloat16 resumes in bfloat16. Stopped before the network is initialised."""
+    assert loop.setup.precision("float32") == "float32 compute"
+    assert loop.setup.precision("bfloat16") == "bfloat16 compute (float32 params, EMAs, loss)"
+    assert jax.default_backend() == "cpu"
+
+    recorded = []
+    check_config = loop.resume.check_config
+    monkeypatch.setattr(loop.resume, "check_config",
+                        lambda *a: recorded.append(check_config(*a)) or recorded[-1])
+
+    def stop(*args, **kwargs):
+        raise _StopBeforeCompiling
+    monkeypatch.setattr(loop.setup, "restore_or_init", stop)
+    data = make_image_folder(tmp_path / "data")
+    run = tmp_path / "run"
+    cfg = tiny_config(data, **{"network.dtype": "auto"})
+    with pytest.raises(_StopBeforeCompiling):
+        loop.train_and_evaluate(cfg, str(run))
+    assert recorded[-1]["network"]["dtype"] == "float32"  # what config.json gets
+    assert "parameters, float32 compute; batch" in capsys.readouterr().out
+    assert cfg.network.dtype == "auto"  # the caller's config is left as it was
+
+    (run / "config.json").write_text(json.dumps(
+        dict(recorded[-1], network=dict(recorded[-1]["network"], dtype="bfloat16"))))
+    with pytest.raises(_StopBeforeCompiling):
+        loop.train_and_evaluate(cfg, str(run))
+    assert recorded[-1]["network"]["dtype"] == "bfloat16"
+    assert ("parameters, bfloat16 compute (float32 params, EMAs, loss); batch"
+            in capsys.readouterr().out)
+
+
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(runs, tmp_path, monkeypatch):
     """Resuming on data that turns NaN raises NonFiniteLossError before the next
     checkpoint; the checkpoint that was there is kept and still restores."""

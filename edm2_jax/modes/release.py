@@ -22,7 +22,7 @@ import os
 import jax
 from absl import app, flags
 
-from edm2_jax import paths
+from edm2_jax import configs, paths
 from edm2_jax.modes import common
 from edm2_jax.modes import generate as generate_mode  # noqa: F401 (--net, --ema)
 from edm2_jax.release import convert, pickle_io
@@ -51,6 +51,8 @@ def import_training_state(src: str, workdir: str, config) -> int:
     if layout.is_run(workdir) or layout.step_dirs(os.path.join(workdir, layout.CHECKPOINTS)):
         raise FileExistsError(f"{workdir} already holds a run; convert the training state "
                               f"into a new --workdir")
+    # config.json records the concrete compute dtype, which `--mode=train` then keeps.
+    config = configs.resolve_dtype(config, jax.default_backend())
     step, state = train_state_from_release(release_state.read_training_state(src), config)
     paths.makedirs(workdir)  # local or gs://
     current = resume.check_config(workdir, config)

@@ -177,10 +177,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
     is_main = jax.process_index() == 0
 
     # Set-up, each step failing before anything costly when its part of the config is
-    # wrong: data first (a missing or broken dataset fails before anything is compiled),
-    # then the config check (same run, or a clear error before any step), then the
-    # evaluation, then the model and its state (checked against its checksums); the
-    # config is recorded only then. Each stage that may take a while says so as it starts.
+    # wrong: the compute dtype made concrete; the data (a broken dataset fails before
+    # anything is compiled); the config check (same run, or a clear error before any
+    # step); the evaluation; the model and its state (checked against its checksums);
+    # the config recorded only then. Each stage that may take a while says so as it starts.
+    config = setup.setup_precision(config, workdir)
     print(f"Loading the data ({config.data.source})...", flush=True)
     source, config = setup.setup_data(config)
     print(f"Data: {data_lib.describe(source)}", flush=True)
@@ -195,7 +196,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
     mesh, net = model.mesh, model.net
     n_params = sum(int(np.prod(x.shape)) for x in
                    jax.tree.leaves(model.abstract_state["params"]))
-    print(f"Network: {n_params:,} parameters ({config.network.dtype} compute); batch "
+    print(f"Network: {n_params:,} parameters, {setup.precision(config.network.dtype)}; batch "
           f"{batch_size} on {mesh.size} device(s) of {jax.process_count()} process(es), mesh "
           f"{dict(mesh.shape)}, {model.num_accum} micro-batch(es) per step; EMAs "
           f"sigma_rel={list(config.ema.sigma_rels)}")

@@ -1,6 +1,7 @@
 """The training loop's set-up steps, in the order `loop.train_and_evaluate` takes them,
 each failing before anything costly when its part of the config is wrong:
 
+    config = setup_precision(config, workdir)    # network.dtype 'auto' made concrete
     source, config = setup_data(config)          # the data first: a broken dataset fails
     eval_key, evaluator = setup_eval(config, is_main)   # before anything is compiled
     model = setup_model(config, num_devices)     # mesh, network, optimiser, shapes
@@ -16,6 +17,7 @@ import jax
 import ml_collections
 import optax
 
+from edm2_jax import configs
 from edm2_jax import data as data_lib
 from edm2_jax.model.networks import Precond
 from edm2_jax.run import checkpoints, integrity, layout
@@ -24,6 +26,26 @@ from edm2_jax.training import sharding as shard_lib
 from edm2_jax.training import step as step_lib
 from edm2_jax.training.periodic_eval import TrainingEval
 from edm2_jax.training.state import init_train_state, make_network
+
+
+def setup_precision(config: ml_collections.ConfigDict, workdir: str
+                    ) -> ml_collections.ConfigDict:
+    """A copy of `config` whose `network.dtype` is concrete (`configs.resolve_dtype`), the
+    one the run trains in and records: 'auto' becomes, for a run resumed in `workdir`,
+    the dtype its config.json records (a run keeps its precision), else this platform's
+    (`jax.default_backend()`: bfloat16 on GPU/TPU, float32 on CPU)."""
+    saved = layout.read_config(workdir) or {}
+    recorded = (saved.get("network") or {}).get("dtype")
+    return configs.resolve_dtype(config, jax.default_backend(), recorded)
+
+
+def precision(dtype: str) -> str:
+    """The precision a network of compute dtype `dtype` trains in, as the start-up line
+    says it: 'float32 compute', or e.g. 'bfloat16 compute (float32 params, EMAs, loss)'
+    (the policy of `edm2_jax/model/precision.py`)."""
+    if str(dtype) == "float32":
+        return "float32 compute"
+    return f"{dtype} compute (float32 params, EMAs, loss)"
 
 
 def setup_data(config: ml_collections.ConfigDict

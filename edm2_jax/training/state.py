@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from edm2_jax import backends
+from edm2_jax import backends, configs
 from edm2_jax.ema import power as ema_lib
 from edm2_jax.model.networks import Precond, init_variables, precond_from_config
 
@@ -27,9 +27,13 @@ Array = jax.Array
 def make_network(config: ml_collections.ConfigDict) -> Precond:
     """The `Precond` of `config.network`, built with the kernels of `config.backend`
     (`backends.from_config`: the XLA:CPU kernels on the CPU backend by default; the same
-    function everywhere). Raises ValueError for unknown network or backend fields."""
+    function everywhere). A `network.dtype` of 'auto' (a config not resolved at start-up,
+    as a benchmark's) computes in this platform's dtype (`configs.compute_dtype`). Raises
+    ValueError for unknown network or backend fields."""
     backend = backends.from_config(config)
-    return precond_from_config(config.network.to_dict(), kernels=backend.kernels)
+    net_config = config.network.to_dict()
+    net_config["dtype"] = configs.compute_dtype(net_config["dtype"], jax.default_backend())
+    return precond_from_config(net_config, kernels=backend.kernels)
 
 
 def init_train_state(config: ml_collections.ConfigDict, net: Precond,
