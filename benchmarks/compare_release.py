@@ -214,7 +214,9 @@ class Release:
         self._sync()
         return self.bs * iters / (time.perf_counter() - t)
 
-    def sample(self, iters: int, batch: int) -> float:
+    def sample(self, iters: int, batch: int, guidance: float = 1.0) -> float:
+        """img/s of `edm_sampler` over `iters` batches; `guidance != 1`: the net guided
+        by itself (a guide of the same size: the cost of CFG or autoguidance)."""
         torch = self.torch
         self.net.eval().requires_grad_(False)
         with torch.no_grad():
@@ -225,22 +227,14 @@ class Release:
                 noise = torch.randn(batch, *self.shape, device=self.device)
                 labels = (torch.eye(self.label_dim, device=self.device)[
                     torch.zeros(batch, dtype=torch.long)] if self.label_dim else None)
-                x = self.edm_sampler(self.net, noise, labels, num_steps=self.args.steps)
+                kw = dict(gnet=self.net, guidance=guidance) if guidance != 1 else {}
+                x = self.edm_sampler(self.net, noise, labels, num_steps=self.args.steps, **kw)
                 (x * 127.5 + 128).clip(0, 255).to(torch.uint8).cpu()
             self._sync()
         return batch * iters / (time.perf_counter() - t)
 
 
 # ----------------------------------------------------------------------------- main
-
-
-def _sub_jaxprs(params: dict):
-    for v in params.values():
-        for u in (v if isinstance(v, (list, tuple)) else [v]):
-            if hasattr(u, "eqns"):
-                yield u
-            elif hasattr(getattr(u, "jaxpr", None), "eqns"):
-                yield u.jaxpr
 
 
 def run_pairs(name, fa, fb, pairs, label_a="release", label_b="edm2-jax") -> float:
@@ -275,6 +269,7 @@ def forward_flops(net, batch: int) -> float:
     import jax
     import jax.numpy as jnp
     from forward import random_variables
+    from edm2_jax.model.precision import sub_jaxprs
     v = jax.eval_shape(lambda: random_variables(net))
     x = jax.ShapeDtypeStruct((batch, net.img_resolution, net.img_resolution, net.img_channels),
                              jnp.float32)
@@ -297,7 +292,7 @@ def forward_flops(net, batch: int) -> float:
                 (lc, _), _ = eqn.params["dimension_numbers"]
                 k = np.prod([eqn.invars[0].aval.shape[d] for d in lc]) if lc else 1
                 total += 2.0 * np.prod(eqn.outvars[0].aval.shape) * k
-            for sub in _sub_jaxprs(eqn.params):
+            for sub in sub_jaxprs(eqn.params):
                 total += count(sub)
         return total
 

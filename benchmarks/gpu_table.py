@@ -276,46 +276,27 @@ class ReleaseSide:
         self.info = {"device": self.torch.cuda.get_device_name(0)
                      if self.rel.device.type == "cuda" else "cpu"}
 
-    def _peak(self) -> float:
-        if self.rel.device.type != "cuda":
-            return float("nan")
-        return self.torch.cuda.max_memory_allocated(self.rel.device) / 2**30
-
     def _reset(self):
         if self.rel.device.type == "cuda":
             self.torch.cuda.reset_peak_memory_stats(self.rel.device)
 
     def _sample(self, iters: int, guided: bool) -> float:
-        torch, rel = self.torch, self.rel
-        b = self.args.sample_batch
-        rel.net.eval().requires_grad_(False)
-        with torch.no_grad():
-            rel.net.unet.out_gain.fill_(0.1)
-            rel._sync()
-            t = time.perf_counter()
-            for _ in range(iters):
-                noise = torch.randn(b, *rel.shape, device=rel.device)
-                labels = (torch.eye(rel.label_dim, device=rel.device)[
-                    torch.zeros(b, dtype=torch.long)] if rel.label_dim else None)
-                kw = dict(gnet=rel.net, guidance=self.args.guidance) if guided else {}
-                x = rel.edm_sampler(rel.net, noise, labels, num_steps=self.args.steps, **kw)
-                (x * 127.5 + 128).clip(0, 255).to(torch.uint8).cpu()
-            rel._sync()
-        return b * iters / (time.perf_counter() - t)
+        return self.rel.sample(iters, self.args.sample_batch,
+                               self.args.guidance if guided else 1.0)
 
     def measure(self) -> dict:
         self._reset()
         self.rel.train(self.args.warmup)
         out = {"train_img_s": max(self.rel.train(self.args.iters)
                                   for _ in range(self.args.repeats)),
-               "peak_gib": self._peak()}
+               "peak_gib": self.rel.peak_device_gib()}
         for guided in (False, True):
             key = "guided" if guided else "sample"
             self._reset()
             self._sample(1, guided)
             out[f"{key}_img_s"] = max(self._sample(self.args.sample_iters, guided)
                                       for _ in range(self.args.repeats))
-            out[f"{key}_peak_gib"] = self._peak()
+            out[f"{key}_peak_gib"] = self.rel.peak_device_gib()
         return out
 
 

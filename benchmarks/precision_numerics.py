@@ -133,7 +133,7 @@ def bf16_roundings(net, variables) -> int:
     def walk(jp):
         nonlocal count
         for eqn in jp.eqns:
-            subs = list(precision._sub_jaxprs(eqn.params))
+            subs = list(precision.sub_jaxprs(eqn.params))
             for sub in subs:
                 walk(sub)
             if subs or eqn.primitive.name in EXACT_PRIMITIVES:

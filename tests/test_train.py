@@ -48,12 +48,17 @@ TINY_OVERRIDES = {
 }
 
 
-def _load_fmnist_config(variant: str = "tiny") -> ml_collections.ConfigDict:
+def _config_file(name: str, variant: str) -> ml_collections.ConfigDict:
+    """`get_config(variant)` of `configs/<name>.py`."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("fmnist_config", FMNIST_CONFIG)
+    spec = importlib.util.spec_from_file_location(f"{name}_config", REPO / "configs" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.get_config(variant)
+
+
+def _load_fmnist_config(variant: str = "tiny") -> ml_collections.ConfigDict:
+    return _config_file("fashion_mnist", variant)
 
 
 def tiny_config(data_path, **overrides) -> ml_collections.ConfigDict:
@@ -471,14 +476,6 @@ def test_missing_fashion_mnist_names_the_package(tmp_path):
 
 # --------------------------------------------------------------------------------------
 # Compute precision: the presets train in mixed precision on GPU/TPU, as the release does
-
-
-def _config_file(name: str, variant: str) -> ml_collections.ConfigDict:
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(f"{name}_config", REPO / "configs" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config(variant)
 
 
 def test_presets_default_to_auto_dtype_and_fashion_mnist_to_float32():

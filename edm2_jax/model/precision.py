@@ -78,7 +78,9 @@ class Matmul:
         return f"{op} {ins} -> {self.result_dtype} at {self.name_stack}"
 
 
-def _sub_jaxprs(params: dict) -> Iterator[Any]:
+def sub_jaxprs(params: dict) -> Iterator[Any]:
+    """The programs nested in an equation's `params` (jit, scan, while, cond branches,
+    custom_vjp, remat), as `Jaxpr`s."""
     for value in params.values():
         for v in (value if isinstance(value, (list, tuple)) else [value]):
             if hasattr(v, "eqns"):
@@ -102,7 +104,7 @@ def matmuls(jaxpr: Any) -> list[Matmul]:
                     str(eqn.outvars[0].aval.dtype),
                     tuple(tuple(v.aval.shape) for v in eqn.invars[:2]),
                     str(eqn.source_info.name_stack)))
-            for sub in _sub_jaxprs(eqn.params):
+            for sub in sub_jaxprs(eqn.params):
                 walk(sub)
 
     walk(getattr(jaxpr, "jaxpr", jaxpr))
