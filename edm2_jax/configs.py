@@ -106,6 +106,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.backend = ml_collections.ConfigDict(dict(kernels="auto", cpu_conv_grad="relayout",
                                                cpu_barriers=True))
 
+    # Few-step distillation (training/distill.py, docs/distillation.md): with `teacher`
+    # set (a run, snapshot, post-hoc EMA or converted network; `teacher_ema` picks a
+    # run's EMA, default its largest), the run trains a multistep consistency student
+    # of that network for `steps` sampling steps (1 to 8 typically), on the teacher's
+    # sampler grid of `teacher_steps` Heun steps with sigma_min, sigma_max, rho.
+    c.distill = ml_collections.ConfigDict(dict(
+        teacher="", teacher_ema="", steps=4, teacher_steps=32, sigma_min=0.002,
+        sigma_max=80.0, rho=7.0))
+
     # Sample grids; rng: per-seed noise and labels from JAX keys ('jax') or drawn as the
     # release's per-seed torch generator draws them ('release', sampling.sample_images).
     c.sample = ml_collections.ConfigDict(dict(num_steps=32, grid_rows=8, grid_cols=8, seed=0,
@@ -182,6 +191,19 @@ def validate(c: ml_collections.ConfigDict) -> None:
         need(str(b.cpu_conv_grad) in cpu_backend.CONV_GRADS, "backend.cpu_conv_grad",
              f"one of {', '.join(cpu_backend.CONV_GRADS)}")
         need(isinstance(b.cpu_barriers, bool), "backend.cpu_barriers", "True or False")
+    dc = c.get("distill")
+    if dc is not None and str(dc.teacher):
+        need(isinstance(dc.steps, int) and 1 <= dc.steps, "distill.steps",
+             "a number of sampling steps >= 1, e.g. 4")
+        need(isinstance(dc.teacher_steps, int) and dc.teacher_steps >= max(2, dc.steps),
+             "distill.teacher_steps", f"the teacher's Heun steps, >= 2 and >= distill.steps "
+             f"({dc.steps}), e.g. 32")
+        v, w = number("distill.sigma_min"), number("distill.sigma_max")
+        need(v is not None and v > 0, "distill.sigma_min", "a positive noise level, e.g. 0.002")
+        need(w is not None and w > v, "distill.sigma_max",
+             f"a noise level above distill.sigma_min ({v}), e.g. 80")
+        v = number("distill.rho")
+        need(v is not None and v > 0, "distill.rho", "must be positive, e.g. 7")
     need(str(c.network.dtype) in DTYPES, "network.dtype",
          f"one of {', '.join(DTYPES)} (auto: bfloat16 on GPU/TPU, float32 on CPU)")
 

@@ -40,6 +40,7 @@ from edm2_jax import paths
 from edm2_jax.run import checkpoints, layout, snapshots
 from edm2_jax.model import vae as vae_lib
 from edm2_jax.model.networks import Precond, precond_from_config
+from edm2_jax.sampling import consistency
 from edm2_jax.sampling.sampler import sample_images, save_image_grid
 
 MAX_SEEDS_PER_DIR = 1000
@@ -102,6 +103,46 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
     raise FileNotFoundError(
         f"{path} is neither a network checkpoint (network.json + variables/), a training run "
         f"(config.json + checkpoints/), nor an EMA snapshot (RUN/snapshots/<step>)")
+
+
+def _metadata(path: str) -> tuple[dict | None, dict, dict | None]:
+    """`(network config, network.json meta, the run's config.json)` of the network at
+    `path`, from its metadata only (the run's config.json for a run or its snapshot;
+    None where there is none)."""
+    path = paths.normalize(path)
+    if ckpt_lib.is_network_checkpoint(path):
+        cfg, meta = ckpt_lib.read_network_json(path)
+        return cfg, meta, None
+    snap = re.fullmatch(rf"(.*)/{layout.SNAPSHOTS}/(\d+)/?", path)
+    config = layout.read_config(snap.group(1) if snap else path)
+    if config is None or "network" not in config:
+        return None, {}, None
+    return config["network"], {}, config
+
+
+def net_config(path: str) -> dict:
+    """The network config (`Precond` kwargs) of the network at `path` (any kind
+    `load_net` reads), from its metadata only. Raises FileNotFoundError as `load_net`
+    does when `path` is none of those kinds."""
+    cfg, _, _ = _metadata(path)
+    if cfg is None:
+        load_net(path)  # raises, naming what was looked for
+    return cfg
+
+
+def student_sampler(path: str) -> dict | None:
+    """The few-step sampler settings (`sample_images`' `sampler='consistency'`,
+    `num_steps` = the student's steps, `teacher_steps`, `sigma_min`, `sigma_max`, `rho`)
+    of a distilled student at `path` (a distillation run, its snapshot, or a network
+    whose meta records `distill`, as post-hoc EMA writes it), or None for a diffusion
+    network (the Heun sampler)."""
+    _, meta, config = _metadata(path)
+    distill = meta.get("distill") or (config or {}).get("distill")
+    if not distill and meta.get("source") and meta.get("phema"):  # post-hoc EMA of a run
+        distill = (layout.read_config(str(meta["source"])) or {}).get("distill")
+    if not distill or not distill.get("teacher"):
+        return None
+    return consistency.sampler_kwargs(distill)
 
 
 def net_encoder(path: str) -> str:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from edm2_jax.sampling import consistency
 from edm2_jax.sampling.guidance import (Denoiser, check_guidance_interval,  # noqa: F401
                                         guided_steps, make_denoiser)
 
@@ -258,7 +259,10 @@ def _sample(net, variables, guide_net, guide_variables, seeds, labels, guidance,
         noise = seed_noise(seeds, shape)
     denoise = make_denoiser(net, variables, guide_net, guide_variables, guidance,
                             guidance_interval)
-    x = edm_sampler(denoise, noise, labels, churn_noise=churn, **kw)
+    if kw.pop("sampler", "heun") == "consistency":
+        x = consistency.consistency_sampler(denoise, noise, labels, **kw)
+    else:
+        x = edm_sampler(denoise, noise, labels, churn_noise=churn, **kw)
     return x if raw else decode_uint8(x)
 
 
@@ -268,7 +272,8 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
                   sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0,
                   S_churn: float = 0.0, S_min: float = 0.0, S_max: float = float("inf"),
                   S_noise: float = 1.0, rng: str = "jax", raw: bool = False,
-                  guidance_interval: tuple[float, float] | None = None) -> Array:
+                  guidance_interval: tuple[float, float] | None = None,
+                  sampler: str = "heun", teacher_steps: int = 32) -> Array:
     """Generate one pixel-space image per seed with the (guided) EDM sampler, jitted.
 
     Noise, churn noise and random labels all come from each seed's own stream, so an
@@ -289,10 +294,21 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
       rng: `'jax'` or `'release'` (then `seeds` must be concrete values, not traced).
       guidance_interval: `(sigma_lo, sigma_hi)`: guidance only on the steps with
         `sigma_lo < t_i <= sigma_hi` (`guidance.guided_steps`); None: on every step.
+      sampler: `'heun'` (the EDM sampler, `edm_sampler`) or `'consistency'` (a few-step
+        student, `consistency.consistency_sampler`: `num_steps` evaluations on the grid
+        of `teacher_steps` teacher steps of `sigma_min`, `sigma_max`, `rho`; no churn,
+        no guidance interval).
     Returns: `[B, H, W, C]` uint8 (float32 with `raw`).
     Raises: ValueError on labels that do not fit the net (the message names the fix),
-      an unknown `rng`, or a bad interval or one at `guidance == 1` (before compiling).
+      an unknown `rng` or `sampler`, churn or a guidance interval with the consistency
+      sampler, or a bad interval or one at `guidance == 1` (before compiling).
     """
+    if sampler not in ("heun", "consistency"):
+        raise ValueError(f"sampler={sampler!r}: use 'heun' (the EDM sampler) or "
+                         f"'consistency' (a few-step student)")
+    if sampler == "consistency" and (S_churn > 0 or guidance_interval is not None):
+        raise ValueError("the consistency sampler is deterministic and evaluates the "
+                         "student once per segment: drop S_churn and guidance_interval")
     if rng not in ("jax", "release"):
         raise ValueError(f"rng={rng!r}: use 'jax' (JAX keys per seed) or 'release' (the "
                          f"release's per-seed torch generator)")
@@ -300,7 +316,8 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
     if rng == "release":
         noise, release_labels, churn_table = release_seed_draws(
             seeds, (net.img_resolution, net.img_resolution, net.img_channels), net.label_dim,
-            num_steps, sigma_min, sigma_max, rho, S_churn, S_min, S_max)
+            teacher_steps if sampler == "consistency" else num_steps, sigma_min, sigma_max,
+            rho, S_churn, S_min, S_max)
         if labels is None:
             labels = release_labels
         sharding = getattr(seeds, "sharding", None)
@@ -325,11 +342,18 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
         if labels.shape != (batch, net.label_dim):
             raise ValueError(f"labels must be [{batch}, {net.label_dim}] one-hot, got "
                              f"{labels.shape}; or pass an int class index or None")
-    sampler_kwargs = tuple(dict(num_steps=int(num_steps), sigma_min=float(sigma_min),
-                                sigma_max=float(sigma_max), rho=float(rho),
-                                S_churn=float(S_churn), S_min=float(S_min),
-                                S_max=float(S_max), S_noise=float(S_noise)).items())
-    edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)  # validate outside of jit
+    if sampler == "consistency":
+        sampler_kwargs = tuple(dict(sampler=sampler, num_steps=int(num_steps),
+                                    teacher_steps=int(teacher_steps), sigma_min=float(sigma_min),
+                                    sigma_max=float(sigma_max), rho=float(rho)).items())
+        consistency.segment_bounds(num_steps, teacher_steps)  # validate outside of jit
+        consistency.grid_sigmas(teacher_steps, sigma_min, sigma_max, rho)
+    else:
+        sampler_kwargs = tuple(dict(num_steps=int(num_steps), sigma_min=float(sigma_min),
+                                    sigma_max=float(sigma_max), rho=float(rho),
+                                    S_churn=float(S_churn), S_min=float(S_min),
+                                    S_max=float(S_max), S_noise=float(S_noise)).items())
+        edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)  # validate outside of jit
     interval = check_guidance_interval(guidance_interval)
     if guidance == 1:
         if interval is not None:

@@ -28,7 +28,9 @@ from edm2_jax.model.networks import Precond
 from edm2_jax.run import checkpoints, layout, lock, records
 from edm2_jax.run.checkpoints import CheckpointSaveError  # noqa: F401 (raised by train_and_evaluate)
 from edm2_jax.run.stats import StatsLogger
+from edm2_jax.sampling import consistency
 from edm2_jax.sampling import sampler as sampling
+from edm2_jax.training import distill as distill_lib
 from edm2_jax.training import preemption
 from edm2_jax.training import probes
 from edm2_jax.training import resume
@@ -49,6 +51,14 @@ def emas_on_host(state: dict, keys: list[str]) -> dict:
             for k in dict.fromkeys(keys)}
 
 
+def sampler_settings(config: ml_collections.ConfigDict) -> dict:
+    """The sampler of the run's sample grids: the Heun sampler of `config.sample`, or a
+    distillation run's few-step sampler (`distill.py`)."""
+    if distill_lib.enabled(config):
+        return consistency.sampler_kwargs(config.distill)
+    return dict(num_steps=int(config.sample.num_steps))
+
+
 def save_sample_grid(config: ml_collections.ConfigDict, net: Precond, variables: dict,
                      path: str) -> None:
     """A `config.sample` grid of images of `variables` (one class per column) at `path`."""
@@ -58,8 +68,8 @@ def save_sample_grid(config: ml_collections.ConfigDict, net: Precond, variables:
     if net.label_dim:
         labels = jax.nn.one_hot(np.arange(rows * cols) % net.label_dim, net.label_dim)
     imgs = sampling.sample_images(net, variables, sampling.split_seeds(seeds), labels,
-                                  num_steps=int(config.sample.num_steps),
-                                  rng=str(config.sample.get("rng", "jax")))
+                                  rng=str(config.sample.get("rng", "jax")),
+                                  **sampler_settings(config))
     while not imgs.is_ready():  # waits in Python: a signal is acknowledged at once
         time.sleep(0.05)
     paths.write_through_local(  # PIL writes local files
@@ -85,12 +95,13 @@ def grid_and_eval(config: ml_collections.ConfigDict, net: Precond, state: dict, 
     host = emas_on_host(state, snapshot_keys)  # every process
     if is_main:
         t, n = time.time(), int(config.sample.grid_rows) * int(config.sample.grid_cols)
+        steps = sampler_settings(config)["num_steps"]
         tqdm.write(f"Sample grid: {n} images of EMA sigma_rel={sample_key}, "
-                   f"{config.sample.num_steps} steps...")
+                   f"{steps} steps...")
         path = layout.samples_path_at(workdir, nimg)
         with stop.doing("the sample grid"):
             save_sample_grid(config, net, host[sample_key], path)
-        tqdm.write(f"Sample grid (EMA sigma_rel={sample_key}, {config.sample.num_steps} "
+        tqdm.write(f"Sample grid (EMA sigma_rel={sample_key}, {steps} "
                    f"steps, one class per column): {path} [{time.time() - t:.1f} s]")
     if evaluator is not None:
         if stop.signal is not None:
@@ -182,6 +193,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
     # step); the evaluation; the model and its state (checked against its checksums);
     # the config recorded only then. Each stage that may take a while says so as it starts.
     config = setup.setup_precision(config, workdir)
+    config = setup.setup_teacher(config)
     print(f"Loading the data ({config.data.source})...", flush=True)
     source, config = setup.setup_data(config)
     print(f"Data: {data_lib.describe(source)}", flush=True)

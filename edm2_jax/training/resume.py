@@ -18,14 +18,17 @@ from edm2_jax.run import layout
 
 # Fields that must not change when resuming in the same workdir ...
 RESUME_FIELDS = ("network", "loss", "optim", "ema", "batch_size", "seed", "data.source",
-                 "data.name", "data.split", "data.resolution", "data.use_labels")
+                 "data.name", "data.split", "data.resolution", "data.use_labels", "distill")
 # ... except these prefixes: they change no array of the train state (optim.make_optimizer
 # keeps the state's structure whatever grad_clip is).
 CHANGEABLE_ON_RESUME = ("optim.",)
 # Fields added after runs existed: a config.json without one recorded this value (the
 # ablation switches at config G, docs/ablation.md).
 ADDED_FIELDS = {"network.mp_learned_layers": True, "network.group_norm": False,
-                "network.mp_fixed_layers": True, "optim.forced_wn": True}
+                "network.mp_fixed_layers": True, "optim.forced_wn": True,
+                "distill.teacher": "", "distill.teacher_ema": "", "distill.steps": 4,
+                "distill.teacher_steps": 32, "distill.sigma_min": 0.002,
+                "distill.sigma_max": 80.0, "distill.rho": 7.0}
 
 
 def _lookup(d: dict, dotted: str):
@@ -47,6 +50,8 @@ def config_differences(saved: dict, current: dict) -> tuple[list[str], list[str]
     diffs = []
     for field in RESUME_FIELDS:
         a, b = _normalise_json(_lookup(saved, field)), _normalise_json(_lookup(current, field))
+        if a is None and isinstance(b, dict):  # a section added after the run started
+            a = {}
         if isinstance(a, dict) and isinstance(b, dict):
             for k in sorted(set(a) | set(b)):
                 va = a.get(k, ADDED_FIELDS.get(f"{field}.{k}"))

@@ -2,6 +2,7 @@
 each failing before anything costly when its part of the config is wrong:
 
     config = setup_precision(config, workdir)    # network.dtype 'auto' made concrete
+    config = setup_teacher(config)               # a distillation run: the teacher's network
     source, config = setup_data(config)          # the data first: a broken dataset fails
     eval_key, evaluator = setup_eval(config, is_main)   # before anything is compiled
     model = setup_model(config, num_devices)     # mesh, network, optimiser, shapes
@@ -21,6 +22,7 @@ from edm2_jax import configs
 from edm2_jax import data as data_lib
 from edm2_jax.model.networks import Precond
 from edm2_jax.run import checkpoints, integrity, layout
+from edm2_jax.training import distill as distill_lib
 from edm2_jax.training import optim as optim_lib
 from edm2_jax.training import sharding as shard_lib
 from edm2_jax.training import step as step_lib
@@ -48,6 +50,32 @@ def precision(dtype: str) -> str:
     return f"{dtype} compute (float32 params, EMAs, loss)"
 
 
+def setup_teacher(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """For a distillation run (`config.distill.teacher`, `distill.py`): a copy of
+    `config` whose network is the teacher's (its `dtype` the config's), read from the
+    teacher's metadata alone; any other config unchanged. Raises ValueError naming the
+    flag for a teacher path that holds no network, FileNotFoundError where there is
+    nothing."""
+    if not distill_lib.enabled(config):
+        return config
+    distill_lib.check_settings(config.distill)
+    from edm2_jax.sampling import generate
+    path = str(config.distill.teacher)
+    try:
+        teacher_cfg = generate.net_config(path)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--config.distill.teacher={path}: {e}") from None
+    config = ml_collections.ConfigDict(config.to_dict())
+    dtype = config.network.dtype
+    config.network = ml_collections.ConfigDict(dict(teacher_cfg))
+    config.network.dtype = dtype
+    print(f"Teacher: {path}" + (f" (EMA {config.distill.teacher_ema})"
+                                if str(config.distill.teacher_ema) else "")
+          + f"; student: {config.distill.steps} step(s) on a grid of "
+          f"{config.distill.teacher_steps} Heun steps", flush=True)
+    return config
+
+
 def setup_data(config: ml_collections.ConfigDict
                ) -> tuple[data_lib.Source, ml_collections.ConfigDict]:
     """The data source, and a copy of `config` whose network matches the data
@@ -62,6 +90,10 @@ def setup_data(config: ml_collections.ConfigDict
     for k, v in src_kw.items():
         if k == "label_dim" and not config.data.use_labels:
             v = 0
+        if config.network.get(k) != v and distill_lib.enabled(config):
+            raise ValueError(f"the teacher {config.distill.teacher} has network.{k}="
+                             f"{config.network.get(k)}, the data {source.name} {v}; distil "
+                             f"it on data of its own kind (--config.data.*)")
         if config.network.get(k) != v:
             print(f"network.{k}: {config.network.get(k)} -> {v} (from the data)")
             config.network[k] = v
@@ -104,6 +136,8 @@ def setup_model(config: ml_collections.ConfigDict, num_devices: int | None = Non
     tx = optim_lib.make_optimizer(config.optim, int(config.batch_size))
     abstract_state = jax.eval_shape(lambda r: init_train_state(config, net, tx, r),
                                     jax.random.PRNGKey(config.seed))
+    if distill_lib.enabled(config):  # the frozen teacher, shaped as the params
+        abstract_state = dict(abstract_state, teacher=abstract_state["params"])
     return Model(mesh, net, tx, num_accum, abstract_state,
                  shard_lib.state_shardings(mesh, abstract_state))
 
@@ -137,9 +171,18 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Model,
                   f"restores (to start over anyway, use a new --workdir)", flush=True)
     if state is not None:
         return state, True, managers
-    init_fn = jax.jit(lambda r: init_train_state(config, model.net, model.tx, r),
-                      out_shardings=model.state_sharding)
-    state = init_fn(jax.random.PRNGKey(config.seed))
+    if distill_lib.enabled(config):
+        print(f"Loading the teacher {config.distill.teacher}...", flush=True)
+        _, teacher, desc = distill_lib.load_teacher(str(config.distill.teacher),
+                                                    str(config.distill.teacher_ema))
+        print(f"Teacher: {desc}", flush=True)
+        init_fn = jax.jit(lambda r, v: distill_lib.init_distill_state(
+            config, model.net, model.tx, r, v), out_shardings=model.state_sharding)
+        state = init_fn(jax.random.PRNGKey(config.seed), teacher)
+    else:
+        init_fn = jax.jit(lambda r: init_train_state(config, model.net, model.tx, r),
+                          out_shardings=model.state_sharding)
+        state = init_fn(jax.random.PRNGKey(config.seed))
     managers.reference_rms = {"params": integrity.rms(state["params"])}
     return state, False, managers
 

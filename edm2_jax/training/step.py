@@ -4,7 +4,8 @@
     step_fn = jit_train_step(train_step, mesh, state_sharding)
     state, metrics = step_fn(state, batch)
 
-One step: force-normalise the online weights (Eq. 66) -> EDM2 loss and gradients
+One step: force-normalise the online weights (Eq. 66) -> EDM2 loss (a distillation run's:
+`distill.py`, with the state's frozen `teacher`) and gradients
 (accumulated over micro-batches with `lax.scan` when `batch_per_device` is set) -> Adam
 with the inverse-sqrt learning rate at the images seen *before* the step -> power EMAs
 with the post-update weights at the images seen *after* it.
@@ -23,6 +24,7 @@ from edm2_jax.ema import power as ema_lib
 from edm2_jax.model import loss as loss_lib
 from edm2_jax.model.mp import force_normalize
 from edm2_jax.model.networks import Precond
+from edm2_jax.training import distill as distill_lib
 from edm2_jax.training import optim as optim_lib
 from edm2_jax.training import sharding as shard_lib
 
@@ -69,9 +71,19 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
     # sums are the same in the same order either way.
     unroll = num_accum if backends.from_config(config).unroll_micro_batches else 1
 
-    def objective(params, buffers, images, labels, rnd_normal, noise_unit, dropout_rng):
+    distilling = distill_lib.enabled(config)
+    grid = distill_lib.grid_settings(config.distill) if distilling else {}
+
+    def objective(params, buffers, images, labels, rnd_normal, noise_unit, dropout_rng,
+                  teacher):
+        labels = labels if net.label_dim else None
+        if distilling:  # the student's objective (training/distill.py)
+            return distill_lib.distill_objective(
+                params, buffers, net, teacher, images, labels, rnd_normal=rnd_normal,
+                noise_unit=noise_unit, dropout_rng=dropout_rng, sigma_data=lc.sigma_data,
+                batch_size=batch_size, **grid)
         return loss_lib.edm2_objective(
-            params, buffers, net, images, labels if net.label_dim else None,
+            params, buffers, net, images, labels,
             P_mean=lc.P_mean, P_std=lc.P_std, sigma_data=lc.sigma_data, train=True,
             rnd_normal=rnd_normal, noise_unit=noise_unit, dropout_rng=dropout_rng,
             batch_size=batch_size)
@@ -85,9 +97,11 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
         noise_unit = jax.random.normal(k_noise, images.shape, jnp.float32)
         params = force_normalize(state["params"]) if forced_wn else state["params"]
         buffers = state["buffers"]
+        teacher = state.get("teacher")  # a distillation run's frozen teacher, else None
 
         if num_accum == 1:
-            (loss, aux), grads = grad_fn(params, buffers, images, labels, rnd_normal, noise_unit, k_drop)
+            (loss, aux), grads = grad_fn(params, buffers, images, labels, rnd_normal, noise_unit,
+                                         k_drop, teacher)
         else:
             def split(x):
                 # Micro-batch k takes every num_accum-th image, so each device's shard of
@@ -98,7 +112,7 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
 
             def body(carry, xs):
                 (img, lab, rnd, noi), dk = xs
-                (l, a), g = grad_fn(params, buffers, img, lab, rnd, noi, dk)
+                (l, a), g = grad_fn(params, buffers, img, lab, rnd, noi, dk, teacher)
                 return (jax.tree.map(jnp.add, carry[0], g), carry[1] + l), a
 
             zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))

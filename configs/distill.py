@@ -1,0 +1,66 @@
+"""Few-step students: multistep consistency distillation of an EDM2 network
+(edm2_jax/training/distill.py, docs/distillation.md).
+
+    # the quick start's run as teacher, a 4-step student (~10 min on 2 CPU cores)
+    python -m edm2_jax.main --config=configs/distill.py --workdir=runs/fmnist-4step \
+        --config.distill.teacher=runs/fmnist
+    python -m edm2_jax.main --mode=generate --net=runs/fmnist-4step --seeds=0-99 --grid=grid.png
+    # a released network, converted first (--mode=convert), as teacher
+    python -m edm2_jax.main --config=configs/distill.py:img64-s --workdir=runs/img64-s-2step \
+        --config.distill.teacher=nets/img64-s --config.distill.steps=2
+    python -m edm2_jax.main --config=configs/distill.py:tiny --workdir=/tmp/d \
+        --config.distill.teacher=/tmp/t   # smoke test, from a fashion_mnist.py:tiny run
+
+The student is the teacher's network (its architecture is read from the teacher; the
+config's `network` is replaced), initialised from its weights; `distill.steps` is the
+number of sampling steps it is trained for. Variants: 'fashion_mnist' (default), 'tiny',
+or a preset of configs/img64.py / configs/img512.py ('img64-s', 'img512-xs', ...).
+"""
+import importlib.util
+import os
+
+from edm2_jax import configs
+from edm2_jax.model import presets
+
+
+def _fashion_mnist_config(variant: str):
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fashion_mnist.py")
+    spec = importlib.util.spec_from_file_location("fashion_mnist_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(variant)
+
+
+def _distill(c, steps: int = 4):
+    c.distill.update(steps=steps, teacher_steps=32, sigma_min=0.002, sigma_max=80.0, rho=7.0)
+    return c
+
+
+def get_config(variant: str = "fashion_mnist"):
+    variant = variant or "fashion_mnist"
+    if variant in ("fashion_mnist", "tiny"):
+        c = _distill(_fashion_mnist_config("tiny" if variant == "tiny" else "default"))
+        # Fine-tuning from a trained network: the teacher's final learning rate, held
+        # constant after a short ramp-up.
+        c.optim.update(ref_lr=0.005, t_ref=0, rampup_kimg=0.5)
+        if variant == "tiny":
+            c.optim.rampup_kimg = 0.064
+            return c
+        c.total_kimg = 32
+        c.checkpoint_kimg = c.snapshot_kimg = 8
+        return c
+    if variant not in presets.NETWORK_PRESETS:
+        raise ValueError(f"unknown variant {variant!r}; use 'fashion_mnist', 'tiny' or a "
+                         f"preset: {', '.join(sorted(presets.NETWORK_PRESETS))}")
+    c = _distill(configs.preset_config(variant))
+    t = presets.TRAINING_PRESETS[variant]
+    if variant.startswith("img512"):
+        c.data.update(source="folder", encoder="sd-vae")
+    else:
+        c.data.update(source="tfds", name="imagenet2012")
+    # The teacher's learning rate at the end of its training (inverse-sqrt decay, Eq. 2
+    # of the paper's appendix), held constant; 5 % of the teacher's training images.
+    end_lr = t["ref_lr"] / max(t["total_kimg"] * 1000 / t["batch_size"] / t["t_ref"], 1) ** 0.5
+    c.optim.update(ref_lr=end_lr, t_ref=0, rampup_kimg=t["total_kimg"] / 1000)
+    c.total_kimg = 0.05 * t["total_kimg"]
+    return c

@@ -1,0 +1,107 @@
+"""Few-step sampling of a multistep consistency student (docs/distillation.md).
+
+A student distilled by `training.distill` (multistep consistency distillation, Heek,
+Hoogeboom & Salimans 2024, arXiv:2403.06807; `K = 1` is the consistency distillation of
+Song et al. 2023, arXiv:2303.01469) is an EDM `Precond` network whose output `x0_hat =
+D_student(x_t; t)` is the clean image that, stepped by DDIM from `t` to the end `s` of
+the segment holding `t`, lands where the teacher's probability-flow ODE lands:
+
+    ddim_step(x_t, x0_hat, t, s) = x0_hat + (s / t) (x_t - x0_hat)       (DDIM, sigma form)
+
+which is the Euler step of the PF-ODE `dx/dsigma = (x - D(x; sigma)) / sigma` (Karras et
+al. 2022, Eq. 3 with `sigma(t) = t`, `s(t) = 1`) and is exact when `x0_hat` is the
+student's. The noise levels are the teacher's sampler grid: `sigma_0 .. sigma_{N-1} =
+edm_sigma_steps(N, sigma_min, sigma_max, rho)` (Karras et al. 2022, Eq. 5) and
+`sigma_N = 0`; `K` segments end at the grid indices `b_k = round(k N / K)`
+(`segment_bounds`). Sampling takes one network evaluation per segment
+(`consistency_sampler`): `x <- ddim_step(x, D(x; sigma_{b_k}), sigma_{b_k},
+sigma_{b_{k+1}})`, from `x = sigma_max * noise` to `sigma_N = 0`. It is deterministic: an
+image depends on its seed alone.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from edm2_jax.sampling.guidance import Denoiser
+
+Array = jax.Array
+
+
+def sampler_kwargs(distill: Mapping) -> dict:
+    """The `sampler.sample_images` settings of a student from its `distill` record (a
+    run's `config.distill`, or a student network's metadata): `sampler='consistency'`,
+    `num_steps` (its `steps`), `teacher_steps`, `sigma_min`, `sigma_max`, `rho`."""
+    return dict(sampler="consistency", num_steps=int(distill["steps"]),
+                teacher_steps=int(distill["teacher_steps"]),
+                sigma_min=float(distill["sigma_min"]), sigma_max=float(distill["sigma_max"]),
+                rho=float(distill["rho"]))
+
+
+def grid_sigmas(teacher_steps: int = 32, sigma_min: float = 0.002, sigma_max: float = 80.0,
+                rho: float = 7.0) -> np.ndarray:
+    """The teacher's noise levels `sigma_0 > ... > sigma_{N-1} = sigma_min > sigma_N = 0`,
+    `N = teacher_steps`: the EDM sampler's schedule (Karras et al. 2022, Eq. 5).
+
+    Returns host float64 `[N + 1]`. Raises ValueError as `sampler.edm_sigma_steps`
+    (`N >= 2`, `0 < sigma_min < sigma_max`, `rho > 0`)."""
+    from edm2_jax.sampling.sampler import edm_sigma_steps  # the one definition of Eq. 5
+    return edm_sigma_steps(teacher_steps, sigma_min, sigma_max, rho)
+
+
+def segment_bounds(steps: int, teacher_steps: int) -> np.ndarray:
+    """Grid indices `b_0 = 0 < b_1 < ... < b_K = N` where the `K = steps` segments of the
+    `N = teacher_steps` teacher steps begin and end (`b_k = round(k N / K)`, as even as
+    the division allows). Host int64 `[K + 1]`.
+
+    Raises ValueError unless `1 <= steps <= teacher_steps`."""
+    if int(steps) != steps or not 1 <= steps <= teacher_steps:
+        raise ValueError(f"steps={steps}: the few-step sampler takes 1 to teacher_steps="
+                         f"{teacher_steps} steps (one per segment of the teacher's grid)")
+    return np.round(np.arange(steps + 1) * teacher_steps / steps).astype(np.int64)
+
+
+def segment_end(i: Array, bounds: np.ndarray) -> Array:
+    """For grid indices `i` (int32, any shape, `0 <= i < N`), the index `b_{k+1}` that ends
+    the segment `b_k <= i < b_{k+1}` holding each."""
+    b = jnp.asarray(bounds[1:], jnp.int32)
+    return b[jnp.searchsorted(b, i, side="right")]
+
+
+def ddim_step(x_t: Array, x0_hat: Array, t: Array, s: Array) -> Array:
+    """DDIM from noise level `t` to `s < t` given the clean-image estimate `x0_hat`:
+    `x0_hat + (s / t) (x_t - x0_hat)` (the PF-ODE's Euler step; arXiv:2403.06807 Alg. 1 in
+    the sigma parametrisation). `t`, `s`: scalars or `[B]` (broadcast over H, W, C)."""
+    ratio = jnp.asarray(s / t, jnp.float32)
+    ratio = ratio.reshape(ratio.shape + (1,) * (x_t.ndim - ratio.ndim)) if ratio.ndim else ratio
+    return x0_hat + ratio * (x_t - x0_hat)
+
+
+def consistency_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
+                        num_steps: int = 4, teacher_steps: int = 32, sigma_min: float = 0.002,
+                        sigma_max: float = 80.0, rho: float = 7.0) -> Array:
+    """The multistep consistency sampler (arXiv:2403.06807, Algorithm 2, deterministic):
+    `num_steps` network evaluations from `x = sigma_max * noise` to a clean image.
+
+    Args:
+      denoise: `denoise(x [B,H,W,C] f32, sigma scalar f32, labels) -> x0_hat` (the
+        student, e.g. `guidance.make_denoiser`; guided if that denoiser is).
+      noise: `[B, H, W, C]` unit Gaussian noise (e.g. `sampler.seed_noise`).
+      labels: passed to `denoise` unchanged.
+      num_steps: `K`, the number of segments (and evaluations).
+      teacher_steps, sigma_min, sigma_max, rho: the grid the student was distilled on
+        (`grid_sigmas`).
+    Returns: `x_0` `[B, H, W, C]` float32.
+    Raises: ValueError for a bad grid or `num_steps` (`grid_sigmas`, `segment_bounds`).
+    """
+    sigmas = grid_sigmas(teacher_steps, sigma_min, sigma_max, rho)
+    bounds = segment_bounds(num_steps, teacher_steps)
+    x = jnp.asarray(noise, jnp.float32) * jnp.float32(sigmas[0])
+    for k in range(num_steps):  # K is 1 to 8: unrolled, one traced evaluation each
+        t, s = np.float32(sigmas[bounds[k]]), np.float32(sigmas[bounds[k + 1]])
+        x0_hat = denoise(x, t, labels).astype(jnp.float32)
+        x = ddim_step(x, x0_hat, t, s)
+    return x

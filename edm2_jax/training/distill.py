@@ -1,0 +1,219 @@
+"""Few-step generation: multistep consistency distillation of an EDM2 network
+(docs/distillation.md).
+
+The student is the teacher's own `Precond` (same U-Net, same EDM preconditioning),
+initialised from the teacher's weights and trained with the EDM2 step (forced weight
+normalisation, Adam, power EMAs, learned uncertainty) on the objective of multistep
+consistency distillation (Heek, Hoogeboom & Salimans 2024, arXiv:2403.06807, Alg. 1; one
+segment is the consistency distillation of Song et al. 2023, arXiv:2303.01469, Eq. 7).
+
+On the teacher's sampler grid `sigma_0 > ... > sigma_{N-1} > sigma_N = 0`
+(`sampling.consistency.grid_sigmas`) cut into `K` segments (`segment_bounds`), one
+training example is a clean image `y`, a grid index `i` (uniform over `0..N-1`), unit
+noise `n` and
+
+    t = sigma_i,  r = sigma_{i+1},  s = sigma_{b_{k+1}}  (the end of the segment of i)
+    x_t      = y + t n
+    x_r      = heun_step(D_teacher, x_t, t, r)               (the teacher's sampler step)
+    x_s*     = ddim_step(x_r, sg D_student(x_r; r), r, s)    if r > s, else x_r
+    x0_hat*  = (x_s* - (s/t) x_t) / (1 - s/t)                (the x0_hat whose DDIM step
+                                                              from t lands on x_s*)
+    loss     = lambda(t) / exp(u(t)) (D_student(x_t; t) - x0_hat*)^2 + u(t)
+
+with `sg` the stop-gradient of the current student, `lambda(t)` the EDM weight and `u`
+the network's learned uncertainty: the EDM2 loss (Eq. 21, `model.loss.uncertainty_loss`)
+with `x0_hat*` in place of `y`. At the student that maps every `x_t` to the `x0_hat`
+whose DDIM step reproduces the teacher's ODE to the segment end, the loss's squared
+error is zero (up to the teacher's step error), and `consistency.consistency_sampler`
+then reproduces the teacher's sampler in `K` evaluations.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from edm2_jax.model import loss as loss_lib
+from edm2_jax.model.networks import CONFIG_FIELDS, Precond
+from edm2_jax.sampling import consistency
+
+Array = jax.Array
+DenoiseFn = Callable[[Array, Array], Array]  # (x [B,H,W,C], sigma [B]) -> D [B,H,W,C]
+
+# The settings of the student's grid in `config.distill` (and in a student network's
+# metadata), which its sampler needs.
+GRID_FIELDS = ("steps", "teacher_steps", "sigma_min", "sigma_max", "rho")
+
+
+def grid_index(rnd_normal: Array, teacher_steps: int) -> Array:
+    """Grid indices `i`, uniform over `0..N-1`, from standard normal draws `z` (the
+    training step's noise-level draws): `i = floor(N Phi(z))`, `Phi` the normal CDF.
+    int32 of `rnd_normal`'s shape."""
+    u = jax.scipy.special.ndtr(jnp.asarray(rnd_normal, jnp.float32))
+    return jnp.clip(jnp.floor(u * teacher_steps), 0, teacher_steps - 1).astype(jnp.int32)
+
+
+def _bcast(v: Array, x: Array) -> Array:
+    return v.reshape(v.shape + (1,) * (x.ndim - v.ndim))
+
+
+def heun_step(D: DenoiseFn, x_t: Array, t: Array, r: Array) -> Array:
+    """One step of the EDM sampler (Karras et al. 2022, Alg. 1) from `t` to `r < t` per
+    image (`[B]`): Heun's method on `dx/dsigma = (x - D(x; sigma)) / sigma`, Euler where
+    `r = 0` (its correction would divide by 0). Two evaluations of `D`."""
+    d_t = (x_t - D(x_t, t)) / _bcast(t, x_t)
+    x_e = x_t + _bcast(r - t, x_t) * d_t
+    r_safe = jnp.where(r > 0, r, 1.0)
+    d_r = (x_e - D(x_e, r_safe)) / _bcast(r_safe, x_t)
+    x_h = x_t + _bcast(r - t, x_t) * (0.5 * d_t + 0.5 * d_r)
+    return jnp.where(_bcast(r > 0, x_t), x_h, x_e)
+
+
+def consistency_target(student_sg: DenoiseFn, x_t: Array, x_r: Array, t: Array, r: Array,
+                       s: Array) -> Array:
+    """The target `x0_hat*` of multistep consistency distillation (arXiv:2403.06807,
+    Alg. 1): the stopped-gradient student's DDIM step from `(x_r, r)` to the segment end
+    `s` (`x_r` itself where `r = s`), written as the clean image whose DDIM step from
+    `(x_t, t)` lands there. `t > s >= 0` and `t > r >= s` per image (`[B]`); float32
+    `[B, H, W, C]`, stopped gradient."""
+    r_safe = jnp.where(r > s, r, 1.0)
+    x_s = jnp.where(_bcast(r > s, x_t),
+                    consistency.ddim_step(x_r, student_sg(x_r, r_safe), r_safe, s), x_r)
+    ratio = _bcast(s / t, x_t)
+    return jax.lax.stop_gradient((x_s - ratio * x_t) / (1 - ratio))
+
+
+def consistency_draws(rnd_normal: Array, *, steps: int, teacher_steps: int,
+                      sigma_min: float, sigma_max: float, rho: float
+                      ) -> tuple[Array, Array, Array]:
+    """`(t, r, s)` `[B]` float32 of the grid indices `grid_index(rnd_normal)`: the noise
+    level, the teacher's next one and the end of the segment."""
+    sigmas = jnp.asarray(consistency.grid_sigmas(teacher_steps, sigma_min, sigma_max, rho),
+                         jnp.float32)
+    bounds = consistency.segment_bounds(steps, teacher_steps)
+    i = grid_index(rnd_normal, teacher_steps)
+    return sigmas[i], sigmas[i + 1], sigmas[consistency.segment_end(i, bounds)]
+
+
+def distill_loss_per_element(params: Any, buffers: Any, net: Precond, teacher_params: Any,
+                             images: Array, labels: Array | None, *, rnd_normal: Array,
+                             noise_unit: Array, dropout_rng: Array | None = None,
+                             steps: int, teacher_steps: int, sigma_min: float,
+                             sigma_max: float, rho: float, sigma_data: float = 0.5,
+                             train: bool = True) -> tuple[Array, Array, Array]:
+    """The per-element distillation loss of the module docstring.
+
+    Args:
+      params, buffers: the student's (force-normalised) weights and `MPFourier` buffers
+        (shared with the teacher, which the student was initialised from).
+      net: the `Precond` of both student and teacher.
+      teacher_params: the teacher's weights (frozen; no gradient flows into them).
+      images: clean images `y` `[B, H, W, C]` in the network's data scale.
+      labels: `[B, label_dim]` or None; the teacher and the student see the same.
+      rnd_normal: `[B]` standard normal draws, the grid indices (`grid_index`).
+      noise_unit: `[B, H, W, C]` unit Gaussian noise `n`.
+      dropout_rng: the student's dropout key (the target and the teacher run without).
+      steps, teacher_steps, sigma_min, sigma_max, rho: `K` and the grid.
+    Returns: `(loss [B,H,W,C], logvar [B], t [B])`, float32.
+    """
+    images = jnp.asarray(images, jnp.float32)
+    t, r, s = consistency_draws(rnd_normal, steps=steps, teacher_steps=teacher_steps,
+                                sigma_min=sigma_min, sigma_max=sigma_max, rho=rho)
+    x_t = images + noise_unit.astype(jnp.float32) * _bcast(t, images)
+
+    def apply(p):
+        def D(x, sigma):
+            return net.apply({"params": p, "buffers": buffers}, x, sigma,
+                             labels).astype(jnp.float32)
+        return D
+
+    x_r = jax.lax.stop_gradient(heun_step(apply(teacher_params), x_t, t, r))
+    target = consistency_target(apply(jax.lax.stop_gradient(params)), x_t, x_r, t, r, s)
+    rngs = {"dropout": dropout_rng} if dropout_rng is not None else {}
+    denoised, logvar = net.apply({"params": params, "buffers": buffers}, x_t, t, labels,
+                                 train=train, return_logvar=True, rngs=rngs)
+    loss = loss_lib.uncertainty_loss(denoised, target, t, logvar, sigma_data)
+    return loss, logvar.astype(jnp.float32), t
+
+
+def distill_objective(params: Any, buffers: Any, net: Precond, teacher_params: Any,
+                      images: Array, labels: Array | None, *, batch_size: int | None = None,
+                      **kwargs: Any) -> tuple[Array, dict[str, Array]]:
+    """`sum(per-image loss) / batch_size` of `distill_loss_per_element` and the logged
+    means (`loss`, `weighted_mse`, `logvar`, `sigma`, `log_sigma`, as
+    `model.loss.edm2_loss`'s), for `jax.value_and_grad(..., has_aux=True)`."""
+    loss, logvar, t = distill_loss_per_element(params, buffers, net, teacher_params, images,
+                                               labels, **kwargs)
+    per_image = jnp.sum(loss, axis=(1, 2, 3))
+    aux = {"loss": jnp.mean(loss),
+           "weighted_mse": jnp.mean(loss_lib.weighted_mse(loss, logvar[:, None, None, None])),
+           "logvar": jnp.mean(logvar), "sigma": jnp.mean(t), "log_sigma": jnp.mean(jnp.log(t))}
+    n = per_image.shape[0] if batch_size is None else batch_size
+    return jnp.sum(per_image) / n, aux
+
+
+# --------------------------------------------------------------------------------------
+# The teacher and the student's settings
+
+
+def enabled(config: ml_collections.ConfigDict) -> bool:
+    """Whether `config` is a distillation run (`config.distill.teacher` set)."""
+    return bool(config.get("distill") and str(config.distill.teacher))
+
+
+def grid_settings(distill: Any) -> dict:
+    """The student's sampler settings (`GRID_FIELDS`) of a `distill` section (a
+    ConfigDict or the dict of a config.json/network.json)."""
+    return {k: (int if k in ("steps", "teacher_steps") else float)(distill[k])
+            for k in GRID_FIELDS}
+
+
+def check_settings(distill: Any) -> None:
+    """Raise ValueError naming the flag when the student's grid is not one."""
+    g = grid_settings(distill)
+    try:
+        consistency.grid_sigmas(g["teacher_steps"], g["sigma_min"], g["sigma_max"], g["rho"])
+        consistency.segment_bounds(g["steps"], g["teacher_steps"])
+    except ValueError as e:
+        raise ValueError(f"--config.distill: {e} (distill.steps={g['steps']}, "
+                         f"distill.teacher_steps={g['teacher_steps']})") from None
+
+
+def network_config(net: Precond) -> dict:
+    """The network config (`CONFIG_FIELDS`, as config.json holds it) of a `Precond`."""
+    cfg = {k: getattr(net, k) for k in CONFIG_FIELDS}
+    cfg["dtype"] = jnp.dtype(cfg["dtype"]).name
+    for k in ("channel_mult", "attn_resolutions"):
+        cfg[k] = tuple(cfg[k])
+    return cfg
+
+
+def load_teacher(path: str, ema: str = "") -> tuple[dict, dict, str]:
+    """`(network config, variables as host arrays, description)` of the teacher at `path`:
+    any network `sampling.generate.load_net` reads (a run, its snapshot, a post-hoc EMA
+    or converted release network). Raises what `load_net` raises."""
+    from edm2_jax.sampling import generate  # the one reader of every network kind
+    net, variables, desc = generate.load_net(path, ema or None)
+    return network_config(net), jax.tree.map(np.asarray, dict(variables)), desc
+
+
+def init_distill_state(config: ml_collections.ConfigDict, net: Precond, tx: Any, rng: Array,
+                       teacher: dict) -> dict:
+    """The student's fresh train state (`state.init_train_state`'s structure plus
+    `'teacher'`, the teacher's frozen weights): online weights and every EMA equal to
+    the teacher's `params`, the teacher's `buffers`, a fresh Adam state."""
+    from edm2_jax.ema import power as ema_lib
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), teacher["params"])
+    return {
+        "step": jnp.zeros((), jnp.int32),
+        "params": params,
+        "buffers": jax.tree.map(jnp.asarray, teacher.get("buffers", {})),
+        "opt_state": tx.init(params),
+        "ema": ema_lib.init_ema_state(params, tuple(config.ema.sigma_rels),
+                                      float(config.ema.trad_halflife_kimg)),
+        "rng": rng,
+        "teacher": params,
+    }
