@@ -29,35 +29,61 @@ def read_stats(workdir: str) -> list[dict]:
     return records
 
 
+def rows_up_to(text: str, nimg: int) -> str:
+    """The lines of `stats.jsonl` text `text` whose `kimg` is at most `nimg` / 1000 (all
+    but a last line cut short by a killed run); none when `nimg` is 0."""
+    kept = []
+    for line in text.splitlines(keepends=True):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if nimg and int(round(row["kimg"] * 1000)) <= nimg:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    return "".join(kept)
+
+
 class StatsLogger:
     """Appends status dicts to `stats.jsonl` and TensorBoard scalars in `tb/`
-    (tensorboardX, no TensorFlow needed).
+    (tensorboardX, no TensorFlow needed), from a run that starts at `start_nimg`.
+
+    Each step keeps one value: the rows of a run that went past `start_nimg` before it
+    was stopped (its later checkpoints lost or set aside, or `resume_step` older) are
+    dropped from `stats.jsonl` (rewritten by `paths.write_text_atomic`, so a crash
+    leaves the old file or the new one) and hidden from TensorBoard (`purge_step`, as
+    TensorBoard documents it); the rows at or before `start_nimg` are kept. A fresh
+    start (`start_nimg` 0) keeps none.
 
     On a URL workdir (`gs://`, objects cannot be appended to): `stats.jsonl` is
     rewritten whole at every `log` (its earlier lines read once at the start), and the
     TensorBoard event files are written to a local temporary directory and copied to
     `WORKDIR/tb/` after every `log` (tensorboardX's own GCS writer is not used)."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, start_nimg: int):
         # tensorboardX is required, but costs ~1.6 s to import (protobuf): paid by the
         # training process that logs, not by everything that reads a run (generate, phema).
         from tensorboardX import SummaryWriter
         self.path = os.path.join(workdir, STATS_JSONL)
         self.tb_dir = os.path.join(workdir, TB)
         self.url = paths.is_url(workdir)
+        old = paths.read_text(self.path) if paths.isfile(self.path) else ""
+        kept = rows_up_to(old, start_nimg)
+        if kept != old:
+            paths.write_text_atomic(self.path, kept)
+        # TensorBoard hides the events at steps >= purge_step written before it.
+        purge_step = start_nimg + 1 if start_nimg else 0
         if self.url:
             import tempfile
-            self.lines = paths.read_text(self.path) if paths.isfile(self.path) else ""
-            if self.lines and not self.lines.endswith("\n"):  # a killed run's last line
-                self.lines = self.lines[:self.lines.rfind("\n") + 1]
+            self.lines = kept
             self.local_tb = tempfile.mkdtemp(prefix="edm2_jax_tb_")
             self.f = None
-            self.tb = SummaryWriter(self.local_tb)
+            self.tb = SummaryWriter(self.local_tb, purge_step=purge_step)
         else:
             self.f = open(self.path, "a")
-            self.tb = SummaryWriter(self.tb_dir)
+            self.tb = SummaryWriter(self.tb_dir, purge_step=purge_step)
 
     def log(self, stats: dict) -> None:
+        """Append `stats` (with `kimg`, the TensorBoard step being `kimg` * 1000)."""
         if self.url:
             self.lines += json.dumps(stats) + "\n"
             paths.Path(self.path).write_text(self.lines)

@@ -251,7 +251,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
                                 start_nimg=nimg, process_index=jax.process_index(),
                                 process_count=jax.process_count(),
                                 num_workers=int(config.data.num_workers))
-    logger = StatsLogger(workdir) if is_main else None
+    logger = StatsLogger(workdir, nimg) if is_main else None  # rows past nimg dropped
     sample_key = ema_lib.ema_key(max(config.ema.sigma_rels))
     snapshot_keys = [sample_key] + ([eval_key] if eval_key else [])
     consensus = preemption.StopConsensus(stop, mesh)

@@ -1,0 +1,105 @@
+"""A run's logs after a resume (`run/stats.py`): each step has one value.
+
+The claims:
+- A run resumed from a checkpoint older than its last status line (the newer
+  checkpoint lost) replaces the rows past that checkpoint in `stats.jsonl`: one row per
+  step, the rows up to the checkpoint kept as they were, the rows after it equal to
+  those of an uninterrupted run; TensorBoard shows one value per step too (purge_step).
+- The rewrite is crash-safe: a kill before its rename leaves the old file whole.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from edm2_jax import paths
+from edm2_jax.run import stats as stats_lib
+from edm2_jax.training import loop
+from tests.test_train import make_image_folder, tiny_config, xla_cache  # noqa: F401
+
+# What differs between two runs of the same steps: wall-clock figures.
+TIMING = ("sec_per_kimg", "img_per_sec", "mem_gib", "time")
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "stats.jsonl").read_text().splitlines()]
+
+
+def _tensorboard_scalars(tb: Path) -> dict:
+    """`{tag: [(step, value), ...]}` as TensorBoard shows the event files in `tb`: read
+    in file-name order, a SessionLog START at step `s` hides the events at steps >= s
+    read before it (its `purge_orphaned_data` rule)."""
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    seen: dict = {}
+    for path in sorted(tb.iterdir()):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):  # TFRecord: length, its CRC, the record, its CRC
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            if event.session_log.status == SessionLog.START:
+                seen = {t: [(s, v) for s, v in sv if s < event.step] for t, sv in seen.items()}
+            for value in event.summary.value:
+                seen.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return seen
+
+
+def test_resume_from_an_older_checkpoint_keeps_one_row_per_step(tmp_path, xla_cache):
+    """4 steps with a status line at every step and checkpoints at 2 and 4; checkpoint 4
+    lost (a kill after the status line of step 4, before its checkpoint), the rerun
+    resumes from 2: rows 1-2 kept as written, rows 3-4 those of the uninterrupted run."""
+    data = make_image_folder(tmp_path / "data")
+    full, run = tmp_path / "full", tmp_path / "run"
+    config = tiny_config(data, status_kimg=0.008)  # a status line every step of 8 images
+    loop.train_and_evaluate(config, str(full))
+    shutil.copytree(full, run)
+    shutil.rmtree(run / "checkpoints" / "4")
+    shutil.rmtree(run / "snapshots" / "4")
+    before = _rows(run)
+    assert [r["step"] for r in before] == [1, 2, 3, 4]
+
+    r = loop.train_and_evaluate(config, str(run))
+    assert r["finished"] and r["step"] == 4
+    rows, reference = _rows(run), _rows(full)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[:2] == before[:2]
+    for got, want in zip(rows[2:], reference[2:]):
+        assert {k: v for k, v in got.items() if k not in TIMING} == \
+            {k: v for k, v in want.items() if k not in TIMING}
+    assert stats_lib.read_stats(str(run)) == rows
+
+    scalars = _tensorboard_scalars(run / "tb")
+    assert [s for s, _ in scalars["loss/loss"]] == [8, 16, 24, 32]
+    assert [v for _, v in scalars["loss/loss"]] == pytest.approx(
+        [r["loss/loss"] for r in reference], rel=1e-6)  # float32 in the event file
+
+
+def test_rows_past_the_start_are_dropped_crash_safely(tmp_path, monkeypatch):
+    """`StatsLogger(workdir, start_nimg)` keeps the rows up to `start_nimg` (not the
+    last line cut short by a kill) and drops the later ones; a kill before the rename
+    of the rewritten file leaves the old file whole; a fresh start keeps none."""
+    text = "".join(json.dumps(dict(kimg=k / 1000, step=k // 8, loss=k)) + "\n"
+                   for k in (8, 16, 24, 32)) + '{"kimg": 0.04'
+    (tmp_path / "stats.jsonl").write_text(text)
+
+    def killed(src, dst):
+        raise KeyboardInterrupt("killed before the rename")
+    with monkeypatch.context() as m:
+        m.setattr(paths.os, "replace", killed)
+        with pytest.raises(KeyboardInterrupt):
+            stats_lib.StatsLogger(str(tmp_path), 16)
+    assert (tmp_path / "stats.jsonl").read_text() == text
+
+    logger = stats_lib.StatsLogger(str(tmp_path), 16)
+    logger.log(dict(kimg=0.024, step=3, loss=-24.0))
+    logger.close()
+    assert [(r["step"], r["loss"]) for r in _rows(tmp_path)] == [(1, 8), (2, 16), (3, -24.0)]
+
+    stats_lib.StatsLogger(str(tmp_path), 0).close()
+    assert (tmp_path / "stats.jsonl").read_text() == ""
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
