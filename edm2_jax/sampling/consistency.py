@@ -75,7 +75,7 @@ def ddim_step(x_t: Array, x0_hat: Array, t: Array, s: Array) -> Array:
     """DDIM from noise level `t` to `s < t` given the clean-image estimate `x0_hat`:
     `x0_hat + (s / t) (x_t - x0_hat)` (the PF-ODE's Euler step; arXiv:2403.06807 Alg. 1 in
     the sigma parametrisation). `t`, `s`: scalars or `[B]` (broadcast over H, W, C)."""
-    ratio = jnp.asarray(s / t, jnp.float32)
+    ratio = jnp.asarray(s / t)
     ratio = ratio.reshape(ratio.shape + (1,) * (x_t.ndim - ratio.ndim)) if ratio.ndim else ratio
     return x0_hat + ratio * (x_t - x0_hat)
 
