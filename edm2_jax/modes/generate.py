@@ -37,7 +37,16 @@ flags.DEFINE_bool("subdirs", False, "generate: one subdirectory per 1000 seeds."
 flags.DEFINE_string("grid", None, "generate: also write all images as one grid PNG here.")
 flags.DEFINE_integer("class_idx", None, "generate: class for every image (default random per seed).")
 flags.DEFINE_integer("batch", 64, "generate: images per batch (split over devices).")
-flags.DEFINE_integer("steps", 32, "generate: sampler steps N (2N-1 network evaluations).")
+flags.DEFINE_integer("steps", 32, "generate/eval: sampler steps N (Heun: 2N-1 network "
+                     "evaluations; a few-step student's sampler: N evaluations, by default "
+                     "the steps it was distilled for).")
+flags.DEFINE_enum("sampler", "auto", ["auto", "heun", "consistency"], "generate/eval: 'heun' "
+                  "(the EDM sampler), 'consistency' (the few-step sampler of a distilled "
+                  "student: --steps evaluations on the teacher's grid of --teacher_steps; of "
+                  "a diffusion net, DDIM on that grid), or 'auto': 'consistency' for a "
+                  "student (configs/distill.py), 'heun' otherwise.")
+flags.DEFINE_integer("teacher_steps", None, "generate/eval: with --sampler=consistency, the "
+                     "teacher's grid of Heun steps (default: the student's, else 32).")
 flags.DEFINE_string("vae", None, "generate, eval, phema_sweep: the SD VAE that decodes a latent (img512) net's "
                     "samples: its diffusion_pytorch_model.safetensors / .bin or diffusers folder.")
 flags.DEFINE_string("guide", None, "generate/eval: guide network (unconditional for CFG, smaller/earlier for autoguidance).")
@@ -165,9 +174,37 @@ def network_flags(resolved: presets.ResolvedPreset | None) -> dict:
                 guide_ema=FLAGS.guide_ema, guidance=FLAGS.guidance)
 
 
+def few_step_flags() -> dict | None:
+    """The few-step sampler's settings (`generate.generate_images` kwargs) when
+    `--sampler` asks for it, or is 'auto' and `--net` is a distilled student
+    (`generate.student_sampler`); None for the Heun sampler. A student's own grid and
+    steps unless `--steps`, `--teacher_steps`, `--sigma_min`, `--sigma_max`, `--rho` are
+    given. Raises ValueError for Heun-only flags (churn, a guidance interval) with it."""
+    if FLAGS.sampler == "heun":
+        return None
+    student = generate.student_sampler(FLAGS.net) if FLAGS.net else None
+    if FLAGS.sampler == "auto" and student is None:
+        return None
+    kw = dict(student or dict(sampler="consistency", num_steps=4, teacher_steps=32,
+                              sigma_min=0.002, sigma_max=80.0, rho=7.0))
+    for flag, key in (("steps", "num_steps"), ("teacher_steps", "teacher_steps"),
+                      ("sigma_min", "sigma_min"), ("sigma_max", "sigma_max"), ("rho", "rho")):
+        if FLAGS[flag].present or (student is None and flag == "steps"):
+            kw[key] = getattr(FLAGS, flag)
+    if FLAGS.S_churn or FLAGS.guidance_interval:
+        raise ValueError("the few-step sampler is deterministic with one evaluation per "
+                         "step: drop --S_churn and --guidance_interval (or pass "
+                         "--sampler=heun)")
+    return dict(kw, rng=FLAGS.rng)
+
+
 def sampler_flags(resolved: presets.ResolvedPreset | None = None) -> dict:
-    """The EDM sampler's settings from the flags (`generate.generate_images` kwargs),
-    with the guidance interval of `resolved` when a preset is given."""
+    """The sampler's settings from the flags (`generate.generate_images` kwargs): a
+    few-step student's (`few_step_flags`), else the EDM sampler's, with the guidance
+    interval of `resolved` when a preset is given."""
+    few = few_step_flags() if resolved is None else None
+    if few is not None:
+        return few
     return dict(num_steps=FLAGS.steps, sigma_min=FLAGS.sigma_min, sigma_max=FLAGS.sigma_max,
                 rho=FLAGS.rho, S_churn=FLAGS.S_churn, S_min=FLAGS.S_min, S_max=FLAGS.S_max,
                 S_noise=FLAGS.S_noise, rng=FLAGS.rng,

@@ -206,14 +206,17 @@ def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outd
                     S_max: float = float("inf"), S_noise: float = 1.0, rng: str = "jax",
                     progress: bool = True, all_processes: bool = True,
                     vae: vae_lib.SDVAE | None = None,
-                    guidance_interval: tuple[float, float] | None = None
+                    guidance_interval: tuple[float, float] | None = None,
+                    sampler: str = "heun", teacher_steps: int = 32
                     ) -> Iterable[tuple[np.ndarray, np.ndarray]]:
     """Yield `(seeds [b], images uint8 [b, H, W, C])` batches; write `seed%06d.png` files
     to `outdir` (in `outdir/000000/`, `outdir/001000/`, ... with `subdirs`) if given.
     Sampler settings (`num_steps` ... `S_noise`), guidance, the guidance interval
     `(sigma_lo, sigma_hi)` (guidance only on the steps with `sigma_lo < t_i <= sigma_hi`,
     `guidance.guided_steps`) and the per-seed random stream `rng` ('jax' or the
-    release's, 'release'): `sampler.sample_images`. With
+    release's, 'release'), and `sampler` ('heun', or 'consistency': a few-step student's
+    `num_steps` evaluations on the grid of `teacher_steps`, `student_sampler`):
+    `sampler.sample_images`. With
     `vae` (a latent net, `check_vae`), the samples are decoded to RGB uint8
     `[b, 8H, 8W, 3]` by `vae.decode`, split over the same devices.
 
@@ -238,7 +241,8 @@ def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outd
             net, variables, seeds_dev, class_idx, guide_net=guide_net, guide_variables=guide_vars,
             guidance=guidance, num_steps=num_steps, sigma_min=sigma_min, sigma_max=sigma_max,
             rho=rho, S_churn=S_churn, S_min=S_min, S_max=S_max, S_noise=S_noise,
-            rng=rng, raw=vae is not None, guidance_interval=guidance_interval))[:len(b)]
+            rng=rng, raw=vae is not None, guidance_interval=guidance_interval,
+            sampler=sampler, teacher_steps=teacher_steps))[:len(b)]
         if vae is not None:
             imgs = vae.decode(imgs, sharding=sharding)
         if outdir:
@@ -272,7 +276,11 @@ def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | N
         paths.check_output_file(grid, "--grid")
     vae = check_vae(net_path, vae_path, guide_path)
     net, variables, desc = load_net(net_path, ema)
-    print(f"Generating {len(seed_list)} images from {desc}"
+    steps = sampler_kw.get("num_steps", 32)
+    how = (f"the few-step sampler, {steps} evaluation(s)"
+           if sampler_kw.get("sampler") == "consistency" else
+           f"the Heun sampler, {steps} steps ({2 * steps - 1} evaluations)")
+    print(f"Generating {len(seed_list)} images from {desc} with {how}"
           + (f", decoded by the SD VAE {vae.path}" if vae else ""))
     guide = load_guide(guide_path, guide_ema, guidance)
     t = time.time()

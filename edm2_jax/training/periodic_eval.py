@@ -13,7 +13,8 @@ from edm2_jax.ema import power as ema_lib
 from edm2_jax.evaluation import classifier as cls_lib
 from edm2_jax.evaluation.metrics import Metrics
 from edm2_jax.model import vae as vae_lib
-from edm2_jax.sampling import generate
+from edm2_jax.sampling import consistency, generate
+from edm2_jax.training import distill
 
 
 class TrainingEval:
@@ -54,6 +55,10 @@ class TrainingEval:
             raise ValueError(f"eval.num_images={self.num_images}: need at least 4 images")
         self.ema_key = self.ema_key_of(config)
         self.vae = self.vae_of(config)
+        # A distillation run's student is measured with its own few-step sampler.
+        self.sampler = (consistency.sampler_kwargs(config.distill) if distill.enabled(config)
+                        else dict(num_steps=self.num_steps))
+        self.num_steps = self.sampler["num_steps"]
         t = time.time()
         if log:
             print(f"Evaluation during training: preparing the references of "
@@ -92,7 +97,7 @@ class TrainingEval:
         t = time.time()
         seeds = list(range(self.seed, self.seed + self.num_images))
         imgs = np.concatenate([b for _, b in generate.generate_images(
-            net, variables, seeds, batch_size=self.batch_size, num_steps=self.num_steps,
+            net, variables, seeds, batch_size=self.batch_size, **self.sampler,
             progress=False, all_processes=False, vae=self.vae)])
         res = self.metrics(imgs)
         out = {f"eval/{k}": float(v) for k, v in res.items() if not k.startswith("time_")}
