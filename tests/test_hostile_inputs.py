@@ -20,8 +20,6 @@ from __future__ import annotations
 import hashlib
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -92,3 +90,50 @@ def test_missing_config_file_is_one_line_with_or_without_overrides(tmp_path, ove
                      "e.g. --config=configs/fashion_mnist.py:tiny")
     assert "Traceback" not in r.stdout + r.stderr
     assert not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------------------
+# A truncated snapshot or checkpoint
+
+
+def test_truncated_snapshot_is_refused_by_phema_and_generate_naming_the_fix(tiny_run, tmp_path):
+    """The largest array file of snapshot 4 cut to 1000 bytes: `--mode=phema` and
+    `--mode=generate --net=RUN/snapshots/4` each end with one `error:` line naming the
+    snapshot, that it is unreadable, and the fix a checksum mismatch names (move it
+    aside); nothing is written and the run is unchanged."""
+    from edm2_jax.run.snapshots import snapshot_fix
+    run = _copy(tiny_run, tmp_path)
+    _truncate(_largest_array_file(run / "snapshots" / "4" / "ema"))
+    before = _sums(run)
+    fix = snapshot_fix(str(run), 4)
+    for argv in (["--mode=phema", f"--workdir={run}", "--sigma_rel=0.07",
+                  f"--outdir={tmp_path / 'ph'}"],
+                 ["--mode=generate", f"--net={run}/snapshots/4", "--seeds=0-1",
+                  f"--outdir={tmp_path / 'gen'}"]):
+        r = run_cli(*argv)
+        log = r.stdout + r.stderr
+        assert r.returncode == 1 and "Traceback" not in log, (argv, log[-3000:])
+        [line] = _error_lines(r.stderr)
+        assert re.match(rf"error: snapshot {run}/snapshots/4(: array \S+)? is unreadable ",
+                        line), line
+        assert line.endswith(fix), (line, fix)
+    assert not any((tmp_path / "ph").glob("*/network.json"))
+    assert not any((tmp_path / "gen").rglob("*.png"))
+    assert _sums(run) == before
+
+
+def test_truncated_checkpoint_is_refused_by_generate_naming_the_fix(tiny_run, tmp_path):
+    """The largest array file of checkpoint 4 cut to 1000 bytes: `--mode=generate
+    --net=RUN` ends with one `error:` line naming the checkpoint and the fix (the
+    training command sets it aside; or a snapshot), as for a checksum mismatch."""
+    run = _copy(tiny_run, tmp_path)
+    _truncate(_largest_array_file(run / "checkpoints" / "4" / "default"))
+    before = _sums(run)
+    r = run_cli("--mode=generate", f"--net={run}", "--seeds=0-1", f"--outdir={tmp_path / 'gen'}")
+    assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
+    [line] = _error_lines(r.stderr)
+    assert line.startswith(f"error: checkpoint {run}/checkpoints/4 is unreadable "), line
+    assert "Re-run the run's training command" in line and "--net=" in line, line
+    assert not any((tmp_path / "gen").rglob("*.png"))
+    assert _sums(run) == before
+

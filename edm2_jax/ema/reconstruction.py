@@ -168,10 +168,15 @@ def save_output(path: str, variables: dict, net_config: dict, meta: dict) -> Non
 
 def _checked_reader(reader, checker, tree_path: tuple, layout) -> Callable:
     """`reader` (`get_leaf(n)`), each tensor checked against the snapshot's checksums and
-    for NaN/inf as it is read (`integrity.LeafChecker`; raises IntegrityError)."""
+    for NaN/inf as it is read (`integrity.LeafChecker`; raises IntegrityError, also for
+    a tensor that cannot be read: a truncated or damaged file)."""
     def get_leaf(n: int) -> np.ndarray:
-        x = reader(n)
-        checker("/".join(tuple(tree_path) + tuple(layout.keys[n])), x)
+        name = "/".join(tuple(tree_path) + tuple(layout.keys[n]))
+        try:
+            x = reader(n)
+        except Exception as e:  # noqa: BLE001 - tensorstore/orbax raise many types
+            raise checker.unreadable(name, e) from None
+        checker(name, x)
         return x
     return get_leaf
 

@@ -32,7 +32,7 @@ from edm2_jax.run import network_dir
 from edm2_jax.run import records
 from edm2_jax.run import snapshots
 from edm2_jax.run.layout import CHECKPOINTS, RECORDS, SNAPSHOTS, STATE_ITEM, step_dirs
-from edm2_jax.run.records import (HEALTHY_RMS_FACTOR, check_host_tree, is_healthy,
+from edm2_jax.run.records import (HEALTHY_RMS_FACTOR, is_healthy, read_checked,
                                   step_metadata, step_record)
 
 
@@ -46,11 +46,6 @@ class NonFiniteStateError(RuntimeError):
 
 class NoCheckpointError(RuntimeError):
     """The run has checkpoints, but none restores: it is not restarted silently."""
-
-
-def _one_line(e: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text[:limit] + ("..." if len(text) > limit else "")
 
 
 def _disk(path: str) -> str:
@@ -223,7 +218,7 @@ class TrainCheckpoints:
                 integrity.check(record, actual, f"checkpoint {step}")
             except Exception as e:  # noqa: BLE001 - orbax raises many types
                 self._set_aside(step, "corrupt", f"checkpoint {step} is corrupt or unreadable "
-                                f"({_one_line(e)})")
+                                f"({integrity.one_line(e)})")
                 errors.append(step)
                 continue
             for s, _ in mismatched:  # newer than a good one with the right shapes
@@ -328,7 +323,7 @@ class TrainCheckpoints:
         return CheckpointSaveError(
             code or errno.EIO,
             f"saving the {kind} of step {step} in {self.workdir} failed: "
-            f"{type(cause).__name__}: {_one_line(cause, 200)}. The complete earlier "
+            f"{type(cause).__name__}: {integrity.one_line(cause, 200)}. The complete earlier "
             f"checkpoints {done} are intact (unfinished saves are deleted on the next "
             f"start); {hint} and re-run the same command to resume from the latest.")
 
@@ -382,6 +377,5 @@ def restore_latest_state(workdir: str) -> dict:
         record = step_record(dirs[0])
     except integrity.IntegrityError as e:
         raise integrity.IntegrityError(f"checkpoint {e}. {fix}") from None
-    state = network_dir.restore_numpy(os.path.join(dirs[0], STATE_ITEM))
-    check_host_tree(state, record, f"checkpoint {dirs[0]}", fix)
-    return state
+    return read_checked(lambda: network_dir.restore_numpy(os.path.join(dirs[0], STATE_ITEM)),
+                        record, f"checkpoint {dirs[0]}", fix)

@@ -40,6 +40,12 @@ class IntegrityError(ValueError):
     """Arrays that were read differ from what was saved, or are not finite."""
 
 
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """The message of the error `e` on one line, at most `limit` characters."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text[:limit] + ("..." if len(text) > limit else "")
+
+
 def key_paths(tree: Any) -> list[str]:
     """`a/b/c` names of the leaves of `tree`, in `jax.tree.leaves` order."""
     def name(k):
@@ -256,7 +262,8 @@ def check(record: dict | None, actual: dict, what: str, prefix: str = "") -> Non
 class LeafChecker:
     """Checks arrays one at a time as a streaming reader hands them out (post-hoc EMA):
     `checker(name, array)` raises IntegrityError for a digest mismatch or a non-finite
-    value. `record` None: finiteness only."""
+    value; `checker.unreadable(name, e)` is the IntegrityError for an array whose read
+    failed with `e` (a truncated or damaged file). `record` None: finiteness only."""
 
     def __init__(self, record: dict | None, what: str, fix: str = ""):
         self.digests = None if record is None else record["digests"]
@@ -270,3 +277,7 @@ class LeafChecker:
         if not finite:
             raise IntegrityError(f"{self.what}: non-finite values (NaN/inf) in {name}."
                                  f"{self.fix}")
+
+    def unreadable(self, name: str, e: BaseException) -> IntegrityError:
+        return IntegrityError(f"{self.what}: array {name} is unreadable ({one_line(e)})."
+                              f"{self.fix}")

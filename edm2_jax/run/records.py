@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Callable
 
 from edm2_jax import paths
 from edm2_jax.run import integrity
@@ -124,3 +125,18 @@ def check_host_tree(tree: dict, record: dict | None, what: str, fix: str,
         integrity.check(record, integrity.digest_tree_numpy(tree), what, prefix)
     except integrity.IntegrityError as e:
         raise integrity.IntegrityError(f"{e}. {fix}") from None
+
+
+def read_checked(read: Callable[[], dict], record: dict | None, what: str, fix: str,
+                 prefix: str = "") -> dict:
+    """`read()` (an Orbax item as host NumPy arrays, e.g. `network_dir.restore_numpy`)
+    checked by `check_host_tree`. Raises IntegrityError naming `what` and ending with
+    `fix` when it cannot be read (a truncated or damaged file: TensorStore's
+    OUT_OF_RANGE, DATA_LOSS, ...) as when what it reads differs from `record`."""
+    try:
+        tree = read()
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
+        raise integrity.IntegrityError(
+            f"{what} is unreadable ({integrity.one_line(e)}). {fix}") from None
+    check_host_tree(tree, record, what, fix, prefix)
+    return tree

@@ -24,7 +24,7 @@ from edm2_jax import paths
 from edm2_jax.run import integrity
 from edm2_jax.run import network_dir
 from edm2_jax.run.layout import CHECKPOINTS, SNAPSHOTS, STATE_ITEM, snapshot_item, step_dirs
-from edm2_jax.run.records import check_host_tree, step_record
+from edm2_jax.run.records import read_checked, step_record
 
 
 # --------------------------------------------------------------------------------------
@@ -128,8 +128,8 @@ def restore_snapshot(workdir: str, step: int) -> tuple[dict, dict]:
     meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     mngr.close()
     d = os.path.join(workdir, SNAPSHOTS, str(step))
-    ema = network_dir.restore_numpy(snapshot_item(workdir, step, "ema"))
-    check_host_tree(ema, record, f"snapshot {d}", snapshot_fix(workdir, step), prefix="ema/")
+    ema = read_checked(lambda: network_dir.restore_numpy(snapshot_item(workdir, step, "ema")),
+                       record, f"snapshot {d}", snapshot_fix(workdir, step), prefix="ema/")
     return ema, dict(meta)
 
 
@@ -142,9 +142,8 @@ def run_buffers(workdir: str) -> dict:
     for d in step_dirs(os.path.join(workdir, SNAPSHOTS)):
         if paths.isdir(os.path.join(d, "buffers")):
             record = snapshot_record(workdir, int(os.path.basename(d)))
-            buffers = network_dir.restore_numpy(os.path.join(d, "buffers"))
-            check_host_tree(buffers, record, f"snapshot {d}", fix, prefix="buffers/")
-            return buffers
+            return read_checked(lambda: network_dir.restore_numpy(os.path.join(d, "buffers")),
+                                record, f"snapshot {d}", fix, prefix="buffers/")
     for d in step_dirs(os.path.join(workdir, CHECKPOINTS)):
         item = os.path.join(d, STATE_ITEM)
         if paths.isdir(item) and "buffers" in network_dir.tree_metadata(item):
@@ -152,9 +151,8 @@ def run_buffers(workdir: str) -> dict:
                 record = step_record(d)
             except integrity.IntegrityError as e:
                 raise integrity.IntegrityError(f"checkpoint {e}. {fix}") from None
-            buffers = network_dir.restore_partial(item, [("buffers",)])[0]
-            check_host_tree(buffers, record, f"checkpoint {d}", fix, prefix="buffers/")
-            return buffers
+            return read_checked(lambda: network_dir.restore_partial(item, [("buffers",)])[0],
+                                record, f"checkpoint {d}", fix, prefix="buffers/")
     raise FileNotFoundError(
         f"no MPFourier buffers for the run in {workdir}: its snapshots carry none and "
         f"{workdir}/checkpoints holds no train state. Keep at least one state checkpoint "
