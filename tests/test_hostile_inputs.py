@@ -137,3 +137,24 @@ def test_truncated_checkpoint_is_refused_by_generate_naming_the_fix(tiny_run, tm
     assert not any((tmp_path / "gen").rglob("*.png"))
     assert _sums(run) == before
 
+
+# --------------------------------------------------------------------------------------
+# Orbax's step metadata missing
+
+
+def test_missing_step_metadata_brings_no_orbax_warning(tiny_run, tmp_path):
+    """Both checkpoints without `_CHECKPOINT_METADATA` and without the run's own copy of
+    their records: the trainer sets each aside with one line and ends with one `error:`
+    line, and none of Orbax's "Metadata file does not exist" warnings."""
+    run = _copy(tiny_run, tmp_path)
+    for step in (2, 4):
+        (run / "checkpoints" / str(step) / "_CHECKPOINT_METADATA").unlink()
+        (run / "records" / "checkpoints" / f"{step}.json").unlink()
+    r = run_cli(*_train_flags(tiny_run), f"--workdir={run}")
+    log = r.stdout + r.stderr
+    assert r.returncode == 1, log[-3000:]
+    assert "Metadata file does not exist" not in log and "checkpoint.py:" not in log, log
+    assert len([x for x in r.stderr.splitlines() if "has no integrity record" in x]) == 2, log
+    [line] = _error_lines(r.stderr)
+    assert "has checkpoints but none restores" in line, line
+

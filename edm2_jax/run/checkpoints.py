@@ -73,6 +73,7 @@ class TrainCheckpoints:
     `reference_rms`: the parameters' RMS at the run's start (`is_healthy`), carried in
     every checkpoint's record; set by `restore_latest` or by the caller for a new run."""
 
+    @records.quiet_missing_step_metadata()
     def __init__(self, workdir: str, keep: int = 3):
         self.workdir, self.keep = workdir, keep
         self.last_step: int | None = None  # the step of the latest save (for error messages)
@@ -185,6 +186,7 @@ class TrainCheckpoints:
                 return int(os.path.basename(d)), record
         return None
 
+    @records.quiet_missing_step_metadata()
     def restore_latest(self, abstract_state, sharding, resume_step: int = 0) -> dict | None:
         """Latest complete state checkpoint (or checkpoint `resume_step` when > 0; the
         newer ones and the snapshots after it are then set aside as `<step>.discarded`)
@@ -285,6 +287,7 @@ class TrainCheckpoints:
                   f"{newer} and the snapshots after it moved to <step>.discarded", flush=True)
         return [resume_step]
 
+    @records.quiet_missing_step_metadata()
     def _set_aside(self, step: int, why: str, message: str | None = None,
                    root: str = CHECKPOINTS) -> None:
         """Rename `root/<step>` to `<step>.<why>` (process 0; all wait for it), printing
@@ -302,6 +305,7 @@ class TrainCheckpoints:
             multihost_utils.sync_global_devices(f"set aside {root} {step}")
         (self.state_mngr if root == CHECKPOINTS else self.snap_mngr).reload()
 
+    @records.quiet_missing_step_metadata()
     def _save_error(self, e: Exception, step: int | None, kind: str) -> CheckpointSaveError:
         """The error to raise when saving the checkpoint or EMA snapshot of `step` failed
         with `e` (Orbax wraps the OSError of a full disk; it is found in the chain)."""

@@ -12,9 +12,13 @@ step (`layout.writes_records`), the step is not trusted (IntegrityError).
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from typing import Callable
+
+from absl import logging as absl_logging
 
 from edm2_jax import paths
 from edm2_jax.run import integrity
@@ -61,6 +65,29 @@ def prune_records(workdir: str, kind: str, below: int) -> None:
         step = name.removesuffix(".json")
         if step.isdigit() and int(step) < below and step not in steps:
             paths.Path(os.path.join(root, name)).unlink(missing_ok=True)
+
+
+class _MissingStepMetadata(logging.Filter):
+    """Drops Orbax's warning that a step's `_CHECKPOINT_METADATA` does not exist."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        return not (msg.startswith("Metadata file does not exist") and any(
+            str(a).endswith(STEP_METADATA) for a in (record.args or ())))
+
+
+@contextlib.contextmanager
+def quiet_missing_step_metadata():
+    """Orbax's managers warn on absl's logger, for every step whose `_CHECKPOINT_METADATA`
+    is missing, each time they list or restore the steps; `step_record` reads the run's
+    own copy of what it held (and says so when both are lost), so within this context
+    (also a decorator) that warning alone is dropped, from every thread."""
+    logger, quiet = absl_logging.get_absl_logger(), _MissingStepMetadata()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _read(path: str, in_orbax_metadata: bool) -> dict | None:

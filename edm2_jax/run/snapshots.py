@@ -24,7 +24,7 @@ from edm2_jax import paths
 from edm2_jax.run import integrity
 from edm2_jax.run import network_dir
 from edm2_jax.run.layout import CHECKPOINTS, SNAPSHOTS, STATE_ITEM, snapshot_item, step_dirs
-from edm2_jax.run.records import read_checked, step_record
+from edm2_jax.run.records import quiet_missing_step_metadata, read_checked, step_record
 
 
 # --------------------------------------------------------------------------------------
@@ -64,11 +64,13 @@ def save_args(nimg: int, ema: dict, sigma_rels, batch_size: int,
 # Reading (host numpy, any topology)
 
 
+@quiet_missing_step_metadata()
 def _reader(workdir: str) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(os.path.join(workdir, SNAPSHOTS),
                                  options=ocp.CheckpointManagerOptions(create=False))
 
 
+@quiet_missing_step_metadata()
 def list_snapshots(workdir: str) -> list[tuple[int, dict]]:
     """`[(step, meta), ...]` of the complete EMA snapshots of a run, oldest first. Raises
     IntegrityError when a snapshot's meta is unreadable."""
@@ -120,6 +122,7 @@ def snapshot_checker(workdir: str, step: int) -> integrity.LeafChecker:
     return integrity.LeafChecker(record, f"snapshot {d}", snapshot_fix(workdir, step))
 
 
+@quiet_missing_step_metadata()
 def restore_snapshot(workdir: str, step: int) -> tuple[dict, dict]:
     """`(ema_tree, meta)` of snapshot `step` as numpy arrays (on any devices), verified
     against its integrity record. Raises IntegrityError when corrupt or not finite."""
