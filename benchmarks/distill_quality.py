@@ -95,6 +95,15 @@ def main() -> None:
         rows.append((f"teacher, DDIM {k}", a.teacher, ["--sampler=consistency", f"--steps={k}"],
                      a.baseline_metrics, k))
         rows.append((f"student {k}", os.path.join(a.workdir, f"k{k}"), [], a.metrics, k))
+    ref = []
+    if "fid" in (a.metrics + "," + a.baseline_metrics).split(","):
+        # One set of reference statistics for every row (the eval's own choice of test
+        # images: a seeded subset of num_images), computed once.
+        ref_path = os.path.join(a.workdir, f"fid_ref_{a.num_images}.npz")
+        if not os.path.exists(ref_path):
+            sh(["--mode=ref", f"--ref={ref_path}", f"--config={a.config}", "--metrics=fid",
+                "--ref_split=test", f"--num_images={a.num_images}", "--batch=100"], log)
+        ref = [f"--ref={ref_path}"]
     done = results(res_path)
     for name, net, extra, metrics, nfe in rows:
         if name in done and set(done[name]["metrics_asked"].split(",")) >= set(metrics.split(",")):
@@ -106,13 +115,15 @@ def main() -> None:
         t = time.time()
         sh(["--mode=eval", f"--net={net}", f"--metrics={metrics}",
             f"--num_images={a.num_images}", f"--config={a.config}", "--batch=100",
-            f"--out_json={tmp}", *extra], log)
+            f"--out_json={tmp}", *(ref if "fid" in metrics else []), *extra], log)
         r = json.loads(open(tmp).read().splitlines()[-1])
         r.update(row=name, metrics_asked=metrics, evaluations=nfe, eval_wall_s=time.time() - t)
         with open(res_path, "a") as f:
             f.write(json.dumps(r) + "\n")
         os.remove(tmp)
     done = results(res_path)
+
+    fid_key = "fid" if a.num_images == 50000 else f"fid{a.num_images}"
 
     def fmt(r, key, f="{:.2f}"):
         v = r.get(key)
@@ -127,7 +138,7 @@ def main() -> None:
             k = int(name.split()[-1])
             c = (f"{cost[k]['kimg']:.0f} kimg, {cost[k]['train_s'] / 60:.1f} min "
                  f"({cost[k]['img_per_s']:.0f} img/s)")
-        lines.append(f"| {name} | {nfe} | {fmt(r, 'fd_cls')} | {fmt(r, 'fid', '{:.1f}')} | {c} |")
+        lines.append(f"| {name} | {nfe} | {fmt(r, 'fd_cls')} | {fmt(r, fid_key, '{:.1f}')} | {c} |")
     table = "\n".join(lines)
     print(table)
     if a.out:

@@ -53,11 +53,14 @@ INSTALLERS = ("pip", "apt-get")
 # - the Fashion-MNIST config -> its `:tiny` variant (8 steps of 32 images, a 10-image grid
 #   of 4 sampling steps) on the first 256 training and 64 test images of the installed
 #   data set (`FMNIST_SUBSET`), so that classifier and reference statistics take seconds;
+#   the distillation config likewise (8 steps of 32 images);
 # - image counts, seeds and batches -> 16 images, 8 seeds, batches of 8;
 # - the test suite -> collected only (it is the suite running this test).
 TINY = [
     (r"--config=configs/fashion_mnist\.py(?=\s|$)",
      "--config=configs/fashion_mnist.py:tiny --config.data.path={fmnist}"),
+    (r"--config=configs/distill\.py(?=\s|$)",
+     "--config=configs/distill.py:tiny --config.data.path={fmnist}"),
     (r"--num_images=\d+", "--num_images=16"),
     (r"--seeds=0-\d+", "--seeds=0-7"),
     (r"--batch=\d+", "--batch=8"),
