@@ -310,3 +310,37 @@ def test_student_images_depend_only_on_the_seed_and_generate_finds_its_sampler(
     dst = tmp_path / "copy"
     shutil.copytree(run, dst)
     assert generate.student_sampler(str(dst)) == kw
+
+
+def test_post_hoc_ema_of_a_student_is_sampled_as_a_student(distill_runs, tmp_path):
+    from edm2_jax.ema import posthoc
+    run = str(distill_runs["full"])
+    out, = posthoc.reconstruct(run, [0.07], out_dir=str(tmp_path / "phema"), progress=False)
+    assert generate.student_sampler(out) == generate.student_sampler(run)
+    net, variables, _ = generate.load_net(out)
+    imgs = np.asarray(sampling.sample_images(net, variables, np.arange(2),
+                                             **generate.student_sampler(out)))
+    assert imgs.shape == (2, 16, 16, 3)
+
+
+def test_teacher_errors_are_named_before_anything_is_built(distill_runs, tmp_path):
+    """A missing teacher, or data of another kind than the teacher's, fail at set-up with
+    the flag named, before the step compiles; the output directory holds no state."""
+    import ml_collections
+    from edm2_jax.training import loop
+    config = ml_collections.ConfigDict(distill_runs["config"].to_dict())
+    missing = tmp_path / "nowhere"
+    config.distill.teacher = str(missing)
+    with pytest.raises(FileNotFoundError, match="--config.distill.teacher="):
+        loop.train_and_evaluate(config, str(tmp_path / "a"))
+    # The teacher is 16x16x3; Fashion-MNIST-like data of 8x8 grey images are not its kind.
+    from tests.test_train import make_image_folder
+    config.distill.teacher = distill_runs["teacher"]
+    config.data.path = str(make_image_folder(tmp_path / "grey", n=4, resolution=8))
+    with pytest.raises(ValueError, match="the teacher .* has network.img_resolution=16"):
+        loop.train_and_evaluate(config, str(tmp_path / "b"))
+    assert not (tmp_path / "b" / "checkpoints").exists()
+    with pytest.raises(ValueError, match="distill.steps"):
+        config.distill.steps = 0
+        from edm2_jax import configs
+        configs.validate(config)
