@@ -15,6 +15,7 @@ Claims tested:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -344,3 +345,70 @@ def test_teacher_errors_are_named_before_anything_is_built(distill_runs, tmp_pat
         config.distill.steps = 0
         from edm2_jax import configs
         configs.validate(config)
+
+
+# ---------------------------------------------------------------------------------------
+# The distillation step: independent of the device count and of micro-batching
+
+
+def _distill_step_config():
+    from tests.test_train import step_config
+    c = step_config()
+    c.distill.update(teacher="(in the state)", steps=2, teacher_steps=4)
+    return c
+
+
+def distill_steps(num_accum: int = 1, num_devices: int = 1):
+    """One jitted distillation step from a random student and a different random teacher
+    (`test_train.random_state` with two seeds) on `num_devices` devices; numpy."""
+    from edm2_jax.training import sharding as shard_lib
+    from edm2_jax.training import step as step_lib
+    from tests.test_train import random_batch, random_state
+    config = _distill_step_config()
+    state, net, tx = random_state(config, seed=0)
+    state["teacher"] = random_state(config, seed=7)[0]["params"]
+    fn = step_lib.jit_train_step(step_lib.make_train_step(config, net, tx, num_accum),
+                                 shard_lib.make_mesh(num_devices))
+    return jax.device_get(fn(state, random_batch(config, 0)))
+
+
+def _distill_step_npz(out: str) -> None:
+    """In a process with 8 simulated CPU devices: the step on all 8."""
+    assert jax.device_count() == 8, jax.devices()
+    np.savez(out, *jax.tree.leaves(distill_steps(num_devices=8)))
+
+
+def test_distillation_step_does_not_depend_on_devices_or_micro_batches(tmp_path):
+    """The same step split over 8 devices, or in 2 micro-batches, gives the one-device
+    weights, EMAs and Adam moments to float32 summation-order error (`STEP_TOL` of
+    test_train: the batch's gradient sums are the only reductions that change order;
+    the teacher's and the target's evaluations are per image). The teacher is carried
+    through unchanged."""
+    import subprocess
+    import sys
+    import textwrap
+    from tests.test_train import REPO, STEP_TOL, state_err
+    ref, ref_m = distill_steps()
+    assert np.isfinite(ref_m["objective"]) and ref_m["grad_norm"] > 0
+    acc, _ = distill_steps(num_accum=2)
+    err, where = state_err(acc, ref)
+    assert err <= STEP_TOL, (err, where)
+    out = tmp_path / "dev8.npz"
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO)!r})
+        from tests.test_distill import _distill_step_npz
+        _distill_step_npz({str(out)!r})
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with np.load(out) as f:
+        state, _ = jax.tree.unflatten(jax.tree.structure((ref, ref_m)),
+                                      [f[f"arr_{i}"] for i in range(len(f.files))])
+    err, where = state_err(state, ref)
+    assert err <= STEP_TOL, (err, where)
+    for a, b in zip(jax.tree.leaves(state["teacher"]), jax.tree.leaves(ref["teacher"])):
+        assert np.array_equal(a, b)
