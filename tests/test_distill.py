@@ -412,3 +412,34 @@ def test_distillation_step_does_not_depend_on_devices_or_micro_batches(tmp_path)
     assert err <= STEP_TOL, (err, where)
     for a, b in zip(jax.tree.leaves(state["teacher"]), jax.tree.leaves(ref["teacher"])):
         assert np.array_equal(a, b)
+
+
+def test_a_latent_network_distils_on_latents_and_its_student_stays_latent(tmp_path):
+    """An img512-style teacher (a 4-channel SD-VAE latent net, saved as a network
+    checkpoint) distils on a latent data set; the student is a latent net (generate asks
+    for the VAE) sampled with its few-step sampler."""
+    from edm2_jax.model.networks import init_variables, precond_from_config
+    from edm2_jax.run import network_dir
+    from edm2_jax.training import loop
+    from tests.test_train import tiny_config
+    from tests.test_vae import R, _arrays, _write_latent_set
+    cfg = dict(img_resolution=R, img_channels=4, label_dim=0, model_channels=8,
+               channel_mult=(1,), num_blocks=1, attn_resolutions=(), logvar_channels=8)
+    net = precond_from_config(cfg)
+    teacher = network_dir.save_network(
+        str(tmp_path / "latent-teacher"), init_variables(net, jax.random.PRNGKey(0)),
+        distill.network_config(net), meta={"encoder": "sd-vae"})
+    data = _write_latent_set(tmp_path / "lat", _arrays(8), None, as_zip=False)
+    config = tiny_config(data, **{"data.encoder": "sd-vae", "data.use_labels": False,
+                                  "distill.teacher": teacher, "distill.steps": 2,
+                                  "distill.teacher_steps": 4, "total_kimg": 0.016})
+    r = loop.train_and_evaluate(config, str(tmp_path / "student"))
+    assert r["finished"] and np.isfinite(r["loss/loss"])
+    run = str(tmp_path / "student")
+    assert generate.net_encoder(run) == "sd-vae"
+    with pytest.raises(ValueError, match="--vae"):
+        generate.check_vae(run, None)
+    net, variables, _ = generate.load_net(run)
+    x = sampling.sample_images(net, variables, np.arange(2), raw=True,
+                               **generate.student_sampler(run))
+    assert x.shape == (2, R, R, 4) and np.all(np.isfinite(x))
