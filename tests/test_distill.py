@@ -443,3 +443,23 @@ def test_a_latent_network_distils_on_latents_and_its_student_stays_latent(tmp_pa
     x = sampling.sample_images(net, variables, np.arange(2), raw=True,
                                **generate.student_sampler(run))
     assert x.shape == (2, R, R, 4) and np.all(np.isfinite(x))
+
+
+def test_distill_configs_validate_for_every_preset():
+    """configs/distill.py builds a valid config for Fashion-MNIST, its tiny variant and
+    every img64/img512 preset; a preset student fine-tunes at the teacher's final
+    learning rate `ref_lr / sqrt(total_steps / t_ref)` (img64-s: 0.010 / sqrt(2^30 /
+    2048 / 35000) = 0.010 / sqrt(14.98)), constant."""
+    from edm2_jax import configs
+    from edm2_jax.model import presets
+    from tests.test_train import _config_file
+    for variant in ["fashion_mnist", "tiny", *presets.NETWORK_PRESETS]:
+        c = _config_file("distill", variant)
+        c.distill.teacher = "teacher"
+        configs.validate(c)
+        assert c.optim.t_ref == 0
+    c = _config_file("distill", "img64-s")
+    assert c.optim.ref_lr == pytest.approx(0.010 / np.sqrt(2**30 / 2048 / 35000), rel=1e-12)
+    assert _config_file("distill", "img512-xs").data.encoder == "sd-vae"
+    with pytest.raises(ValueError, match="unknown variant"):
+        _config_file("distill", "img32")
