@@ -36,9 +36,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from edm2_jax.ema import power as ema_lib
 from edm2_jax.model import loss as loss_lib
 from edm2_jax.model.networks import CONFIG_FIELDS, Precond
-from edm2_jax.sampling import consistency
+from edm2_jax.sampling import consistency, generate
 
 Array = jax.Array
 DenoiseFn = Callable[[Array, Array], Array]  # (x [B,H,W,C], sigma [B]) -> D [B,H,W,C]
@@ -195,7 +196,6 @@ def load_teacher(path: str, ema: str = "") -> tuple[dict, dict, str]:
     """`(network config, variables as host arrays, description)` of the teacher at `path`:
     any network `sampling.generate.load_net` reads (a run, its snapshot, a post-hoc EMA
     or converted release network). Raises what `load_net` raises."""
-    from edm2_jax.sampling import generate  # the one reader of every network kind
     net, variables, desc = generate.load_net(path, ema or None)
     return network_config(net), jax.tree.map(np.asarray, dict(variables)), desc
 
@@ -205,7 +205,6 @@ def init_distill_state(config: ml_collections.ConfigDict, net: Precond, tx: Any,
     """The student's fresh train state (`state.init_train_state`'s structure plus
     `'teacher'`, the teacher's frozen weights): online weights and every EMA equal to
     the teacher's `params`, the teacher's `buffers`, a fresh Adam state."""
-    from edm2_jax.ema import power as ema_lib
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), teacher["params"])
     return {
         "step": jnp.zeros((), jnp.int32),

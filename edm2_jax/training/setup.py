@@ -22,6 +22,7 @@ from edm2_jax import configs
 from edm2_jax import data as data_lib
 from edm2_jax.model.networks import Precond
 from edm2_jax.run import checkpoints, integrity, layout
+from edm2_jax.sampling import generate
 from edm2_jax.training import distill as distill_lib
 from edm2_jax.training import optim as optim_lib
 from edm2_jax.training import sharding as shard_lib
@@ -59,7 +60,6 @@ def setup_teacher(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     if not distill_lib.enabled(config):
         return config
     distill_lib.check_settings(config.distill)
-    from edm2_jax.sampling import generate
     path = str(config.distill.teacher)
     try:
         teacher_cfg = generate.net_config(path)
