@@ -26,6 +26,7 @@ location, the problem and the fix.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import os
 import shutil
@@ -127,11 +128,28 @@ def copy_file(src, dst) -> None:
 
 def write_through_local(path, write) -> None:
     """Call `write(local_path)` for a writer that only knows local files (PIL, matplotlib):
-    at `path` itself when it is local (its directory made first), else at a temporary
-    local file that is then copied to the URL."""
+    locally at a temporary name beside `path` (`.<stem>.tmp<ext>`, the extension kept for
+    writers that choose the format by it) then renamed to `path`, so that `path` is
+    whole or absent; for a URL at a temporary local file that is then copied there.
+    Raises OutputLocationError when the local disk refuses the file (full: naming the
+    disk and its free space; read-only; no permission), the temporary file removed."""
     if not is_url(path):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        write(path)
+        path = normalize(path)
+        directory, name = os.path.split(os.path.abspath(path))
+        stem, ext = os.path.splitext(name)
+        tmp = os.path.join(directory, f".{stem}.tmp{ext}")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            write(tmp)
+            os.replace(tmp, path)
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            if not isinstance(e, OSError) or e.errno is None:  # not the disk's (PIL's own)
+                raise
+            fix = "free space there" if e.errno in FULL_DISK else "make it writable"
+            raise OutputLocationError(f"writing {path} failed: {write_problem(directory, e)}; "
+                                      f"{fix} and re-run the same command") from None
         return
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, os.path.basename(normalize(path)))

@@ -18,8 +18,11 @@ tests/test_train.py (in-process, with its compilation cache) and the CLI on copi
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,6 +54,20 @@ def _truncate(path: Path, size: int = 1000) -> None:
 
 def _error_lines(log: str) -> list[str]:
     return [x for x in log.splitlines() if x.startswith("error:")]
+
+
+def _cli(argv: list[str], cache: str, driver: Path | None = None
+         ) -> subprocess.CompletedProcess:
+    """`python -m edm2_jax.main *argv` (or `python driver *argv`) with the tests'
+    compilation cache, as test_fault_tolerance's CLI runs, and this checkout's edm2_jax
+    first on the path (a driver's directory is not the checkout)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    head = [str(driver)] if driver else ["-m", "edm2_jax.main"]
+    return subprocess.run([sys.executable, *head, *argv], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -157,4 +174,95 @@ def test_missing_step_metadata_brings_no_orbax_warning(tiny_run, tmp_path):
     assert len([x for x in r.stderr.splitlines() if "has no integrity record" in x]) == 2, log
     [line] = _error_lines(r.stderr)
     assert "has checkpoints but none restores" in line, line
+
+
+# --------------------------------------------------------------------------------------
+# A full disk while a sample grid is written
+
+
+def test_grid_on_a_full_disk_names_its_free_space_and_leaves_the_old_file(tmpfs):
+    """`paths.write_through_local` (how grids are written) on a real full tmpfs: an
+    OutputLocationError naming the disk and its free space and the fix; the grid
+    already at that path is unchanged and no temporary file is left."""
+    import numpy as np
+
+    from edm2_jax import paths
+    from edm2_jax.sampling.sampler import save_image_grid
+    d = tmpfs.mount("full", "1m")
+    grid = d / "samples" / "000000000032.png"
+    grid.parent.mkdir()
+    grid.write_bytes(b"the grid of an earlier run")
+    tmpfs.fill(d)
+    images = np.random.default_rng(0).integers(0, 256, (4, 64, 64, 3), np.uint8)
+    with pytest.raises(paths.OutputLocationError,
+                       match=rf"writing {grid} failed: the disk mounted at {d} \(\d+ B free of "
+                             rf"1\.0 MiB\) is full; free space there and re-run"):
+        paths.write_through_local(str(grid), lambda p: save_image_grid(images, p, 2, 2))
+    assert sorted(os.listdir(grid.parent)) == [grid.name]
+    assert grid.read_bytes() == b"the grid of an earlier run"
+
+
+_FULL_AT_GRID = """
+import os, runpy, sys, time
+from edm2_jax.sampling import sampler
+save = sampler.save_image_grid
+
+def fill_then_save(images, path, rows, cols):
+    # The snapshot of this step complete first, then the disk filled: the grid is the
+    # first write to meet the full disk.
+    snapshot = os.path.join(os.environ["WORKDIR"], "snapshots", "4")
+    t0 = time.time()
+    while not os.path.isdir(snapshot) and time.time() - t0 < 120:
+        time.sleep(0.1)
+    fd = os.open(os.path.join(os.environ["FILLER_DIR"], "filler"), os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, bytes(1 << 16)):
+            pass
+    except OSError:
+        pass
+    os.close(fd)
+    return save(images, path, rows, cols)
+
+sampler.save_image_grid = fill_then_save
+sys.argv = ["edm2_jax.main"] + sys.argv[1:]
+runpy.run_module("edm2_jax.main", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_cli_disk_full_at_the_sample_grid_is_one_line_and_loses_nothing(tiny_run, tmp_path,
+                                                                       tmpfs, xla_cache):
+    """The tiny run resumed from checkpoint 2 on a real tmpfs that fills just before the
+    grid of step 4 is written: exit 1 with one `error:` line naming the grid, the disk
+    and its free space, and the fix; no traceback; no grid file (no 0-byte PNG);
+    checkpoint 2 and snapshot 4 intact. With the space freed, the same command finishes
+    and writes the grid."""
+    d = tmpfs.mount("disk", "16m")
+    run = _copy(tiny_run, d)
+    shutil.rmtree(run / "checkpoints" / "4")
+    shutil.rmtree(run / "samples")
+    ck2 = _sums(run / "checkpoints" / "2")
+    driver = tmp_path / "full_at_grid.py"
+    driver.write_text(_FULL_AT_GRID)
+    os.environ.update(WORKDIR=str(run), FILLER_DIR=str(d))
+    try:
+        r = _cli(_train_flags(tiny_run) + [f"--workdir={run}"], xla_cache, driver)
+    finally:
+        del os.environ["WORKDIR"], os.environ["FILLER_DIR"]
+    log = r.stdout + r.stderr
+    assert r.returncode == 1, log[-3000:]
+    assert "Traceback" not in log and "Errno" not in log, log[-3000:]
+    [line] = _error_lines(r.stderr)
+    assert re.fullmatch(rf"error: writing {run}/samples/000000000032\.png failed: the disk "
+                        rf"mounted at {d} \(\d+ B free of 16\.0 MiB\) is full; free space "
+                        rf"there and re-run the same command", line), line
+    assert list((run / "samples").iterdir()) == []
+    assert _sums(run / "checkpoints" / "2") == ck2 and _steps(run) == [2]
+    assert _steps(run, "snapshots") == [4]
+
+    (d / "filler").unlink()
+    r = _cli(_train_flags(tiny_run) + [f"--workdir={run}"], xla_cache)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert _steps(run) == [2, 4]
+    assert (run / "samples" / "000000000032.png").stat().st_size > 0
 
