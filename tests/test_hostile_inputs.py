@@ -266,3 +266,44 @@ def test_cli_disk_full_at_the_sample_grid_is_one_line_and_loses_nothing(tiny_run
     assert _steps(run) == [2, 4]
     assert (run / "samples" / "000000000032.png").stat().st_size > 0
 
+
+# --------------------------------------------------------------------------------------
+# A learning rate that diverges from the first step
+
+
+def test_rescue_advice_names_the_config_files_rate_when_no_rate_of_the_run_trained():
+    """Only 1e30 ever trained (and diverged): the advice names the config file's own
+    rate, else the default of configs.py; a rate that trained still comes first."""
+    from edm2_jax import configs
+    cfg = tiny_config("/nonexistent", **{"optim.ref_lr": 1e30})
+    only = [{"step": 0, "ref_lr": 1e30, "grad_clip": 0.0}]
+    flags, why = loop.rescue_flags(2, only, cfg, default_ref_lr=0.01)
+    assert flags == ["--config.resume_step=2", "--config.optim.ref_lr=0.01"], flags
+    assert "config file's own" in why, why
+    flags, _ = loop.rescue_flags(2, only, cfg)
+    assert flags[1] == f"--config.optim.ref_lr={configs.base_config().optim.ref_lr:g}"
+    trained = [{"step": 0, "ref_lr": 0.003, "grad_clip": 0.0}, {**only[0], "step": 2}]
+    flags, _ = loop.rescue_flags(2, trained, cfg, default_ref_lr=0.01)
+    assert flags[1] == "--config.optim.ref_lr=0.003"
+
+
+@pytest.mark.slow
+def test_cli_following_the_advice_after_ref_lr_1e30_trains(tiny_run, tmp_path, xla_cache):
+    """`--config.optim.ref_lr=1e30` on a new run: one `error:` line whose advice names a
+    rate that trains; the same command with the flags it prints (in a new --workdir when
+    it says so) trains to the end with a finite loss."""
+    command = _train_flags(tiny_run) + ["--config.optim.ref_lr=1e30"]
+    r = _cli(command + [f"--workdir={tmp_path / 'first'}"], xla_cache)
+    assert r.returncode == 1, (r.stdout + r.stderr)[-3000:]
+    [line] = _error_lines(r.stderr)
+    advice = re.findall(r"--config\.[\w.]+=[^\s;,()]+", line)
+    assert advice == ["--config.optim.ref_lr=0.01"], line  # the config file's own rate
+    workdir = tmp_path / ("second" if "new --workdir" in line else "first")
+    r = _cli(command + advice + [f"--workdir={workdir}"], xla_cache)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "Training finished" in r.stdout and _steps(workdir) == [2, 4]
+    import json
+    import math
+    losses = [json.loads(x).get("loss/loss") for x in
+              (workdir / "stats.jsonl").read_text().splitlines()]
+    assert losses and all(math.isfinite(v) for v in losses if v is not None), losses

@@ -54,6 +54,20 @@ def _unloadable_config(e: OSError) -> str:
             f"--config=configs/img64.py:xs")
 
 
+def config_file_value(field: str):
+    """The value of `field` (dotted, e.g. 'optim.ref_lr') as the `--config` file sets it,
+    before the `--config.FIELD` overrides (its `get_config(variant)` run again when one
+    overrides `field`); None without `--config`."""
+    flag = FLAGS["config"]
+    if config() is None:
+        return None
+    node = (flag.parser.parse(config_flags.get_config_filename(flag))
+            if field in config_flags.get_override_values(flag) else config())
+    for part in field.split("."):
+        node = node[part]
+    return node
+
+
 def data_config() -> dict | None:
     """The data section of `--config`, if given."""
     return config().data.to_dict() if config() else None

@@ -28,4 +28,6 @@ def run(process_setup: Any = None) -> dict:
         raise app.UsageError("--mode=train needs --config=FILE.py[:VARIANT], e.g. "
                              "--config=configs/fashion_mnist.py")
     common.check_run_dir(workdir)  # before anything is read, compiled or written
-    return loop.train_and_evaluate(config, workdir, process_setup=process_setup)
+    return loop.train_and_evaluate(
+        config, workdir, process_setup=process_setup,
+        default_ref_lr=common.config_file_value("optim.ref_lr"))

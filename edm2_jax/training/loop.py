@@ -135,11 +135,24 @@ def optim_history(saved: dict | None, current: dict, step0: int) -> list[dict]:
     return [h for h in history if h["step"] < step0] + [entry(step0, current["optim"])]
 
 
-def rescue_flags(step: int, history: list[dict], config: ml_collections.ConfigDict
-                 ) -> tuple[list[str], str]:
+def default_rate(lr: float, default_ref_lr: float | None) -> tuple[float, str]:
+    """`(rate, why)`: the learning rate to name after `lr` diverged when no lower rate of
+    the run has trained: the first below `lr` of `default_ref_lr` (the config file's own,
+    before overrides) and `configs.base_config()`'s (the release's img64-xs rate; every
+    released preset's is within 2x of it), else a tenth of `lr`."""
+    for rate, what in ((default_ref_lr, "the config file's own ref_lr"),
+                       (configs.base_config().optim.ref_lr, "the default ref_lr of "
+                                                            "edm2_jax/configs.py")):
+        if rate is not None and float(rate) < lr:
+            return float(rate), f"{what}; {lr:g} diverged before any lower rate trained"
+    return lr / 10, f"a tenth of {lr:g}, which diverged"
+
+
+def rescue_flags(step: int, history: list[dict], config: ml_collections.ConfigDict,
+                 default_ref_lr: float | None = None) -> tuple[list[str], str]:
     """`(flags, why)`: how to resume a diverged run from its healthy checkpoint `step`:
     the most recent learning rate in `history` (`optim_history`) that trained steps
-    before `step` and is lower than the one that diverged, else a tenth of it; a
+    before `step` and is lower than the one that diverged, else `default_rate`'s; a
     gradient clip only where none is set (as a second resort, in `why`)."""
     lr = float(config.optim.ref_lr)
     trained = [h for h in history if h["step"] < step and h["ref_lr"] < lr]
@@ -147,8 +160,7 @@ def rescue_flags(step: int, history: list[dict], config: ml_collections.ConfigDi
         rate = trained[-1]["ref_lr"]
         why = f"the rate that trained from step {trained[-1]['step']}"
     else:
-        rate = lr / 10
-        why = f"a tenth of {lr:g}, which diverged"
+        rate, why = default_rate(lr, default_ref_lr)
     flags = [f"--config.resume_step={step}", f"--config.optim.ref_lr={rate:g}"]
     if not float(config.optim.grad_clip):
         why += "; should it diverge again, also add --config.optim.grad_clip=1"
@@ -156,22 +168,22 @@ def rescue_flags(step: int, history: list[dict], config: ml_collections.ConfigDi
 
 
 def rescue_hint(managers: checkpoints.TrainCheckpoints, config: ml_collections.ConfigDict,
-                history: list[dict]) -> str:
+                history: list[dict], default_ref_lr: float | None = None) -> str:
     """How to resume a diverged run: the newest checkpoint that is finite with a
-    healthy parameter RMS (`records.is_healthy`), and the flags (`rescue_flags`)."""
+    healthy parameter RMS (`records.is_healthy`), and the flags (`rescue_flags`); with
+    none, a new run at `default_rate`'s learning rate."""
     try:
         managers.close()  # the saves in flight complete (or fail) first
     except checkpoints.CheckpointSaveError:
         pass
     found = managers.newest_healthy()
     if found is None:
-        lr = float(config.optim.ref_lr)
+        rate, why = default_rate(float(config.optim.ref_lr), default_ref_lr)
         return (" No checkpoint of this run is healthy (finite, parameter RMS within "
                 f"{records.HEALTHY_RMS_FACTOR:g}x of the start): start a new run in a new "
-                f"--workdir with a lower --config.optim.ref_lr (now {lr:g}; e.g. "
-                f"{lr / 10:g}).")
+                f"--workdir with --config.optim.ref_lr={rate:g} ({why}).")
     step, record = found
-    flags, why = rescue_flags(step, history, config)
+    flags, why = rescue_flags(step, history, config, default_ref_lr)
     return (f" The newest healthy checkpoint is step {step} (finite; parameter RMS "
             f"{record['rms']['params']:.3g}). Resume from it with a lower learning rate: "
             f"re-run the same command with {' '.join(flags)} ({why}); the optim.* fields "
@@ -183,7 +195,7 @@ def rescue_hint(managers: checkpoints.TrainCheckpoints, config: ml_collections.C
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.StopRequest,
-           process_setup: Any) -> dict:
+           process_setup: Any, default_ref_lr: float | None) -> dict:
     """`train_and_evaluate`'s body, run holding the run's lock and the signal handlers."""
     is_main = jax.process_index() == 0
 
@@ -327,7 +339,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
         if is_main:  # the rescue's --config.resume_step is to be applied (again)
             layout.write_config(workdir, dict(current, resume_step=0))
         raise NonFiniteLossError(
-            str(e) + rescue_hint(managers, config, current["optim_history"])) from None
+            str(e) + rescue_hint(managers, config, current["optim_history"],
+                                 default_ref_lr)) from None
     except BaseException:
         failed = True
         raise
@@ -357,7 +370,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       process_setup: Any = None) -> dict:
+                       process_setup: Any = None, default_ref_lr: float | None = None) -> dict:
     """Train to `config.total_kimg`, resuming from the latest checkpoint in `workdir`.
 
     Writes `config.json` (with `optim_history`, the learning rate and clip of each
@@ -376,6 +389,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     started (`edm2_jax.process.TrainingSetup`): `num_devices(batch_size, fits)`, how
     many of the devices to train on (`fits(d)`: whether the step splits over `d`), and
     `log_line()`, a line to print about the process (or None). None: all devices.
+    `default_ref_lr`: the config file's own `optim.ref_lr`, before overrides (the CLI
+    passes it), which the advice after a divergence names when no lower rate of the run
+    has trained (`default_rate`).
 
     Faults: SIGTERM/SIGINT finish the current step (or sample grid; a snapshot's grid not
     yet begun is skipped), save a checkpoint and return (all processes stop at the same
@@ -409,4 +425,4 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     workdir = paths.normalize(workdir)  # a local path or a gs:// URL (paths.py)
     paths.makedirs(workdir)
     with lock.RunLock(workdir), preemption.StopRequest() as stop:
-        return _train(config, workdir, stop, process_setup)
+        return _train(config, workdir, stop, process_setup, default_ref_lr)
