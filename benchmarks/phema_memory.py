@@ -9,8 +9,9 @@ high-water mark (VmHWM). The budget is the outputs plus one snapshot file (two E
 outputs + 2 copies; phema reads a few tensors at a time, so it needs about outputs + 1.
 The host allocator is the process's (run this script under the allocator to measure).
 Measured (2 CPU cores, `--snapshots=16 --outputs=8`): 9.5-9.9 copies under glibc, 9.0
-with `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=1048576`, 16.7 under tcmalloc
-(`LD_PRELOAD=libtcmalloc_minimal.so.4`).
+with `GLIBC_TUNABLES=glibc.malloc.arena_max=2` (what `--mode=phema` runs under,
+`edm2_jax/process.py`), 9.0 with `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=1048576`,
+16.7 under tcmalloc (`LD_PRELOAD=libtcmalloc_minimal.so.4`).
 
     python benchmarks/phema_memory.py                          # 16 snapshots x 2 EMAs, 8 outputs
     python benchmarks/phema_memory.py --snapshots=4 --outputs=2 --preset=img64-xs

@@ -23,9 +23,16 @@ EPYC, `benchmarks/README.md`):
   buffer (all activations: 368 MB for the Fashion-MNIST step) with a fresh `mmap` each
   step, faulting in ~90,000 pages (545 -> ~445 ms per step once fixed; why, in
   `benchmarks/README.md`). Values: `tcmalloc` (LD_PRELOAD of Debian's
-  `libtcmalloc-minimal4`, in the README's quick start; the lowest peak RSS), `thp`
-  (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, glibc >= 2.35: 1 fault per 2 MiB), `auto`
-  (default: tcmalloc where installed, else thp), `off`.
+  `libtcmalloc-minimal4`, in the README's quick start; the lowest peak RSS in training),
+  `thp` (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, glibc >= 2.35: 1 fault per 2 MiB),
+  `arena` (GLIBC_TUNABLES=glibc.malloc.arena_max=2: glibc with 2 malloc arenas instead
+  of 8 per core, so that what one thread frees another reuses), `auto` (default:
+  `arena` for `--mode=phema`, tcmalloc where installed for every other mode, else thp),
+  `off`. Post-hoc EMA allocates and frees 8 MiB chunks in TensorStore's reader threads,
+  which tcmalloc keeps: 8 outputs from 16 snapshots of 2 EMAs peak at 16.7 parameter
+  copies above the baseline under tcmalloc, 9.8 under glibc, 9.0 under `arena`, which
+  takes glibc's CPU time (`python benchmarks/phema_memory.py`; `PHEMA_MODES`). glibc
+  with `mmap_threshold=1048576` holds as little (8.9) but doubles the CPU time.
 - **`EDM2_JAX_CPU_DEVICES`**: the CPU backend split into this many devices
   (`--xla_force_host_platform_device_count`), the step data-parallel over them
   (`training/sharding.py`): two streams of kernels fill the gaps one leaves on two
@@ -61,13 +68,14 @@ MALLOC_ENV = "EDM2_JAX_MALLOC"
 DEVICES_ENV = "EDM2_JAX_CPU_DEVICES"
 XLA_DEFAULTS_ENV = "EDM2_JAX_XLA_DEFAULTS"
 CACHE_ENV = "EDM2_JAX_COMPILATION_CACHE"
-MALLOC_MODES = ("auto", "tcmalloc", "thp", "off")
+MALLOC_MODES = ("auto", "tcmalloc", "thp", "arena", "off")
 APPLIED = "EDM2_JAX_CPU_ENV_APPLIED"  # set in the re-executed process: never loop
 DEVICES_SET = "EDM2_JAX_CPU_DEVICES_SET"  # the device count reexec() chose
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type=dot"
 TCMALLOC = "tcmalloc_minimal"
 THP_TUNABLE = "glibc.malloc.hugetlb=1"
+ARENA_TUNABLE = "glibc.malloc.arena_max=2"
 EXIT_GRACE_S = 30.0
 
 
@@ -95,6 +103,16 @@ def setup_entry_point(argv: list[str] | None = None) -> None:
 # 32 steps: 12.7 vs 10.9 img/s, `python benchmarks/compare_release.py --work=sample`);
 # training the other way round (176 vs 161 img/s, `--work=train`).
 SAMPLING_MODES = ("generate", "eval")
+# Modes whose peak memory is the host allocator's: `auto` gives them `arena` (module doc).
+PHEMA_MODES = ("phema",)
+
+
+def command_mode(argv: list[str]) -> str | None:
+    """The `--mode` of command line `argv` (`--mode=X` or `--mode X`), None without one."""
+    mode = next((a.split("=", 1)[1] for a in argv if a.startswith("--mode=")), None)
+    if mode is None and "--mode" in argv and argv.index("--mode") + 1 < len(argv):
+        mode = argv[argv.index("--mode") + 1]
+    return mode
 
 
 def ynn_for_command(argv: list[str], environ: dict | None = None) -> bool:
@@ -102,10 +120,8 @@ def ynn_for_command(argv: list[str], environ: dict | None = None) -> bool:
     `--mode` in `SAMPLING_MODES` unless `$EDM2_JAX_XLA_DEFAULTS` or
     `$EDM2_JAX_CPU_DEVICES` is set (then `default_xla_flags` decides as for any mode)."""
     env = os.environ if environ is None else environ
-    mode = next((a.split("=", 1)[1] for a in argv if a.startswith("--mode=")), None)
-    if mode is None and "--mode" in argv and argv.index("--mode") + 1 < len(argv):
-        mode = argv[argv.index("--mode") + 1]
-    return (mode not in SAMPLING_MODES or XLA_DEFAULTS_ENV in env or DEVICES_ENV in env)
+    return (command_mode(argv) not in SAMPLING_MODES or XLA_DEFAULTS_ENV in env
+            or DEVICES_ENV in env)
 
 
 def default_xla_flags(environ: dict | None = None) -> dict[str, str]:
@@ -175,12 +191,16 @@ def enable_compilation_cache() -> None:
 # Host allocator and CPU devices
 
 
-def malloc_mode(environ: dict | None = None) -> str:
-    """`$EDM2_JAX_MALLOC` (default 'auto'). Raises ValueError for another value."""
+def malloc_mode(environ: dict | None = None, argv: list[str] | None = None) -> str:
+    """`$EDM2_JAX_MALLOC` (default 'auto'), with 'auto' made 'arena' for a `--mode` of
+    `PHEMA_MODES` in command line `argv` (default `sys.orig_argv`). Raises ValueError
+    for another value."""
     env = os.environ if environ is None else environ
     m = (env.get(MALLOC_ENV, "auto") or "auto").strip().lower()
     if m not in MALLOC_MODES:
         raise ValueError(f"{MALLOC_ENV}={m!r}: expected one of {', '.join(MALLOC_MODES)}")
+    if m == "auto" and command_mode(sys.orig_argv if argv is None else argv) in PHEMA_MODES:
+        return "arena"
     return m
 
 
@@ -215,25 +235,29 @@ def _glibc_linux() -> bool:
 
 def malloc_in_effect(environ: dict | None = None) -> str:
     """The allocator a process with `environ` (default `os.environ`) was started with:
-    'tcmalloc', 'thp' or 'glibc'."""
+    'tcmalloc', 'thp', 'arena' or 'glibc'."""
     env = os.environ if environ is None else environ
     if TCMALLOC in env.get("LD_PRELOAD", ""):
         return "tcmalloc"
     if THP_TUNABLE in env.get("GLIBC_TUNABLES", ""):
         return "thp"
+    if ARENA_TUNABLE in env.get("GLIBC_TUNABLES", ""):
+        return "arena"
     return "glibc"
 
 
-def launch_env(environ: dict | None = None, cores: int | None = None) -> dict[str, str]:
+def launch_env(environ: dict | None = None, cores: int | None = None,
+               argv: list[str] | None = None) -> dict[str, str]:
     """The environment variables to add or change, given `environ` (default
-    `os.environ`): the allocator of `malloc_mode` (only on Linux with glibc, and only
+    `os.environ`) and command line `argv` (default `sys.orig_argv`): the allocator of
+    `malloc_mode` (only on Linux with glibc, and only
     when none of ours is in effect) and the device count of `cpu_devices` (only when
     `XLA_FLAGS` sets none and it is > 1). Empty when nothing needs to change.
     Raises ValueError for bad settings, FileNotFoundError for `tcmalloc` where
     libtcmalloc_minimal is not installed."""
     env = os.environ if environ is None else environ
     add: dict[str, str] = {}
-    m = malloc_mode(env)
+    m = malloc_mode(env, argv)
     if m != "off" and _glibc_linux() and malloc_in_effect(env) == "glibc":
         so = ctypes.util.find_library(TCMALLOC) if m in ("auto", "tcmalloc") else None
         if so:
@@ -246,8 +270,9 @@ def launch_env(environ: dict | None = None, cores: int | None = None) -> dict[st
                                     f"installed; apt-get install libtcmalloc-minimal4, or set "
                                     f"{MALLOC_ENV}=thp (glibc huge pages) or {MALLOC_ENV}=off")
         else:
+            tunable = ARENA_TUNABLE if m == "arena" else THP_TUNABLE
             tun = env.get("GLIBC_TUNABLES", "")
-            add["GLIBC_TUNABLES"] = f"{tun}:{THP_TUNABLE}" if tun else THP_TUNABLE
+            add["GLIBC_TUNABLES"] = f"{tun}:{tunable}" if tun else tunable
     n = cpu_devices(env, cores)
     flags = env.get("XLA_FLAGS", "")
     if n > 1 and DEVICE_COUNT_FLAG not in flags:
@@ -289,7 +314,7 @@ def reexec(argv: list[str] | None = None) -> None:
     first in a `__main__`, before JAX starts. Raises what `launch_env` raises."""
     if os.environ.get(APPLIED):
         return
-    add = launch_env()
+    add = launch_env(argv=argv)
     if not add:
         return
     if set(add) <= {"XLA_FLAGS", DEVICES_SET}:
