@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -235,7 +236,7 @@ def test_partial_state_is_loaded_only_for_the_same_settings(tmp_path):
     gen = GeneratedFeatures({"fid": (1.0, _fake_extractor)})
     gen.add(np.ones((3, 2, 2, 1), np.uint8), [4, 5, 6])
     settings = dict(net="n", seeds="0-9", num_steps=32)
-    path = stream.partial_path(str(tmp_path / "r.json"), settings)
+    path = stream.partial_path(str(tmp_path / "r.json"))
     assert path == str(tmp_path / "r.json") + ".partial.p0.npz"
     stream.save_partial(path, settings, gen)
     said = []
@@ -257,11 +258,6 @@ def test_partial_state_is_loaded_only_for_the_same_settings(tmp_path):
                         f"starting afresh (it will be overwritten)")
     stream.remove_partial(path)
     assert not os.path.exists(path)
-    # without --out_json: the current directory, named by the settings
-    name = os.path.basename(stream.partial_path(None, settings))
-    assert name == f"edm2-eval-{stream.settings_fingerprint(settings)}.partial.p0.npz"
-    assert stream.settings_fingerprint(settings) != stream.settings_fingerprint(
-        dict(settings, num_steps=16))
 
 
 def test_guidance_interval_preset_and_outdir_reach_the_stream(setup, tmp_path, monkeypatch):
@@ -355,34 +351,34 @@ def test_resume_after_an_exception_generates_only_the_rest(setup, tmp_path, monk
     assert abs(classifier_metrics.features_metrics(gen, ref)["fd_cls"] - fd) > 10 * tol
 
 
-def test_partial_state_without_out_json_and_of_other_settings(setup, tmp_path, monkeypatch,
-                                                              capsys):
-    """Without --out_json the state is in the current directory, named by the settings:
-    a run of other settings has a file of its own. Beside --out_json a state of other
-    settings is not used: one line names what differs, and every seed is generated."""
+def test_partial_state_of_other_settings_is_not_used(setup, tmp_path, monkeypatch, capsys):
+    """Without --out_json the results and the state are beside the net
+    (`NET/eval.jsonl`, `NET/eval.jsonl.partial.p0.npz`), nothing in the current directory.
+    A state of other settings is not used: one line names what differs, and every seed
+    is generated."""
     root, net_path, data = setup
     monkeypatch.setenv("EDM2_JAX_CACHE", str(root / "cache"))
-    monkeypatch.chdir(tmp_path)
-    kw = _eval_kw(data, metrics="cls", net_path=net_path, num_images=8)
+    net = tmp_path / "net"
+    shutil.copytree(net_path, net, ignore=shutil.ignore_patterns("eval.jsonl*"))  # others' results
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    kw = _eval_kw(data, metrics="cls", net_path=str(net), num_images=8)
     monkeypatch.setattr(generate, "generate_images", _counting(1, []))
     with pytest.raises(RuntimeError):
         eval_commands.main_eval(**kw)
-    files = [f for f in os.listdir(tmp_path) if f.endswith(".partial.p0.npz")]
-    assert len(files) == 1 and files[0].startswith("edm2-eval-")
+    state = net / "eval.jsonl.partial.p0.npz"
+    assert state.is_file() and not (net / "eval.jsonl").exists()
+    capsys.readouterr()
     seen: list = []
     monkeypatch.setattr(generate, "generate_images", _counting(None, seen))
-    eval_commands.main_eval(**dict(kw, num_steps=3))
+    res = eval_commands.main_eval(**dict(kw, num_steps=3))
+    assert (f"Partial state {state} is of other settings (num_steps differ); not used"
+            in capsys.readouterr().out)
     assert seen == list(range(8))
-    assert [f for f in os.listdir(tmp_path) if ".partial." in f] == files  # its own: gone
-    out = str(tmp_path / "o.json")
-    os.replace(tmp_path / files[0], out + ".partial.p0.npz")
-    capsys.readouterr()
-    seen.clear()
-    eval_commands.main_eval(out_json=out, **dict(kw, num_steps=3))
-    assert (f"Partial state {out}.partial.p0.npz is of other settings (num_steps differ); "
-            f"not used" in capsys.readouterr().out)
-    assert seen == list(range(8)) and not os.listdir(tmp_path) == [files[0]]
-    assert not os.path.exists(out + ".partial.p0.npz")
+    assert not state.exists() and os.listdir(cwd) == []
+    lines = (net / "eval.jsonl").read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["fd_cls"] == res["fd_cls"]
 
 
 # --------------------------------------------------------------------------------------

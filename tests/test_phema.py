@@ -327,6 +327,9 @@ def test_main_phema_prints_outputs(tiny_run, tmp_path, capsys):
     paths = phema.main_phema(tiny_run["workdir"], [0.08], at_kimg=1.6, out_dir=str(tmp_path))
     out = capsys.readouterr().out
     assert "6 snapshot file(s) (12 EMAs" in out and paths[0] in out
+    # The figure printed with each output is explained on one line of its own.
+    explained = [line for line in out.splitlines() if line.strip().startswith("(profile error:")]
+    assert len(explained) == 1 and "relative L2 distance" in explained[0], out
     meta = json.load(open(os.path.join(paths[0], "network.json")))["meta"]
     assert meta["kimg"] == 1.6 and len(meta["inputs"]) == 8  # steps 50..200 only
     # A sweep without --config takes its reference data from the run's config.json.

@@ -366,7 +366,8 @@ def main_phema(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None 
                out_dir: str | None = None, per_tensor: str | None = None) -> list[str]:
     """CLI hook for `--mode=phema`: `reconstruct` (outputs complete from an earlier,
     interrupted run with the same inputs are kept), then print one line per output
-    (sigma_rel, kimg, profile error, path). Returns the paths."""
+    (sigma_rel, kimg, profile error, path) and one saying what the profile error is.
+    Returns the paths."""
     kind, files = find_snapshots(workdir)
     n_ema = sum(len(f.sigma_rels) for f in files)
     print(f"Post-hoc EMA from {len(files)} snapshot file(s) ({n_ema} EMAs, kimg "
@@ -381,4 +382,6 @@ def main_phema(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None 
         _, m = ckpt_lib.read_network_json(p)
         print(f"  sigma_rel {m['sigma_rel']:.3f}  kimg {m['kimg']:g}  profile error "
               f"{m['profile_error']:.4f}  {len(m['inputs'])} inputs  -> {p}")
+    print(f"  (profile error: relative L2 distance of the weighted snapshots' EMA profile "
+          f"from the wanted one; 0 = exact, above {PROFILE_ERROR_WARN:g} warned)")
     return paths

@@ -27,10 +27,12 @@ A `--net` (or a `--preset`, which names one) is measured in one streamed pass
 (`evaluation.stream`): generate -> decode -> features batch by batch, float64 statistics
 accumulated, no image set held whole; PNGs only with `--outdir`. Seeds are split over the
 local devices and over the processes of a multi-host job, whose statistics are summed at
-the end. The pass is resumable: a partial state (`<out_json>.partial.p<process>.npz`, or
-`./edm2-eval-<fingerprint>.partial.p<process>.npz` without `--out_json`) is saved every
-1000 images or 60 s and when the run stops; the same command then generates only the
-seeds not done yet. The results add `preset`, `seeds` (a range string), `num_steps`,
+the end. Its results are appended to `--out_json`, by default beside the net
+(`RUN/eval.jsonl` for a run or its snapshot, `NET/eval.jsonl` for a network directory:
+`run.layout.eval_results_path`). The pass is resumable: a partial state
+(`<out_json>.partial.p<process>.npz`) is saved every 1000 images or 60 s and when the
+run stops; the same command then generates only the seeds not done yet. The results add
+`preset`, `seeds` (a range string), `num_steps`,
 `guidance`, `guidance_interval`, the `net` and `guide` paths, and the stream's
 `time_per_image_s` / `images_per_s`.
 
@@ -61,6 +63,7 @@ from edm2_jax.evaluation import images
 from edm2_jax.evaluation import metrics as metrics_lib
 from edm2_jax.evaluation import stream
 from edm2_jax.model import vae as vae_lib
+from edm2_jax.run import layout
 from edm2_jax.sampling import generate
 
 
@@ -110,8 +113,9 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int |
     samples (checked first, `generate.check_vae`) and latent reference data. `gen_kw`:
     guide_path, guide_ema, guidance, guidance_interval, class_idx and the sampler
     settings of `generate.generate_images` (`progress=False` silences the bars).
-    With `out_json`, appends the results as one JSON line (with the net: also preset,
-    seeds as a range string, num_steps, guidance, guidance_interval, net and guide paths,
+    Appends the results as one JSON line to `out_json` (of a net by default
+    `layout.eval_results_path(net_path)`, beside it; with the net also preset, seeds as a
+    range string, num_steps, guidance, guidance_interval, net and guide paths,
     `time_per_image_s` and `images_per_s` of the stream). Raises ValueError when `seeds`
     and `num_images` disagree, for a latent net without `--vae` or a pixel-space net
     with one, for `outdir` without a net; OutputLocationError for an unwritable
@@ -172,10 +176,12 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int |
         res.update(images=images_dir or data_split_images, net=None,
                    guide=gen_kw.get("guide_path"), guidance=gen_kw.get("guidance", 1.0))
     state_path = res.pop("_partial_state", None)
+    out_json = res.pop("_out_json", out_json)
     if jax.process_index() == 0:
         print(json.dumps(res, indent=2))
         if out_json:
             _append_result(out_json, json.dumps(dict(res, ref_split=ref_split)) + "\n")
+            print(f"Results appended to {out_json}")
     if state_path:
         stream.sync_processes("edm2_eval_written")  # every figure out before any state goes
         stream.remove_partial(state_path)
@@ -206,10 +212,15 @@ def _eval_net(net_path: str, seeds: list[int], names: list[str], *, ema: str | N
         cls=[data_config, repr(metric_kw.get("classifier_config"))] if "cls" in names else None,
         processes=[jax.process_index(), jax.process_count()]
         + ([batch_size] if jax.process_count() > 1 else []))
-    state_path = stream.partial_path(out_json, settings)
-    paths.check_output_file(state_path, "--out_json" if out_json else
-                            "the partial state (kept in the current directory without "
-                            "--out_json)")
+    if out_json:
+        flag = "--out_json"
+    else:  # beside the net
+        out_json = layout.eval_results_path(net_path)
+        flag = (f"the results and the resumable state kept beside the net ({out_json}; "
+                f"--out_json=PATH puts them elsewhere)")
+    state_path = stream.partial_path(out_json)
+    paths.check_output_file(out_json, flag)
+    paths.check_output_file(state_path, flag)
     suite = metrics_lib.Metrics(names, len(seeds), log=log, **metric_kw)
     share = stream.process_share(seeds, batch_size)
     gen = suite.features()
@@ -237,7 +248,7 @@ def _eval_net(net_path: str, seeds: list[int], names: list[str], *, ema: str | N
                images_generated=int(images_here), time_stream_s=wall,
                time_per_image_s=wall / images_here if images_here else None,
                images_per_s=images_here / wall if images_here else None,
-               _partial_state=state_path)
+               _partial_state=state_path, _out_json=out_json)
     return res
 
 

@@ -12,21 +12,20 @@ split over the local devices. At the end the processes' statistics are summed
 Partial state (resumable): every `SAVE_EVERY_IMAGES` images or `SAVE_EVERY_S` seconds,
 and when the stream stops on an exception (Ctrl-C included), each process writes what
 it has accumulated (the statistics per metric, the classifier features, the seeds done)
-with the eval's settings to its own file (`partial_path`):
+with the eval's settings to its own file beside the results (`partial_path`):
 
-    <out_json>.partial.p<process>.npz                 with --out_json
-    ./edm2-eval-<fingerprint>.partial.p<process>.npz   without (in the current directory)
+    <out_json>.partial.p<process>.npz     (out_json: --out_json, else beside the net,
+                                           `run.layout.eval_results_path`)
 
 atomically (a `.tmp` file renamed over it; one object write on a bucket). A later run
-with the same settings (`settings_fingerprint`: net, guide, guidance, interval, seeds,
-sampler settings, metrics, number of images, the random stream, the processes) loads it
-and generates only the seeds not done yet: none twice, none skipped. A file of other
-settings is not used (one line says which settings differ) and is overwritten. The file
-is deleted once the final figures are written.
+with the same settings (net, guide, guidance, interval, seeds, sampler settings,
+metrics, number of images, the random stream, the processes) loads it and generates
+only the seeds not done yet: none twice, none skipped. A file of other settings is not
+used (one line says which settings differ) and is overwritten. The file is deleted once
+the final figures are written.
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -76,21 +75,11 @@ def process_share(seeds: Sequence[int], batch_size: int, process_index: int | No
     return [s for b in batches[pi::pc] for s in b]
 
 
-def settings_fingerprint(settings: dict) -> str:
-    """12 hex digits of the SHA-256 of `settings` as sorted JSON: names the partial state
-    of an eval without `--out_json`."""
-    text = json.dumps(settings, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def partial_path(out_json: str | None, settings: dict,
-                 process_index: int | None = None) -> str:
-    """Where a process keeps its partial state (see the module doc): beside `out_json`,
-    else in the current directory under the settings' fingerprint."""
+def partial_path(out_json: str, process_index: int | None = None) -> str:
+    """Where a process keeps its partial state (see the module doc): beside the results
+    file `out_json`."""
     pi = jax.process_index() if process_index is None else process_index
-    if out_json:
-        return f"{out_json}.partial.p{pi}.npz"
-    return os.path.abspath(f"edm2-eval-{settings_fingerprint(settings)}.partial.p{pi}.npz")
+    return f"{out_json}.partial.p{pi}.npz"
 
 
 def _json_settings(settings: dict) -> dict:

@@ -14,6 +14,10 @@
     WORKDIR/samples/<nimg>.png   sample grids, named by the images trained on, 12 digits
                                  (`samples_path_at`)
     WORKDIR/train.lock           the running trainer's host and pid (`lock.RunLock`)
+    WORKDIR/eval.jsonl           results of `--mode=eval` of the run or of one of its
+                                 snapshots, one JSON line each, and while it runs its
+                                 resumable state `eval.jsonl.partial.p<process>.npz`
+                                 (`eval_results_path`; `evaluation.commands`)
     <step>/_CHECKPOINT_METADATA  Orbax's per-step JSON; `custom_metadata.integrity` holds
                                  the step's integrity record (`records.py`)
     WORKDIR/records/<kind>/<step>.json   the run's own copy of that record, `kind`
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import jax
@@ -56,6 +61,7 @@ CHECKPOINTS = "checkpoints"
 SNAPSHOTS = "snapshots"
 SAMPLES = "samples"
 STATS_JSONL = "stats.jsonl"
+EVAL_JSONL = "eval.jsonl"
 TB = "tb"
 STATE_ITEM = "default"  # the item of a state checkpoint (Orbax's name for a single item)
 LOCK = "train.lock"
@@ -71,6 +77,16 @@ RECORDS_FIELD = "integrity_records"  # in config.json: every step of the run has
 
 def config_path(workdir: str) -> str:
     return os.path.join(workdir, CONFIG_JSON)
+
+
+def eval_results_path(net_path: str) -> str:
+    """Where `--mode=eval` of the network at `net_path` writes its results when no
+    `--out_json` is given: beside what was evaluated, `eval.jsonl` in the run directory
+    (for a run or one of its snapshots, `RUN/snapshots/<step>`) or in the network
+    directory (`network_dir`)."""
+    path = paths.normalize(net_path)
+    snap = re.fullmatch(rf"(.*)/{SNAPSHOTS}/(\d+)/?", path)
+    return os.path.join(snap.group(1) if snap else path, EVAL_JSONL)
 
 
 def state_item(workdir: str, step: int) -> str:
