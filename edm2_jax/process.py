@@ -54,15 +54,13 @@ running `EXIT_GRACE_S` after the end are abandoned with one line, never waited f
 from __future__ import annotations
 
 import ctypes.util
-import logging as std_logging
 import os
 import platform
 import sys
-import threading
-import time
-import warnings
 from importlib import metadata
 from typing import Callable
+
+from edm2_jax.process_exit import exit_bounded, quiet_background_errors  # noqa: F401
 
 MALLOC_ENV = "EDM2_JAX_MALLOC"
 DEVICES_ENV = "EDM2_JAX_CPU_DEVICES"
@@ -76,7 +74,6 @@ YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type=dot"
 TCMALLOC = "tcmalloc_minimal"
 THP_TUNABLE = "glibc.malloc.hugetlb=1"
 ARENA_TUNABLE = "glibc.malloc.arena_max=2"
-EXIT_GRACE_S = 30.0
 
 
 def setup_entry_point(argv: list[str] | None = None) -> None:
@@ -340,83 +337,3 @@ class TrainingSetup:
         """The line the run prints about this process: on the CPU backend, `describe()`."""
         import jax
         return f"CPU: {describe()}" if jax.default_backend() == "cpu" else None
-
-
-# --------------------------------------------------------------------------------------
-# How the process ends
-
-
-def quiet_background_errors() -> None:
-    """Orbax logs every save at INFO and, after a failed save or restore, each of its
-    threads' errors: the error the process raises says it in one message. Sets absl's
-    verbosity to WARNING, drops Orbax's and background threads' ERROR records, counts
-    the 'Event loop is closed' errors of TensorStore's callbacks (reported by
-    `exit_bounded`), and ignores the never-awaited writes and never-retrieved results
-    (asyncio's "_GatheringFuture exception was never retrieved") a failed save leaves."""
-    from absl import logging
-
-    logging.set_verbosity(logging.WARNING)
-    logging.get_absl_logger().addFilter(_drop_orbax_noise)
-    std_logging.getLogger("asyncio").addFilter(_drop_unretrieved)
-    sys.excepthook, sys.unraisablehook = _quiet_excepthook, _quiet_unraisablehook
-    warnings.filterwarnings("ignore", r"coroutine .* was never awaited", RuntimeWarning)
-
-
-def _drop_orbax_noise(record) -> bool:
-    """absl log filter: Orbax's ERROR records (with their tracebacks) and any from
-    background threads: the exception that reaches the user names the failure once."""
-    return not (record.levelno >= 40 and (
-        threading.current_thread() is not threading.main_thread()
-        or f"{os.sep}orbax{os.sep}" in (record.pathname or "")))
-
-
-def _drop_unretrieved(record) -> bool:
-    """asyncio log filter: the futures of a failed asynchronous save, garbage-collected
-    at exit with their exception unread (the error the process raised names it)."""
-    return "exception was never retrieved" not in record.getMessage()
-
-
-_suppressed = {"n": 0}
-
-
-def _closed_loop(value) -> bool:
-    return isinstance(value, RuntimeError) and "Event loop is closed" in str(value)
-
-
-def _quiet_unraisablehook(unraisable) -> None:
-    """sys.unraisablehook: after a failed asynchronous save or restore, TensorStore's
-    callbacks try to reach Orbax's closed event loop, and each prints a traceback
-    ("Event loop is closed"), hundreds of them; those are counted (`exit_bounded`
-    reports them in one line), everything else is printed as usual."""
-    if _closed_loop(unraisable.exc_value):
-        _suppressed["n"] += 1
-        return
-    sys.__unraisablehook__(unraisable)
-
-
-def _quiet_excepthook(kind, value, tb) -> None:
-    """sys.excepthook: the same for the callbacks that report through it."""
-    if _closed_loop(value):
-        _suppressed["n"] += 1
-        return
-    sys.__excepthook__(kind, value, tb)
-
-
-def exit_bounded(rc: int) -> None:
-    """Bound the process's exit: a daemon watchdog ends it (`os._exit(rc)`, with one line
-    naming the threads still running) if the interpreter's shutdown, which joins the
-    remaining non-daemon threads (Orbax's savers), takes more than `EXIT_GRACE_S`."""
-    if _suppressed["n"]:
-        print(f"({_suppressed['n']} 'Event loop is closed' errors of Orbax's background "
-              f"threads suppressed)", file=sys.stderr, flush=True)
-
-    def watchdog():
-        time.sleep(EXIT_GRACE_S)
-        alive = [t.name for t in threading.enumerate() if not t.daemon and t.is_alive()
-                 and t is not threading.main_thread()]
-        print(f"abandoning {len(alive)} background thread(s) still running {EXIT_GRACE_S:.0f} s "
-              f"after the end ({', '.join(alive[:3])}); exiting with status {rc}",
-              file=sys.stderr, flush=True)
-        os._exit(rc)
-
-    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()

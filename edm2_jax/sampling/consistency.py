@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from edm2_jax.sampling.guidance import Denoiser
+from edm2_jax.sampling.schedule import edm_sigma_steps
 
 Array = jax.Array
 
@@ -48,7 +49,6 @@ def grid_sigmas(teacher_steps: int = 32, sigma_min: float = 0.002, sigma_max: fl
 
     Returns host float64 `[N + 1]`. Raises ValueError as `sampler.edm_sigma_steps`
     (`N >= 2`, `0 < sigma_min < sigma_max`, `rho > 0`)."""
-    from edm2_jax.sampling.sampler import edm_sigma_steps  # the one definition of Eq. 5
     return edm_sigma_steps(teacher_steps, sigma_min, sigma_max, rho)
 
 
