@@ -1,6 +1,99 @@
-"""The test process runs under the XLA flags of the entry points (`edm2_jax/process.py`,
-`add_default_xla_flags`), set here before any test starts JAX's backend, so that tests
-time and compute what `python -m edm2_jax.main` does."""
+"""What every test shares, set up once per pytest session.
+
+- The XLA flags of the entry points (`edm2_jax/process.py`, `add_default_xla_flags`), set
+  here before any test starts JAX's backend, so that tests time and compute what
+  `python -m edm2_jax.main` does.
+- One persistent XLA compilation cache for the session, in this process and in every
+  `python -m edm2_jax.main` (or other JAX program) a test starts: the tiny runs of many
+  test files, their resumes and their CLI twins compile the same programs, and a cache hit
+  returns the executable that the compile would have produced, so no result changes
+  (`EDM2_JAX_TEST_XLA_CACHE=off` runs the suite without it, to check that). The cache is
+  a fresh directory, deleted at the end: nothing carries over from one session to the next.
+- The tiny training runs that tests only read (`tiny_run`, `tiny_run_snapshots`), trained
+  once; a test that changes a run copies it first. Their files are checked unchanged at
+  the end of the session.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
 from edm2_jax import process
 
 process.add_default_xla_flags()
+
+_CACHE_OFF = os.environ.get("EDM2_JAX_TEST_XLA_CACHE", "") == "off"
+_CACHE_DIR = None if _CACHE_OFF else tempfile.mkdtemp(prefix="edm2-jax-tests-xla-")
+if _CACHE_DIR:
+    # Read by JAX when it is imported (after this file), here and in subprocesses, which
+    # inherit the environment; `process.enable_compilation_cache` keeps a directory set so.
+    # Every program is cached, however small or quick to compile.
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE_DIR,
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+else:
+    os.environ[process.CACHE_ENV] = "off"  # nor the entry points' default ~/.cache one
+
+
+def pytest_unconfigure(config):
+    if _CACHE_DIR:
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def xla_cache() -> str:
+    """The session's compilation cache directory, for tests that start a program with an
+    environment of their own ('' when `EDM2_JAX_TEST_XLA_CACHE=off`)."""
+    return _CACHE_DIR or ""
+
+
+# --------------------------------------------------------------------------------------
+# Tiny runs trained once per session, read by many test files
+
+
+def _sums(root: Path) -> dict:
+    """sha256 of every file under `root` (relative path -> hex)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _trained_once(root: Path, data: Path, **overrides):
+    """`{'data', 'run', 'result'}` of `train_and_evaluate(tiny_config(data, **overrides))`
+    in `root/run`; afterwards, fails the session if a test changed any of its files."""
+    from edm2_jax.training import loop
+    from tests.test_train import tiny_config
+    run = root / "run"
+    result = loop.train_and_evaluate(tiny_config(data, **overrides), str(run))
+    assert result["finished"], result
+    before = _sums(run)
+    yield dict(data=data, run=run, result=result)
+    changed = sorted(set(before.items()) ^ set(_sums(run).items()))
+    assert not changed, (f"a test changed the shared tiny run {run} (copy it first): "
+                         f"{sorted({k for k, _ in changed})}")
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """The shared runs' data: 16 random 8x8 grey PNGs in 2 classes
+    (`test_train.make_image_folder`)."""
+    from tests.test_train import make_image_folder
+    return make_image_folder(tmp_path_factory.mktemp("tiny_data") / "data")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_data, tmp_path_factory):
+    """The 4-step tiny run of `test_train.tiny_config`: checkpoints 2 and 4, the EMA
+    snapshot and sample grid at step 4. Read-only."""
+    yield from _trained_once(tmp_path_factory.mktemp("tiny_run"), tiny_data)
+
+
+@pytest.fixture(scope="session")
+def tiny_run_snapshots(tiny_data, tmp_path_factory):
+    """The same run with EMA snapshots (and sample grids) at steps 2 and 4. Read-only."""
+    yield from _trained_once(tmp_path_factory.mktemp("tiny_run_snapshots"), tiny_data,
+                             snapshot_kimg=0.016)

@@ -21,7 +21,8 @@ The claims:
   config.json only after every check. The CLI tests (slow) check the exit status, the
   one `error:` line naming the fix, and that earlier outputs are unchanged.
 
-The runs are the 4-step tiny run of tests/test_train.py (with its compilation cache).
+The runs are the 4-step tiny run of tests/test_train.py, trained once per session
+(tests/conftest.py, with the session's compilation cache).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ import pytest
 
 from edm2_jax.training import loop
 from tests.test_train import (FMNIST_CONFIG, REPO, TINY_OVERRIDES, _restore, _steps,
-                              make_image_folder, tiny_config, xla_cache)  # noqa: F401
+                              tiny_config, xla_cache)  # noqa: F401
 
 
 # Runs killed or failing mid-save leave Orbax's background event loop to be collected in a
@@ -57,12 +58,10 @@ def _equal(a, b) -> bool:
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory, xla_cache):
-    """The uninterrupted 4-step run (checkpoints 2 and 4) and its data."""
-    root = tmp_path_factory.mktemp("ft")
-    data = make_image_folder(root / "data")
-    run = root / "full"
-    loop.train_and_evaluate(tiny_config(data), str(run))
+def full_run(tiny_run):
+    """The uninterrupted 4-step run (checkpoints 2 and 4) and its data: the session's
+    `tiny_run` (tests/conftest.py), read-only: every test here changes a copy."""
+    data, run = tiny_run["data"], tiny_run["run"]
     assert _steps(run) == [2, 4]
     return dict(data=data, run=run, final=_restore(run, 4)[1], mid=_restore(run, 2)[1])
 

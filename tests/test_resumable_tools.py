@@ -27,8 +27,7 @@ import PIL.Image
 import pytest
 
 from edm2_jax.run import network_dir
-from edm2_jax.training import loop
-from tests.test_train import REPO, make_image_folder, tiny_config, xla_cache  # noqa: F401
+from tests.test_train import REPO
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
@@ -50,12 +49,10 @@ def _errors(stderr: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, xla_cache):
-    """A tiny run with EMA snapshots at steps 2 and 4."""
-    root = tmp_path_factory.mktemp("phema")
-    data = make_image_folder(root / "data")
-    workdir = root / "run"
-    loop.train_and_evaluate(tiny_config(data, snapshot_kimg=0.016), str(workdir))
+def run(tiny_run_snapshots):
+    """A tiny run with EMA snapshots at steps 2 and 4: the session's `tiny_run_snapshots`
+    (tests/conftest.py), read-only (`--mode=phema` only reads it)."""
+    workdir = tiny_run_snapshots["run"]
     assert sorted(p.name for p in (workdir / "snapshots").iterdir() if p.name.isdigit()) \
         == ["2", "4"]
     return workdir

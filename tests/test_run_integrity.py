@@ -35,7 +35,7 @@ import pytest
 from edm2_jax.run import integrity, layout, records
 from edm2_jax.training import loop
 from tests.test_train import (FMNIST_CONFIG, REPO, TINY_OVERRIDES, _restore, _steps,
-                              make_image_folder, tiny_config, xla_cache)  # noqa: F401
+                              tiny_config, xla_cache)  # noqa: F401
 
 # Runs stopped by an error leave Orbax's background event loop to be collected later.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -48,12 +48,10 @@ def _config(data, **overrides):
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory, xla_cache):
-    """The uninterrupted 4-step run: checkpoints and snapshots 2 and 4."""
-    root = tmp_path_factory.mktemp("ri")
-    data = make_image_folder(root / "data")
-    run = root / "full"
-    assert loop.train_and_evaluate(_config(data), str(run))["finished"]
+def full_run(tiny_run_snapshots):
+    """The uninterrupted 4-step run: checkpoints and snapshots 2 and 4 (`_config`): the
+    session's `tiny_run_snapshots` (tests/conftest.py), read-only: tests change a copy."""
+    data, run = tiny_run_snapshots["data"], tiny_run_snapshots["run"]
     assert _steps(run) == [2, 4] and _steps(run, "snapshots") == [2, 4]
     return dict(data=data, run=run, final=_restore(run, 4)[1])
 

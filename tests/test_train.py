@@ -2,8 +2,9 @@
 and `train_and_evaluate` end to end (resume, bad input, NaN, the CLI).
 
 Everything runs on a 1-level 8x8 network with 8 channels (7.8k parameters) so that XLA
-compiles quickly. The end-to-end runs share a persistent XLA compilation
-cache (module fixture), since a fresh, resumed and CLI run compile identical programs.
+compiles quickly. The end-to-end runs share the session's persistent XLA compilation cache
+(tests/conftest.py), since a fresh, resumed and CLI run compile identical programs; the
+4-step run itself is the session's `tiny_run`, which other test files read too.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ from edm2_jax.training import step as step_lib
 from edm2_jax.model.mp import force_normalize
 from edm2_jax.model.networks import init_variables
 from tests.tolerances import EPS32, reorder_tol, scaled_err, tree_err
+# The session's compilation cache, imported from here by the test files of the tiny runs.
+from tests.conftest import xla_cache  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 FMNIST_CONFIG = REPO / "configs" / "fashion_mnist.py"
@@ -330,23 +333,6 @@ def test_sharded_accumulation_equals_single_device(two_steps, tmp_path):
 # train_and_evaluate end to end
 
 
-@pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory):
-    """A persistent compilation cache for the end-to-end runs (restored afterwards)."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-    path = str(tmp_path_factory.mktemp("xla_cache"))
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    old = {n: getattr(jax.config, n) for n in names}
-    for n, v in zip(names, (path, 0.0, -1)):
-        jax.config.update(n, v)
-    cc.reset_cache()
-    yield path
-    for n, v in old.items():
-        jax.config.update(n, v)
-    cc.reset_cache()
-
-
 def _restore(workdir, step=None) -> tuple[int, dict]:
     """(step, state as numpy) of a checkpoint in `workdir/checkpoints` (default latest)."""
     import orbax.checkpoint as ocp
@@ -364,13 +350,13 @@ def _steps(workdir, sub="checkpoints") -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, xla_cache):
-    """`full`: 4 steps in one go. `half`: the same config stopped after 2 steps (its
-    total_kimg halved), with a pristine copy for tests that resume it differently."""
+def runs(tmp_path_factory, tiny_run):
+    """`full`: 4 steps in one go (the session's `tiny_run`, read-only). `half`: the same
+    config stopped after 2 steps (its total_kimg halved), with a pristine copy for tests
+    that resume it differently."""
     root = tmp_path_factory.mktemp("runs")
-    data = make_image_folder(root / "data")
-    full, half, pristine = root / "full", root / "half", root / "half_pristine"
-    r_full = loop.train_and_evaluate(tiny_config(data), str(full))
+    data, full, r_full = tiny_run["data"], tiny_run["run"], tiny_run["result"]
+    half, pristine = root / "half", root / "half_pristine"
     r_half = loop.train_and_evaluate(tiny_config(data, total_kimg=0.016), str(half))
     shutil.copytree(half, pristine)
     return dict(data=data, full=full, half=half, pristine=pristine, r_full=r_full,
