@@ -31,6 +31,7 @@ from edm2_jax.evaluation import classifier_metrics
 from edm2_jax.evaluation import dinov2 as dinov2_lib
 from edm2_jax.evaluation import fid
 from edm2_jax.evaluation import inception
+from edm2_jax.evaluation import ref_cache
 from edm2_jax.evaluation.images import DecodedSource
 
 FD_METRICS = ("fid", "fd_dinov2")  # Frechet distances with reference statistics
@@ -52,6 +53,14 @@ def feature_extractor(metric: str, dinov2: str | None = None):
     if metric == "fid":
         return inception.load_inception_params(), inception.features_uint8
     return dinov2_lib.load_dinov2(dinov2), dinov2_lib.features_uint8
+
+
+def feature_weights(metric: str, dinov2: str | None = None) -> str:
+    """The weights file of `feature_extractor(metric, dinov2)` (part of the key of
+    cached reference statistics, `ref_cache`)."""
+    if metric == "fid":
+        return str(inception.weights_path())
+    return str(dinov2_lib.weights_path(dinov2))
 
 
 class GeneratedFeatures:
@@ -179,7 +188,7 @@ class Metrics:
       num_images: generated images per call (names the result: `fid{N}`, see `metric_key`).
       ref: `fid` / `fd_dinov2` reference statistics (a release `.pkl` with both entries, or
         an `.npz` for `fid`); None = computed from `num_images` images of `data_config`'s
-        `ref_split` split.
+        `ref_split` split, once: they are cached (`ref_cache`).
       dinov2: the DINOv2 ViT-L/14 weights file of `fd_dinov2` (`evaluation.dinov2`).
       data_config: the data section of a training config (source, path, ...); needed by
         `cls` (a labelled dataset: the classifier trains on its train split once, then is
@@ -217,10 +226,13 @@ class Metrics:
                 self._ref[metric] = ref
             self.info[f"time_{metric}_ref_s"] = time.time() - t
         todo = {m: e for m, e in self._extractors.items() if m not in self._ref}
-        if todo:  # one pass over the reference data for every metric
+        if todo:  # cached, or one pass over the reference data for every metric
             t = time.time()
-            self._ref.update(fid.stats_from_source_multi(
-                self._source(ref_split), todo, num_images=self.num_images, progress=log))
+            self._ref.update(ref_cache.cached_stats_from_source(
+                self._source(ref_split), todo,
+                {m: feature_weights(m, dinov2) for m in todo},
+                dict(dict(self._data_config), split=ref_split), self.num_images,
+                progress=log, log=self._say))
             for m in todo:
                 self.info[f"time_{m}_ref_s"] += time.time() - t
         if "cls" in self.names:
