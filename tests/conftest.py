@@ -12,6 +12,12 @@
 - The tiny training runs that tests only read (`tiny_run`, `tiny_run_snapshots`), trained
   once; a test that changes a run copies it first. Their files are checked unchanged at
   the end of the session.
+- Tests in parallel (pytest-xdist, `-n auto --dist worksteal` in pyproject.toml; `-n 0`
+  runs them in this one process): one worker per CPU core, at most one per 6 GiB of
+  memory (`pytest_xdist_auto_num_workers`). Each worker starts with a contiguous half of
+  the tests, in file order, and takes over the tail of the other's when it runs out, so
+  the tests that share a module-scoped fixture mostly run on one worker. Each worker has
+  its own compilation cache and its own session fixtures.
 """
 from __future__ import annotations
 
@@ -38,6 +44,17 @@ if _CACHE_DIR:
                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 else:
     os.environ[process.CACHE_ENV] = "off"  # nor the entry points' default ~/.cache one
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker per CPU core this process may use, at most one per 6 GiB of
+    memory (a worker with its subprocesses holds up to ~3 GiB)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        mem_gib = 6.0
+    return max(1, min(cores or 1, int(mem_gib // 6)))
 
 
 def pytest_unconfigure(config):

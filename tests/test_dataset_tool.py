@@ -172,6 +172,9 @@ def test_fashion_mnist_source(tmp_path):
     assert len(f) == 5 and f.resolution == 16 and f[0][0].shape[-1] == 3
 
 
+# Slow (~20 s on 2 cores): the SD VAE encoder compiled and run through the command line.
+@pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.parametrize("batch", [2, 8])
 def test_encode_writes_release_latents_equal_to_vae_encode(tmp_path, batch):
     """3 labelled 16x16 images -> 3 .npy [8, 8, 8] (the tiny VAE downsamples 2x) that

@@ -270,6 +270,9 @@ def distill_runs(tmp_path_factory, xla_cache):
                 r_half=r_half, config=tiny_config(data, **over))
 
 
+# Slow: the distillation runs from a release pickle (~40 s on 2 cores, built once for these tests).
+@pytest.mark.slow
+@pytest.mark.ci
 def test_distillation_from_a_release_pickle_trains_and_resumes_bitwise(distill_runs):
     from tests.test_train import _restore
     from edm2_jax.run import network_dir
@@ -292,6 +295,8 @@ def test_distillation_from_a_release_pickle_trains_and_resumes_bitwise(distill_r
     assert (distill_runs["full"] / "samples" / "000000000032.png").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_student_images_depend_only_on_the_seed_and_generate_finds_its_sampler(
         distill_runs, tmp_path):
     run = str(distill_runs["full"])
@@ -313,6 +318,8 @@ def test_student_images_depend_only_on_the_seed_and_generate_finds_its_sampler(
     assert generate.student_sampler(str(dst)) == kw
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_post_hoc_ema_of_a_student_is_sampled_as_a_student(distill_runs, tmp_path):
     from edm2_jax.ema import posthoc
     run = str(distill_runs["full"])
@@ -324,6 +331,8 @@ def test_post_hoc_ema_of_a_student_is_sampled_as_a_student(distill_runs, tmp_pat
     assert imgs.shape == (2, 16, 16, 3)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_teacher_errors_are_named_before_anything_is_built(distill_runs, tmp_path):
     """A missing teacher, or data of another kind than the teacher's, fail at set-up with
     the flag named, before the step compiles; the output directory holds no state."""
@@ -378,6 +387,9 @@ def _distill_step_npz(out: str) -> None:
     np.savez(out, *jax.tree.leaves(distill_steps(num_devices=8)))
 
 
+# Slow (~30 s on 2 cores): the step compiled on 1 and 2 devices, with and without micro-batches.
+@pytest.mark.slow
+@pytest.mark.ci
 def test_distillation_step_does_not_depend_on_devices_or_micro_batches(tmp_path):
     """The same step split over 8 devices, or in 2 micro-batches, gives the one-device
     weights, EMAs and Adam moments to float32 summation-order error (`STEP_TOL` of
@@ -414,6 +426,9 @@ def test_distillation_step_does_not_depend_on_devices_or_micro_batches(tmp_path)
         assert np.array_equal(a, b)
 
 
+# Slow (~20 s on 2 cores): a latent run distilled and its student sampled.
+@pytest.mark.slow
+@pytest.mark.ci
 def test_a_latent_network_distils_on_latents_and_its_student_stays_latent(tmp_path):
     """An img512-style teacher (a 4-channel SD-VAE latent net, saved as a network
     checkpoint) distils on a latent data set; the student is a latent net (generate asks

@@ -61,6 +61,9 @@ def _failing_after(batches: int):
     return wrapped
 
 
+# Slow (~20 s on 2 cores): a run trained, then evaluated with its sampler compiled.
+@pytest.mark.slow
+@pytest.mark.ci
 def test_eval_of_a_run_writes_beside_the_run_not_in_the_cwd(tmp_path, monkeypatch, counted,
                                                             xla_cache):  # noqa: F811
     """The tiny run evaluated from another directory: stopped after one batch, its

@@ -153,6 +153,9 @@ def test_paths_on_gcs(gcs):
     assert paths.read_text(f"{d}/checkpoints/3.corrupt/sub/y") == "3/sub/y"
 
 
+# Slow (80 s on 2 cores): a run trained, resumed, sampled and post-hoc averaged in gs://.
+@pytest.mark.slow
+@pytest.mark.ci
 def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  # noqa: F811
     from edm2_jax import paths
     from edm2_jax.sampling import generate

@@ -72,6 +72,10 @@ def test_profile_summary_sums_device_kernels_and_idle_gaps(tmp_path):
     assert s["classes"]["reduction"]["ms"] == pytest.approx(0.025)
 
 
+# Slow (70 s of CPU time, 1.5 to 2 minutes on 2 cores): the benchmark's worker
+# processes each start JAX and compile a training step and a sampler.
+@pytest.mark.slow
+@pytest.mark.ci
 def test_gpu_table_command_writes_its_table_on_cpu(tmp_path):
     out = tmp_path / "table.md"
     env = dict(os.environ, JAX_PLATFORMS="cpu",

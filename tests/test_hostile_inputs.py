@@ -230,6 +230,7 @@ runpy.run_module("edm2_jax.main", run_name="__main__")
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_cli_disk_full_at_the_sample_grid_is_one_line_and_loses_nothing(tiny_run, tmp_path,
                                                                        tmpfs, xla_cache):
     """The tiny run resumed from checkpoint 2 on a real tmpfs that fills just before the
@@ -288,6 +289,7 @@ def test_rescue_advice_names_the_config_files_rate_when_no_rate_of_the_run_train
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_cli_following_the_advice_after_ref_lr_1e30_trains(tiny_run, tmp_path, xla_cache):
     """`--config.optim.ref_lr=1e30` on a new run: one `error:` line whose advice names a
     rate that trains; the same command with the flags it prints (in a new --workdir when

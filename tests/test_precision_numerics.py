@@ -42,6 +42,9 @@ def setup():
     return config, numerics.initial_state(config)
 
 
+# Slow (~25 s on 2 cores): the training step compiled in float32 and bfloat16, 12 steps each.
+@pytest.mark.slow
+@pytest.mark.ci
 def test_bf16_training_loss_stays_within_rounding_bound_of_f32(setup):
     """Twelve steps of the real jitted step from one initial state on the same batches
     and draws: at every step the bf16 run's objective is within the rounding bound of the

@@ -291,6 +291,9 @@ def test_guidance_interval_flag_refuses(text):
         generate_mode.parse_guidance_interval(text)
 
 
+# Slow (~15 s on 2 cores): a preset's network written and sampled through the command line.
+@pytest.mark.slow
+@pytest.mark.ci
 def test_generate_with_a_preset_end_to_end(tmp_path):
     """`--mode=generate --preset=edm2-img64-s-autog-fid` on stand-ins of its two pickles:
     the grid holds exactly the images of `sample_images` with the converted net, the

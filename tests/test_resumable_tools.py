@@ -65,6 +65,9 @@ def _phema(workdir: Path, outdir: Path) -> subprocess.CompletedProcess:
         env=ENV, capture_output=True, text=True, cwd=REPO, timeout=600)
 
 
+# Slow (~30 s on 2 cores): three post-hoc EMA processes, one killed.
+@pytest.mark.slow
+@pytest.mark.ci
 def test_phema_rerun_after_a_kill_keeps_the_complete_outputs_and_redoes_the_rest(
         run, tmp_path):
     out = tmp_path / "out"
@@ -99,6 +102,9 @@ def test_phema_rerun_after_a_kill_keeps_the_complete_outputs_and_redoes_the_rest
     assert network_dir.is_network_checkpoint(str(second))
 
 
+# Slow (~20 s on 2 cores): a run trained for post-hoc EMA processes started on it.
+@pytest.mark.slow
+@pytest.mark.ci
 def test_phema_refuses_a_foreign_directory_under_an_output_name(run, tmp_path):
     out = tmp_path / "out"
     (out / "phema-0000000-0.090").mkdir(parents=True)

@@ -59,6 +59,10 @@ def _check(tmp_path, devices: int, shares: list[int], guidance: float) -> None:
                                f"device by up to {err.max():.3g} (tolerance {ATOL:.2g})")
 
 
+# Slow (34 s of CPU time, 1 to 6 minutes on a busy 2-core machine: 64 images of 32 Heun
+# steps in two processes); the slow `test_images_equal_across_devices[1.0-2]` covers it too.
+@pytest.mark.slow
+@pytest.mark.ci
 def test_images_equal_on_1_and_2_devices_32_a_device(tmp_path):
     _check(tmp_path, 2, [32], 1.0)
 

@@ -71,6 +71,9 @@ def test_untrained_denoiser_is_c_skip_x():
     np.testing.assert_allclose(D, 0.25 / (sigma[:, None] ** 2 + 0.25) * x, rtol=1e-6)
 
 
+# Slow: the trained tiny toy (three denoisers, ~50 s on 2 cores, built once for these tests).
+@pytest.mark.slow
+@pytest.mark.ci
 def test_trained_denoiser_beats_the_trivial_one(tiny_run):
     mix = tiny_run["mix"]
     for name in ("main", "uncond"):
@@ -84,18 +87,24 @@ def test_trained_denoiser_beats_the_trivial_one(tiny_run):
     assert guide > 1.5 * main, (guide, main)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_autoguidance_moves_samples_onto_the_data(tiny_run):
     m = tiny_run["metrics"]
     assert m["autoguidance"]["mean_logp"] > m["unguided"]["mean_logp"] + 0.5, m
     assert m["autoguidance"]["on_branches"] > m["unguided"]["on_branches"], m
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_cfg_collapses_variety_autoguidance_less(tiny_run):
     m = tiny_run["metrics"]
     assert m["cfg"]["coverage"] < m["unguided"]["coverage"] - 0.1, m
     assert m["autoguidance"]["coverage"] > m["cfg"]["coverage"], m
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_run_writes_the_plot_and_metrics(tiny_run):
     import json
     import os
@@ -105,6 +114,8 @@ def test_run_writes_the_plot_and_metrics(tiny_run):
     assert saved["metrics"]["cfg"] == pytest.approx(tiny_run["metrics"]["cfg"])
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_run_writes_the_guidance_interval_row(tiny_run):
     import json
     import os
@@ -116,6 +127,8 @@ def test_run_writes_the_guidance_interval_row(tiny_run):
     assert tuple(saved["settings"]["guidance_interval"]) == toy.ToySettings.guidance_interval
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_guidance_interval_sample_is_cfg_over_all_steps_unguided_over_none(tiny_run):
     # Same noise (seed 1) and weight as the run's samples: the interval (0, inf) guides
     # every step (CFG, bit for bit); (1e-4, 1e-3), below sigma_min = 0.002, none.
@@ -133,6 +146,8 @@ def test_guidance_interval_sample_is_cfg_over_all_steps_unguided_over_none(tiny_
         sample((0.3, 0.1))
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_cfg_in_the_low_noise_interval_keeps_the_variety_cfg_loses(tiny_run):
     # The toy's interval (the lowest noise levels) leaves the high ones, where CFG drops
     # branches (arXiv:2404.07724, Sec. 3), unguided.

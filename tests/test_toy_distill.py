@@ -11,6 +11,9 @@ import pytest
 
 from edm2_jax.analysis import toy_distill
 
+# Slow: every test reads the one tiny distillation run (~45 s on 2 cores).
+pytestmark = [pytest.mark.slow, pytest.mark.ci]
+
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):

@@ -336,6 +336,9 @@ def test_a_signal_before_a_snapshot_skips_its_grid(data, tmp_path, monkeypatch, 
 # Export
 
 
+# Slow (~15-25 s on 2 cores): a run trained and exported through the command line.
+@pytest.mark.slow
+@pytest.mark.ci
 def test_export_writes_the_recorded_use_fp16(tmp_path):
     """A network checkpoint recorded as `use_fp16: false` (converted from a release
     pickle that ran in float32) exports with use_fp16=False, and converting the export

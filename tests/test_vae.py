@@ -469,6 +469,9 @@ def test_generate_cli_refuses_vae_for_an_rgb_net(tmp_path):
     assert "error: --vae=sd-vae-ft-mse given" in r.stderr and "drop --vae" in r.stderr
 
 
+# Slow (~10-15 s on 2 cores): a latent network sampled and decoded through the command line.
+@pytest.mark.slow
+@pytest.mark.ci
 def test_generate_decodes_latent_net_samples_to_rgb_pngs(tmp_path):
     """A latent net with `--vae` (SD layout, 8x) writes RGB PNGs 8x the net's side,
     each the VAE's decode of the sampler's latents for its seed (up to one level where
