@@ -141,18 +141,37 @@ def _learning_rate(settings: TrainSettings, step: Array) -> Array:
                                ref_lr=settings.ref_lr, t_ref=settings.t_ref, rampup_kimg=0)
 
 
-def _train_chunk(net, settings, tx, mix, carry, rngs):
+def optimizer(settings) -> optax.GradientTransformation:
+    """Adam, betas (0.9, 0.99), with `_learning_rate(settings, step)` (docs/recipe.md §4).
+    `settings`: a `TrainSettings`, or any settings with `batch`, `ref_lr` and `t_ref`."""
+    return optax.adam(functools.partial(_learning_rate, settings), b1=0.9, b2=0.99, eps=1e-8)
+
+
+def optimizer_steps(grads_fn, tx: optax.GradientTransformation, batch: int,
+                    ema_sigma_rel: float, carry: tuple, rngs: Array) -> tuple[tuple, Any]:
+    """`len(rngs)` training steps in one `lax.scan`: forced weight normalisation (Eq. 66),
+    the gradient `grads_fn(params, buffers, rng) -> (grads, out)`, the update of `tx`,
+    the power-function EMA of `ema_sigma_rel` after `batch` images a step.
+    `carry = (params, opt_state, ema_state, buffers, step)`; returns the new carry and
+    each step's `out`, stacked."""
     def step(carry, rng):
         params, opt_state, ema_state, buffers, t = carry
         params = mp.force_normalize(params)   # forced weight normalisation (Eq. 66)
-        loss, grads = jax.value_and_grad(denoiser_loss)(
-            params, buffers, net, mix, rng, settings.batch, settings.P_mean, settings.P_std)
+        grads, out = grads_fn(params, buffers, rng)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        ema_state = ema_lib.update_ema(ema_state, params, (t + 1) * settings.batch,
-                                       settings.batch, sigma_rels=(settings.ema_sigma_rel,))
-        return (params, opt_state, ema_state, buffers, t + 1), loss
+        ema_state = ema_lib.update_ema(ema_state, params, (t + 1) * batch, batch,
+                                       sigma_rels=(ema_sigma_rel,))
+        return (params, opt_state, ema_state, buffers, t + 1), out
     return jax.lax.scan(step, carry, rngs)
+
+
+def _train_chunk(net, settings, tx, mix, carry, rngs):
+    def grads_fn(params, buffers, rng):
+        loss, grads = jax.value_and_grad(denoiser_loss)(
+            params, buffers, net, mix, rng, settings.batch, settings.P_mean, settings.P_std)
+        return grads, loss
+    return optimizer_steps(grads_fn, tx, settings.batch, settings.ema_sigma_rel, carry, rngs)
 
 
 def train_denoiser(net: ToyDenoiser, mix: Mixture, settings: TrainSettings = TrainSettings(),
@@ -166,7 +185,7 @@ def train_denoiser(net: ToyDenoiser, mix: Mixture, settings: TrainSettings = Tra
     rng_init, rng_train = jax.random.split(jax.random.PRNGKey(seed))
     variables = init_denoiser(net, rng_init)
     params = mp.force_normalize(variables["params"])
-    tx = optax.adam(functools.partial(_learning_rate, settings), b1=0.9, b2=0.99, eps=1e-8)
+    tx = optimizer(settings)
     ema_state = ema_lib.init_ema_state(params, (settings.ema_sigma_rel,))
     carry = (params, tx.init(params), ema_state, variables["buffers"], jnp.int32(0))
     chunk = jax.jit(functools.partial(_train_chunk, net, settings, tx))

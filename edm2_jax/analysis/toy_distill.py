@@ -41,17 +41,16 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from edm2_jax.analysis.toy import ToySettings, sample_metrics, sample_points
 from edm2_jax.analysis.toy_data import Mixture, log_prob, sample_mixture, tree_mixture
-from edm2_jax.analysis.toy_denoiser import ToyDenoiser, train_denoiser
+from edm2_jax.analysis.toy_denoiser import (ToyDenoiser, optimizer, optimizer_steps,
+                                            train_denoiser)
 from edm2_jax.ema import power as ema_lib
 from edm2_jax.model import mp
 from edm2_jax.sampling import consistency
 from edm2_jax.sampling import sampler as sampling
 from edm2_jax.training import distill
-from edm2_jax.training import optim
 
 Array = jax.Array
 
@@ -128,37 +127,17 @@ def distill_losses(params: dict[int, Any], buffers: Any, net: ToyDenoiser,
     return jnp.stack(losses)
 
 
-def _optimizer(settings: DistillSettings) -> optax.GradientTransformation:
-    """Adam, betas (0.9, 0.99), `lr = ref_lr / sqrt(max(step / t_ref, 1))`
-    (`training.optim.learning_rate` without ramp-up). Per weight, so one Adam over all
-    students' weights is each student's own."""
-    def lr(step):
-        return optim.learning_rate(step * settings.batch, batch_size=settings.batch,
-                                   ref_lr=settings.ref_lr, t_ref=settings.t_ref,
-                                   rampup_kimg=0)
-    return optax.adam(lr, b1=0.9, b2=0.99, eps=1e-8)
-
-
 @functools.partial(jax.jit, static_argnames=("net", "settings"))
 def _distill_chunk(net, settings, mix, teacher_params, carry, rngs):
-    tx = _optimizer(settings)
-
-    def step(carry, rng):
-        params, opt_state, ema_state, buffers, i = carry
-        params = mp.force_normalize(params)   # forced weight normalisation (Eq. 66)
-
+    # Adam per weight, so one optimizer over all students' weights is each student's own.
+    def grads_fn(params, buffers, rng):
         def objective(p):   # the sum's gradient w.r.t. p[K] is that of student K's loss
             losses = distill_losses(p, buffers, net, teacher_params, mix, rng,
                                     batch=settings.batch, teacher_steps=settings.toy.num_steps)
             return jnp.sum(losses), losses
-
-        grads, losses = jax.grad(objective, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        ema_state = ema_lib.update_ema(ema_state, params, (i + 1) * settings.batch,
-                                       settings.batch, sigma_rels=(settings.ema_sigma_rel,))
-        return (params, opt_state, ema_state, buffers, i + 1), losses
-    return jax.lax.scan(step, carry, rngs)
+        return jax.grad(objective, has_aux=True)(params)
+    return optimizer_steps(grads_fn, optimizer(settings), settings.batch,
+                           settings.ema_sigma_rel, carry, rngs)
 
 
 def distill_students(net: ToyDenoiser, teacher: dict, mix: Mixture,
@@ -167,7 +146,8 @@ def distill_students(net: ToyDenoiser, teacher: dict, mix: Mixture,
     """Distil the teacher (`net` with `teacher`'s `{'params', 'buffers'}`) into a `K`-step
     student for each `K` in `settings.students`: the same net initialised from the
     teacher's weights, trained on `distill_losses` for `steps` (default `settings.steps`)
-    Adam steps (`_optimizer`; forced weight normalisation before each step; power EMA).
+    Adam steps (`toy_denoiser.optimizer`; forced weight normalisation before each step;
+    power EMA).
     The students train side by side on shared draws, so the teacher is evaluated once
     per draw for all of them; each one's updates are those of its own loss.
 
@@ -180,7 +160,7 @@ def distill_students(net: ToyDenoiser, teacher: dict, mix: Mixture,
     steps = settings.steps if steps is None else steps
     params = {K: mp.force_normalize(teacher["params"]) for K in settings.students}
     ema_state = ema_lib.init_ema_state(params, (settings.ema_sigma_rel,))
-    carry = (params, _optimizer(settings).init(params), ema_state, teacher["buffers"],
+    carry = (params, optimizer(settings).init(params), ema_state, teacher["buffers"],
              jnp.int32(0))
     rng = jax.random.PRNGKey(seed)
     losses = []
