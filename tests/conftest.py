@@ -62,6 +62,20 @@ def pytest_unconfigure(config):
         shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
+@pytest.fixture
+def standin_inception_weights(tmp_path, monkeypatch) -> Path:
+    """For a test whose `fid` features are a stand-in: a stand-in Inception weights file
+    (its path, size and modification time key the cached reference statistics,
+    `evaluation/ref_cache.py`), so that the test runs without the optional weights
+    installed, and the statistics cache in `tmp_path/cache`, not the user's
+    ~/.cache/edm2_jax. Returns the weights file."""
+    weights = tmp_path / "inception-standin.pt"
+    weights.write_bytes(b"stand-in weights")
+    monkeypatch.setenv("EDM2_INCEPTION_WEIGHTS", str(weights))
+    monkeypatch.setenv("EDM2_JAX_CACHE", str(tmp_path / "cache"))
+    return weights
+
+
 @pytest.fixture(scope="session")
 def xla_cache() -> str:
     """The session's compilation cache directory, for tests that start a program with an

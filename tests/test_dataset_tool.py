@@ -248,7 +248,8 @@ def _latent_setup(tmp_path, n=8):
     return vae_dir, _save_net(tmp_path / "net", NET), data
 
 
-def test_eval_decodes_a_latent_net_and_latent_reference_data(tmp_path, monkeypatch):
+def test_eval_decodes_a_latent_net_and_latent_reference_data(tmp_path, monkeypatch,
+                                                             standin_inception_weights):
     """--mode=eval of a latent net (8x8x4) with --vae: generated latents and the latent
     reference data both reach the metric as uint8 RGB 16x16 (the tiny VAE's 2x), and the
     metric is finite; without --vae it fails naming --vae before any metric is set up."""
@@ -298,7 +299,7 @@ def test_training_eval_and_sweep_need_the_vae_for_latent_runs(tmp_path):
         sigma_sweep.main_sweep(str(run), [0.05], metrics="fid", num_images=4, ref="x.pkl")
 
 
-def test_training_eval_decodes_a_latent_run(tmp_path, monkeypatch):
+def test_training_eval_decodes_a_latent_run(tmp_path, monkeypatch, standin_inception_weights):
     """Evaluation during training (config.eval.*) of a latent run: samples and reference
     latents decoded by config.eval.vae, a finite metric under eval/."""
     from edm2_jax import configs

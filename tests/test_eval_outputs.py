@@ -104,12 +104,8 @@ def _images(path, n: int = 8, seed: int = 1):
     return path
 
 
-def test_reference_statistics_are_computed_once_and_checked_on_read(tmp_path, counted,
-                                                                    monkeypatch, capsys):
-    # The stand-in features need no weights; their file (a key of the cache) is a stand-in
-    # too, so that the test does not need the optional Inception weights installed.
-    (tmp_path / "weights.pt").write_bytes(b"weights")
-    monkeypatch.setenv("EDM2_INCEPTION_WEIGHTS", str(tmp_path / "weights.pt"))
+def test_reference_statistics_are_computed_once_and_checked_on_read(
+        tmp_path, counted, standin_inception_weights, monkeypatch, capsys):
     data = make_image_folder(tmp_path / "data")
     kw = dict(images_dir=str(_images(tmp_path / "generated")), net_path=None, num_images=8,
               metrics="fid", ref=None, progress=True,
