@@ -111,9 +111,14 @@ def test_bf16_sampler_runs_every_conv_and_matmul_in_bf16(guided):
     bad = precision.audit(jaxpr, jnp.bfloat16)
     assert not bad, _report(bad)
     convs = [m for m in precision.matmuls(jaxpr) if m.primitive == "conv_general_dilated"]
-    # Every 3x3 layer per network evaluation, traced once per sampler site (the
-    # fori_loop's two Heun evaluations and the last Euler step), twice with a guide.
-    assert len(convs) >= _num_3x3_layers(_config("bfloat16")) * 3 * (2 if guided else 1)
+    # Every 3x3 layer once per network traced: the sampler's loop evaluates the net once
+    # per iteration (predictor or corrector). With the guide, 4 steps and the interval
+    # (0.3, 2.0) give three loops, unguided / guided / unguided (steps 0-1, 2, 3): the
+    # main net in each, the guide in the middle one.
+    if guided:
+        from edm2_jax.sampling import guidance
+        assert guidance.guided_steps((0.3, 2.0), sampler_lib.edm_sigma_steps(4)) == (2, 3)
+    assert len(convs) == _num_3x3_layers(_config("bfloat16")) * (4 if guided else 1)
     assert all(m.operand_dtypes == ("bfloat16", "bfloat16") for m in convs)
 
 

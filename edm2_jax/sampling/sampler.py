@@ -55,10 +55,13 @@ def edm_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
     `2 N - 1` times. Steps with `S_min <= t_i <= S_max` first raise the noise level to
     `t_hat = (1 + gamma) t_i`, `gamma = min(S_churn / N, sqrt(2) - 1)`, by adding
     `sqrt(t_hat^2 - t_i^2) S_noise eps`, `eps ~ N(0, I)` (`S_churn = 0`: deterministic).
-    The first N-1 steps are one `lax.fori_loop`, so `denoise` is traced once per site;
-    with a guidance interval (`guided_steps`), one for each of the up to three ranges
-    unguided / guided / unguided, and the unguided ones call `denoise(..., guided=False)`
-    (the main net alone: the guide is not evaluated there).
+    The `2 N - 1` evaluations are one `lax.fori_loop` whose body evaluates `denoise` once
+    (even iterations: the Euler predictor of step `i`, odd: Heun's corrector), so the
+    compiled program holds one copy of the network; with a guidance interval
+    (`guided_steps`), one loop for each of the up to three ranges unguided / guided /
+    unguided, and the unguided ones call `denoise(..., guided=False)` (the main net alone:
+    the guide is not evaluated there). The arithmetic is Algorithm 1's, operation for
+    operation; a predictor and a corrector differ only in what they select.
 
     Args:
       denoise: `denoise(x [B,H,W,C] f32, sigma scalar f32, labels) -> D [B,H,W,C]`,
@@ -109,25 +112,35 @@ def edm_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
         out = denoise(x, sigma, labels) if guided else denoise(x, sigma, labels, guided=False)
         return out.astype(jnp.float32)
 
-    def heun_step(i, x_cur, guided=True):
+    def evaluation(e, carry, guided=True):
+        # Evaluation e of the 2N-1: the predictor of step i = e // 2 when e is even (from
+        # x = x_i; also the last step's Euler step), its corrector when e is odd (at the
+        # predictor's x = x_{i+1}^Euler). Carry: x (x_i, or the predictor's Euler estimate
+        # after a predictor), x_hat, t_hat and d_cur of step i's predictor.
+        x, x_hat, t_hat, d_cur = carry
+        i = e // 2
+        corrector = e % 2 == 1
         t_cur, t_next = t_steps[i], t_steps[i + 1]
-        x_hat, t_hat = increase_noise(i, x_cur, t_cur)
-        d_cur = (x_hat - D(x_hat, t_hat, guided)) / t_hat
-        x_next = x_hat + (t_next - t_hat) * d_cur
-        d_prime = (x_next - D(x_next, t_next, guided)) / t_next
-        return x_hat + (t_next - t_hat) * (0.5 * d_cur + 0.5 * d_prime)
+        x_hat_i, t_hat_i = increase_noise(i, x, t_cur)
+        x_hat = jnp.where(corrector, x_hat, x_hat_i)
+        t_hat = jnp.where(corrector, t_hat, t_hat_i)
+        x_in = jnp.where(corrector, x, x_hat)
+        t_in = jnp.where(corrector, t_next, t_hat)
+        d = (x_in - D(x_in, t_in, guided)) / t_in  # d_cur, or d_prime in a corrector
+        euler = x_hat + (t_next - t_hat) * d
+        heun = x_hat + (t_next - t_hat) * (0.5 * d_cur + 0.5 * d)
+        return (jnp.where(corrector, heun, euler), x_hat, t_hat,
+                jnp.where(corrector, d_cur, d))
 
     x = jnp.asarray(noise, jnp.float32) * t_steps[0]
-    last = num_steps - 1
-    for start, stop, guided in ((0, a, False), (a, b, True), (b, last, False)):
-        if min(stop, last) > start:
-            x = jax.lax.fori_loop(start, min(stop, last), functools.partial(
-                heun_step, guided=guided), x)
-
-    # Last step to t_N = 0: Euler only (Heun's correction would divide by t_N).
-    x_hat, t_hat = increase_noise(jnp.int32(last), x, t_steps[last])
-    d_cur = (x_hat - D(x_hat, t_hat, a <= last < b)) / t_hat
-    return x_hat + (t_steps[last + 1] - t_hat) * d_cur
+    carry = (x, x, t_steps[0], jnp.zeros_like(x))
+    evaluations = 2 * num_steps - 1  # the last step (to t_N = 0) is Euler only
+    for start, stop, guided in ((0, 2 * a, False), (2 * a, 2 * b, True),
+                                (2 * b, evaluations, False)):
+        if min(stop, evaluations) > start:
+            carry = jax.lax.fori_loop(start, min(stop, evaluations), functools.partial(
+                evaluation, guided=guided), carry)
+    return carry[0]
 
 
 # ---------------------------------------------------------------------------------------
