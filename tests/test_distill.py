@@ -179,6 +179,26 @@ def test_sampler_of_the_ideal_student_lands_on_the_ode_solution(steps):
     np.testing.assert_allclose(x, want, rtol=2e-5, atol=2e-5 * float(A.max()))
 
 
+@pytest.mark.parametrize("steps", [1, 3, 8])
+def test_sampler_traces_the_student_once_and_evaluates_it_at_each_segment_start(steps):
+    """One traced evaluation whatever K (one copy of the network in the program), run K
+    times, at the noise levels sigma_{b_k} where the segments begin."""
+    traced, calls = [], []
+
+    def denoise(x, sigma, labels):
+        traced.append(sigma)
+        jax.debug.callback(lambda t: calls.append(float(t)), sigma, ordered=True)
+        return 0.5 * x
+
+    jax.jit(lambda n: consistency.consistency_sampler(denoise, n, num_steps=steps,
+                                                      teacher_steps=16))(jnp.ones((1, 2)))
+    jax.effects_barrier()
+    sigmas = consistency.grid_sigmas(16, 0.002, 80.0, 7.0)
+    assert len(traced) == 1
+    np.testing.assert_allclose(calls, sigmas[consistency.segment_bounds(steps, 16)[:-1]],
+                               rtol=1e-6)
+
+
 def test_trained_student_lands_on_the_ideal_student():
     """A per-grid-point affine student x0_hat = alpha_i x + beta_i (the ideal student's
     form on Gaussian data), trained on the distillation objective with an exact teacher

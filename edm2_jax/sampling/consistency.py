@@ -99,9 +99,12 @@ def consistency_sampler(denoise: Denoiser, noise: Array, labels: Array | None = 
     """
     sigmas = grid_sigmas(teacher_steps, sigma_min, sigma_max, rho)
     bounds = segment_bounds(num_steps, teacher_steps)
-    x = jnp.asarray(noise, jnp.float32) * jnp.float32(sigmas[0])
-    for k in range(num_steps):  # K is 1 to 8: unrolled, one traced evaluation each
-        t, s = np.float32(sigmas[bounds[k]]), np.float32(sigmas[bounds[k + 1]])
-        x0_hat = denoise(x, t, labels).astype(jnp.float32)
-        x = ddim_step(x, x0_hat, t, s)
-    return x
+    # The K segments' ends [K + 1]; a loop with one traced evaluation, whatever K.
+    ends = jnp.asarray(np.asarray(sigmas, np.float32)[bounds])
+
+    def step(k, x):
+        t, s = ends[k], ends[k + 1]
+        return ddim_step(x, denoise(x, t, labels).astype(jnp.float32), t, s)
+
+    x = jnp.asarray(noise, jnp.float32) * ends[0]
+    return jax.lax.fori_loop(0, num_steps, step, x)
