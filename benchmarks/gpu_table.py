@@ -24,6 +24,8 @@ it measures:
   temp, and arguments);
 - compile time: our training step's lower + compile, and the sampler's first batch
   less a steady batch;
+- whether the host's data pipeline keeps up: img/s of the training iterator over 64x64
+  PNGs for each of `--data_workers` loader threads (`data_pipeline.py`), once at the end;
 - a `jax.profiler` trace of `--profile_steps` training steps, summed by kernel class:
   convolutions forward / input gradient / weight gradient with their precision, matmuls
   with theirs, reductions, elementwise fusions, transposes, copies, and the idle gaps
@@ -431,7 +433,26 @@ def render(results: dict, args) -> str:
                          f"{d['count']:.0f} |")
         lines += [f"| idle gaps | {prof['idle_ms']:.2f} | {100 * prof['idle_ms'] / step_ms:.1f} | |",
                   ""]
+    data = results.get("data_pipeline")
+    if data:
+        best = max((r.get("ours", {}).get("train_img_s", 0.0)
+                    for r in results["presets"].values()), default=0.0)
+        lines += [f"Data pipeline (`benchmarks/data_pipeline.py`: the training iterator over "
+                  f"{data['images']} 64x64 PNGs, batch {data['batch']}, {data['cpus']} CPUs), "
+                  f"img/s by loader threads: " + ", ".join(
+                      f"{r['workers']}: {r['img_per_s']:.0f}" for r in data["rows"])
+                  + f"; our fastest training step above takes {best:.0f} img/s.", ""]
     return "\n".join(lines)
+
+
+def write_table(results: dict, args) -> str:
+    """Render `results`, write it to `args.out` (and the figures to `<out>.json`)."""
+    table = render(results, args)
+    with open(args.out, "w") as f:
+        f.write(table + "\n")
+    with open(args.out + ".json", "w") as f:
+        json.dump(results, f, indent=1, default=float)
+    return table
 
 
 def main():
@@ -457,6 +478,9 @@ def main():
     ap.add_argument("--budget_s", type=float, default=0.0,
                     help="start no preset's measurement after this many seconds (0: no "
                          "limit); the table holds the presets measured by then")
+    ap.add_argument("--data_workers", default="1,2,4",
+                    help="after the presets, the data pipeline's img/s of 64x64 images with "
+                         "these loader-thread counts (benchmarks/data_pipeline.py); '' skips")
     ap.add_argument("--out", default="gpu_table.md", help="Markdown table; raw figures to <out>.json")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--preset", default="", help=argparse.SUPPRESS)
@@ -526,11 +550,13 @@ def main():
         dev = results.get("device", "")
         results["peak_tflops"] = args.peak_tflops or next(
             (v for k, v in PEAK_TFLOPS.items() if k in dev), float("nan"))
-        table = render(results, args)
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
-        with open(args.out + ".json", "w") as f:
-            json.dump(results, f, indent=1, default=float)
+        table = write_table(results, args)
+    if args.data_workers:
+        import data_pipeline
+        results["data_pipeline"] = data_pipeline.main([
+            "--images=2048", "--resolution=64", "--batch=256", "--batches=4", "--repeats=2",
+            f"--workers={args.data_workers}"])
+        table = write_table(results, args)
     print(table)
     print(f"(written to {args.out} and {args.out}.json in {time.time() - t0:.0f} s)")
 

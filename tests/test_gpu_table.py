@@ -78,12 +78,12 @@ def test_profile_summary_sums_device_kernels_and_idle_gaps(tmp_path):
 @pytest.mark.ci
 def test_gpu_table_command_writes_its_table_on_cpu(tmp_path):
     out = tmp_path / "table.md"
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path),  # traces, data set
                EDM2_JAX_COMPILATION_CACHE=str(tmp_path / "xla_cache"))
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "gpu_table.py"), "--presets=tiny", "--batch=4",
          "--sample_batch=2", "--steps=2", "--iters=1", "--warmup=1", "--repeats=1",
-         "--profile_steps=1", f"--out={out}"],
+         "--profile_steps=1", "--data_workers=1,2", f"--out={out}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = out.read_text()
@@ -96,6 +96,11 @@ def test_gpu_table_command_writes_its_table_on_cpu(tmp_path):
     ours = figures["presets"]["tiny"]["ours"]
     assert ours["train_img_s"] > 0 and ours["temp_gib"] > 0
     assert ours["profile"]["classes"], ours["profile"]
+    data = figures["data_pipeline"]
+    assert [r["workers"] for r in data["rows"]] == [1, 2] and data["resolution"] == 64
+    assert all(r["img_per_s"] > 0 for r in data["rows"])
+    assert "Data pipeline (`benchmarks/data_pipeline.py`" in table
+    assert (tmp_path / "edm2_jax_data_bench").is_dir()
 
 
 def test_gpu_table_rejects_an_unknown_preset_before_starting_workers(tmp_path):

@@ -168,6 +168,8 @@ def test_fresh_precond_is_exactly_c_skip_x(tiny):
     np.testing.assert_array_equal(np.asarray(D), np.asarray(x) * c_skip[:, None, None, None].astype(np.float32))
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~30 s on 2 cores: CI runs it after the quick suite
 def test_activations_stay_near_unit_rms_in_fresh_unet():
     net = UNet(img_resolution=32, img_channels=3, label_dim=10, model_channels=32,
                channel_mult=(1, 2, 2), num_blocks=2, attn_resolutions=(16, 8))
@@ -226,6 +228,8 @@ def test_clip_act_gradient_is_torch_clamps(backend):
     np.testing.assert_array_equal(np.asarray(g), [0, 3, 3, 3, 3, 3, 0])
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~30 s on 2 cores: CI runs it after the quick suite
 def test_cpu_fusion_barriers_leave_gradients_unchanged(tiny):
     # mp_silu / clip_act residuals behind lax.cond (backends.cpu.barrier) vs plain
     # autodiff: the same gradients up to float32 rounding of SiLU's derivative.
