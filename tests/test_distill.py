@@ -484,7 +484,7 @@ def test_distill_configs_validate_for_every_preset():
     """configs/distill.py builds a valid config for Fashion-MNIST, its tiny variant and
     every img64/img512 preset; a preset student fine-tunes at the teacher's final
     learning rate `ref_lr / sqrt(total_steps / t_ref)` (img64-s: 0.010 / sqrt(2^30 /
-    2048 / 35000) = 0.010 / sqrt(14.98)), constant."""
+    2048 / 35000) = 0.010 / sqrt(14.98)), constant; the Fashion-MNIST one decays."""
     from edm2_jax import configs
     from edm2_jax.model import presets
     from tests.test_train import _config_file
@@ -492,7 +492,15 @@ def test_distill_configs_validate_for_every_preset():
         c = _config_file("distill", variant)
         c.distill.teacher = "teacher"
         configs.validate(c)
-        assert c.optim.t_ref == 0
+        assert c.optim.t_ref == (94 if variant == "fashion_mnist" else 0)
+    # Fashion-MNIST: 0.005 decaying as 1/sqrt(t) from 94 batches of 64 (6.016 kimg), by
+    # hand 0.005 / sqrt(24000 / 6016) = 0.0025032 at the end of its 24 kimg.
+    from edm2_jax.training import optim as optim_lib
+    c = _config_file("distill", "fashion_mnist")
+    end = optim_lib.learning_rate(c.total_kimg * 1000, batch_size=c.batch_size,
+                                  ref_lr=c.optim.ref_lr, t_ref=c.optim.t_ref,
+                                  rampup_kimg=c.optim.rampup_kimg)
+    assert c.total_kimg == 24 and float(end) == pytest.approx(0.0025032, rel=1e-4)
     c = _config_file("distill", "img64-s")
     assert c.optim.ref_lr == pytest.approx(0.010 / np.sqrt(2**30 / 2048 / 35000), rel=1e-12)
     assert _config_file("distill", "img512-xs").data.encoder == "sd-vae"
