@@ -41,7 +41,7 @@ after each preset, and is printed last.
 Compile time bounds what one call can measure: on an H200 (jax 0.11.2) the img64-s
 training step compiled in 145 s and its sampler in 45 s with the two compiling side by
 side, and eight programs of four presets compiling at once took 415 s (a sampler that
-traced the network three times; it now traces it once, which XLA:CPU compiles in half
+traced the network three times; the sampler here traces it once, which XLA:CPU compiles in half
 the time: benchmarks/README.md). Our workers use
 the persistent compilation cache (`edm2_jax.process.enable_compilation_cache`), so a
 second call on the same machine skips the compiles; `--presets` measures a subset and

@@ -133,7 +133,7 @@ def _one_error(r: subprocess.CompletedProcess, pattern: str, compiles: bool = Fa
     # The run's copy still checks the arrays. The flipped bytes fall in compressed data:
     # most often they decode to wrong finite values, which the checksum catches; where
     # they hit a compressed block's header (where they land depends on how Orbax packed
-    # the arrays into OCDBT's data file; CI saw both) the reader fails first. Either way
+    # the arrays into OCDBT's data file; both occur) the reader fails first. Either way
     # the checkpoint is set aside in one line.
     ("orbax", True, r"checksum mismatch|corrupt or unreadable \(Encountered error while "
                     r"reading"),
