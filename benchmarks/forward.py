@@ -19,6 +19,8 @@ if __name__ == "__main__":  # first, before JAX starts: the XLA flags of edm2_ja
     from edm2_jax import process
     process.add_default_xla_flags()
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,15 +31,21 @@ from edm2_jax.model.presets import NETWORK_PRESETS
 
 def random_variables(net: Precond, seed: int = 0) -> dict:
     """`{'params', 'buffers'}` of `net` with every leaf N(0, 1), drawn on the default
-    device in one jitted call (shapes from `jax.eval_shape`, nothing initialised twice)."""
+    device in one jitted call (shapes from `jax.eval_shape`, nothing initialised twice).
+    One draw of all the elements, cut into the leaves: a draw per leaf would make XLA
+    compile a random-number generator for each (8 s on 2 CPU cores for the tiny net of
+    `gpu_table.py`, against 1 s)."""
     shapes = jax.eval_shape(lambda k: init_variables(net, k), jax.random.PRNGKey(0))
     leaves, treedef = jax.tree.flatten(dict(shapes))
+    sizes = [math.prod(l.shape) for l in leaves]
+    offsets = np.cumsum([0] + sizes)
 
     @jax.jit
     def fill(key):
-        keys = jax.random.split(key, len(leaves))
-        return jax.tree.unflatten(treedef, [jax.random.normal(k, l.shape, l.dtype)
-                                            for k, l in zip(keys, leaves)])
+        z = jax.random.normal(key, (int(offsets[-1]),), jnp.float32)
+        return jax.tree.unflatten(treedef, [
+            z[a:a + n].reshape(l.shape).astype(l.dtype)
+            for a, n, l in zip(offsets[:-1].tolist(), sizes, leaves)])
 
     return fill(jax.random.PRNGKey(seed))
 

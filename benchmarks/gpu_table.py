@@ -32,9 +32,16 @@ it measures:
   between kernels (`profile_summary`).
 
 Each side runs in its own processes (ours: one for training, one for sampling, so each
-peak is its own; the release: one). Ours compile in parallel at the start
-(`--serial_compile`: one at a time), then every measurement runs alone on the GPU, one
-process at a time, each side warmed up first and timed over `--iters` steps or batches.
+peak is its own; the release: one, which builds its network when measured). All start
+at once: ours compile in parallel (`--serial_compile`: one at a time) while the
+release's import torch. Measuring starts when every program has compiled (XLA:GPU
+autotunes on the GPU), then every measurement runs alone on the GPU, one process at a
+time, each side warmed up first and timed over `--iters` steps or batches.
+
+It needs what the package imports (jax, flax, optax, orbax, ...), ml_collections for the
+configs and, with `--release`, torch. GPU images often lack ml_collections: bring its
+wheel (`pip install --no-deps --target DIR ml_collections-*.whl`, then `PYTHONPATH=DIR`);
+without it the command stops in one `error:` line before starting anything.
 The table goes to `--out` as Markdown (and the raw figures to `<out>.json`), rewritten
 after each preset, and is printed last.
 
@@ -51,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib.util
 import json
 import os
 import re
@@ -271,14 +279,21 @@ class OursSample:
 
 
 class ReleaseSide:
+    """The release's side of one preset. Starting imports torch and the release's modules
+    (CPU work, done while our programs compile); the network and its optimiser are built
+    on the device when measured, so a waiting worker holds no device memory."""
+
     def __init__(self, args):
         import compare_release
-        ns = argparse.Namespace(release=args.release, device="", dtype=args.dtype,
-                                work=["train", "sample"], threads=0, steps=args.steps)
-        self.rel = compare_release.Release(build_config(args.preset, args.batch, args.dtype), ns)
-        self.torch, self.args = self.rel.torch, args
-        self.info = {"device": self.torch.cuda.get_device_name(0)
-                     if self.rel.device.type == "cuda" else "cpu"}
+        import torch
+        sys.path.insert(0, os.path.abspath(args.release))
+        importlib.import_module("training.networks_edm2")  # now, while ours compile
+        self.ns = argparse.Namespace(release=args.release, device="", dtype=args.dtype,
+                                     work=["train", "sample"], threads=0, steps=args.steps)
+        self.make = lambda: compare_release.Release(
+            build_config(args.preset, args.batch, args.dtype), self.ns)
+        self.torch, self.args, self.rel = torch, args, None
+        self.info = {}
 
     def _reset(self):
         if self.rel.device.type == "cuda":
@@ -289,6 +304,7 @@ class ReleaseSide:
                                self.args.guidance if guided else 1.0)
 
     def measure(self) -> dict:
+        self.rel = self.make()
         self._reset()
         self.rel.train(self.args.warmup)
         out = {"train_img_s": max(self.rel.train(self.args.iters)
@@ -455,6 +471,13 @@ def write_table(results: dict, args) -> str:
     return table
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--release", default="", help="a checkout of NVlabs/edm2 (none: ours only)")
@@ -498,39 +521,57 @@ def main():
         raise SystemExit(f"error: --release={args.release!r} is not a checkout of NVlabs/edm2 "
                          "(no training/networks_edm2.py there)")
 
+    missing = [m for m in ("ml_collections",) + (("torch",) if args.release else ())
+               if not _installed(m)]
+    if missing:
+        raise SystemExit(f"error: {', '.join(missing)} not installed here (the configs are "
+                         "ml_collections ConfigDicts; the release runs on torch); on a machine "
+                         "without an index, install their wheels: pip install --no-deps "
+                         "--target DIR WHEELS, then PYTHONPATH=DIR")
+
     argv = [a for a in sys.argv[1:] if not a.startswith(("--worker", "--preset="))]
     argv.append(f"--batch={args.batch}")
     env = dict(os.environ)
     # Several processes share the GPU: none takes memory up front, each takes its own.
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     t0 = time.time()
-    ours = {}
+    # Every worker starts now: ours compile side by side, the release's import torch.
+    ours, release = {}, {}
     for p in presets:
         for kind in ("train", "sample"):
             ours[p, kind] = Worker(kind, p, argv, env)
             if args.serial_compile:
                 ours[p, kind].ready()
-    results = {"presets": {}, "command": "python benchmarks/gpu_table.py " + " ".join(
-        a for a in sys.argv[1:])}
+        if args.release:
+            release[p] = Worker("release", p, argv, env)
+    results = {"presets": {p: {} for p in presets},
+               "command": "python benchmarks/gpu_table.py " + " ".join(sys.argv[1:])}
+    # Measurements start once every program is compiled: XLA:GPU autotunes by running
+    # kernels on the GPU, which would share it with a measurement.
     for p in presets:
-        r = results["presets"].setdefault(p, {})
-        if args.budget_s and time.time() - t0 > args.budget_s:
-            r["error"] = f"not measured: --budget_s={args.budget_s:.0f} s spent"
-            for kind in ("train", "sample"):
-                ours[p, kind].proc.kill()
+        try:
+            info_t, info_s = ours[p, "train"].ready(), ours[p, "sample"].ready()
+            print(f"[{time.time() - t0:.0f} s] {p}: compiled (step {info_t['compile_s']:.1f} s, "
+                  f"sampler {info_s['compile_s']:.1f} s)", flush=True)
+        except Exception as e:  # noqa: BLE001 - one preset's failure leaves the others' rows
+            results["presets"][p]["error"] = f"{type(e).__name__}: {e}"
+            print(f"{p}: {results['presets'][p]['error']}", flush=True)
+    for p in presets:
+        r = results["presets"][p]
+        workers = [ours[p, "train"], ours[p, "sample"]] + ([release[p]] if p in release else [])
+        if "error" in r or (args.budget_s and time.time() - t0 > args.budget_s):
+            r.setdefault("error", f"not measured: --budget_s={args.budget_s:.0f} s spent")
+            for w in workers:
+                w.proc.kill()
             continue
         try:
             tr, sa = ours[p, "train"], ours[p, "sample"]
             info_t, info_s = tr.ready(), sa.ready()
-            print(f"[{time.time() - t0:.0f} s] {p}: compiled (step {info_t['compile_s']:.1f} s, "
-                  f"sampler {info_s['compile_s']:.1f} s)", flush=True)
             results["device"] = info_t["device"]
             r["train_flops_per_img"] = info_t["flops_per_img"]
             r["sample_flops_per_img"] = info_s["flops_per_img"]
-            if args.release:
-                rel = Worker("release", p, argv, env)
-                rel.ready()
-                r["release"] = rel.measure()
+            if p in release:
+                r["release"] = release[p].measure()
                 print(f"[{time.time() - t0:.0f} s] {p} release: {r['release']}", flush=True)
             o = tr.measure()
             o.update(compile_s=info_t["compile_s"], temp_gib=info_t.get("temp_gib"),
@@ -545,19 +586,18 @@ def main():
             r["error"] = f"{type(e).__name__}: {e}"
             print(f"{p}: {r['error']}", flush=True)
         finally:
-            for kind in ("train", "sample"):
-                ours[p, kind].close()
+            for w in workers:
+                w.close()
         dev = results.get("device", "")
         results["peak_tflops"] = args.peak_tflops or next(
             (v for k, v in PEAK_TFLOPS.items() if k in dev), float("nan"))
-        table = write_table(results, args)
+        write_table(results, args)
     if args.data_workers:
         import data_pipeline
         results["data_pipeline"] = data_pipeline.main([
             "--images=2048", "--resolution=64", "--batch=256", "--batches=4", "--repeats=2",
             f"--workers={args.data_workers}"])
-        table = write_table(results, args)
-    print(table)
+    print(write_table(results, args))
     print(f"(written to {args.out} and {args.out}.json in {time.time() - t0:.0f} s)")
 
 
