@@ -228,6 +228,23 @@ def test_clip_act_gradient_is_torch_clamps(backend):
     np.testing.assert_array_equal(np.asarray(g), [0, 3, 3, 3, 3, 3, 0])
 
 
+def test_clip_act_keeps_its_mask_packed_eight_to_a_byte():
+    # The backward pass keeps where the clip passes the gradient as bits, ceil(C / 8)
+    # bytes a pixel, and gets the closed-form gradient from them: 1 for -L <= x <= L
+    # (the limits included), else 0, with C = 13 not a multiple of 8.
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-2, 2, (2, 3, 5, 13)).astype(np.float32)
+    x.flat[::7] = np.float32(1.0)
+    x.flat[3::11] = np.float32(-1.0)
+    dy = rng.normal(size=x.shape).astype(np.float32)
+    y, vjp = jax.vjp(lambda x: mp.clip_act(x, 1.0), jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(y), np.clip(x, -1, 1))
+    np.testing.assert_array_equal(np.asarray(vjp(jnp.asarray(dy))[0]),
+                                  np.where((x >= -1) & (x <= 1), dy, 0))
+    kept = jax.tree.leaves(vjp)
+    assert [(a.shape, a.dtype) for a in kept] == [((2, 3, 5, 2), jnp.uint8)]
+
+
 @pytest.mark.slow
 @pytest.mark.ci  # ~30 s on 2 cores: CI runs it after the quick suite
 def test_cpu_fusion_barriers_leave_gradients_unchanged(tiny):

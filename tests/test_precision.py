@@ -217,11 +217,34 @@ def test_bf16_step_keeps_its_activations_for_the_backward_pass_in_bf16():
     f32_in_bf16 = [a for a in per_example["bfloat16"] if a.dtype == jnp.float32]
     assert all(a.size // batch <= max(image, 4 * net.model_channels) for a in f32_in_bf16), [
         (a.shape, str(a.dtype)) for a in f32_in_bf16 if a.size // batch > image]
-    def nbytes(acts, kind):
-        return sum(a.size * a.dtype.itemsize for a in acts if (a.dtype == jnp.bool_) == kind)
-    # Floats halve (the float32 ones of the bf16 net aside); the clip masks are bool in both.
+    def nbytes(acts, floating):
+        return sum(a.size * a.dtype.itemsize for a in acts
+                   if jnp.issubdtype(a.dtype, jnp.floating) == floating)
+    # Floats halve (the float32 ones of the bf16 net aside); the clip masks (bits packed
+    # in uint8) are the same in both.
     small = sum(a.size * a.dtype.itemsize for a in f32_in_bf16)
-    floats = {k: nbytes(v, False) for k, v in per_example.items()}
+    floats = {k: nbytes(v, True) for k, v in per_example.items()}
     assert floats["bfloat16"] <= floats["float32"] / 2 + small, floats
-    assert nbytes(per_example["bfloat16"], True) == nbytes(per_example["float32"], True)
+    assert nbytes(per_example["bfloat16"], False) == nbytes(per_example["float32"], False)
     assert any(a.dtype == jnp.bfloat16 for a in per_example["bfloat16"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_keeps_one_map_per_layer_for_the_backward_pass(dtype):
+    """Of the attention maps `[N, heads, q, k]` (the largest arrays of the attention
+    layers), the backward pass keeps the logits alone, in the compute dtype: the softmax
+    weights that both gradients need are recomputed from them (`networks._attend`)."""
+    from flax import traverse_util
+    from edm2_jax.model.networks import init_variables
+    batch = 8
+    cfg = _config(dtype).network
+    net = precond_from_config(cfg.to_dict())
+    variables = jax.eval_shape(lambda: init_variables(net, jax.random.PRNGKey(0)))
+    layers = [k for k in traverse_util.flatten_dict(variables["params"]) if "attn_qkv" in k]
+    (resolution,) = cfg.attn_resolutions
+    tokens = resolution ** 2
+    assert layers, "the fashion_mnist net has attention layers"
+    maps = [a for a in _saved_for_backward(dtype, batch)
+            if a.ndim == 4 and a.shape[0] == batch and a.shape[2:] == (tokens, tokens)]
+    assert len(maps) == len(layers), [(a.shape, str(a.dtype)) for a in maps]
+    assert all(a.dtype == jnp.dtype(dtype) for a in maps)

@@ -101,10 +101,13 @@ def clip_mask(x: Array, limit: float) -> Array:
 
 
 def _clip_act_fwd(x, limit):
-    return jnp.clip(x, -limit, limit), clip_mask(x, limit)
+    # The mask is kept packed, 8 elements a byte along the last axis: a bool array would
+    # be half the bytes of the bfloat16 activation it clips.
+    return jnp.clip(x, -limit, limit), jnp.packbits(clip_mask(x, limit), axis=-1)
 
 
-def _clip_act_bwd(limit, inside, dy):
+def _clip_act_bwd(limit, packed, dy):
+    inside = jnp.unpackbits(packed, axis=-1, count=dy.shape[-1]).astype(jnp.bool_)
     return (jnp.where(inside, dy, jnp.zeros_like(dy)),)
 
 

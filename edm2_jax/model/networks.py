@@ -182,17 +182,20 @@ class Block(BlockFields):
         # is taken in float32 and its weights cast back to `dtype`.
         logits = jnp.einsum("nqhc,nkhc->nhqk", q, k / jnp.asarray(math.sqrt(cph), self.dtype),
                             preferred_element_type=self.dtype)
-        weights = _softmax(logits)
-        y = jnp.einsum("nhqk,nkhc->nqhc", weights, v, preferred_element_type=self.dtype)
+        y = _attend(logits, v)
         return self._conv(c, c, (1, 1), "attn_proj")(y.reshape(n, h, w, c))
 
 
 @jax.checkpoint
-def _softmax(logits: Array) -> Array:
-    """Softmax over the last axis, taken in float32, returned in `logits.dtype`.
-    Rematerialised: the backward pass keeps the logits in their own dtype and recomputes
-    the float32 weights (autodiff would keep those, twice the bytes in bfloat16)."""
-    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
+def _attend(logits: Array, v: Array) -> Array:
+    """`softmax(logits) v`: the softmax over the keys taken in float32, its weights cast
+    to `logits.dtype` for the matmul (float32 accumulation inside), the result in that
+    dtype. `logits` `[N, heads, q, k]`, `v` `[N, k, heads, c]` -> `[N, q, heads, c]`.
+    Rematerialised: the backward pass keeps the logits and `v` and recomputes the
+    weights for both gradients (autodiff would keep the weights beside the logits, or
+    their float32 copy: one or two more arrays of attention-map size)."""
+    weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
+    return jnp.einsum("nhqk,nkhc->nqhc", weights, v, preferred_element_type=logits.dtype)
 
 
 # The U-Net (Figure 21).
