@@ -353,6 +353,22 @@ def test_post_hoc_ema_of_a_student_is_sampled_as_a_student(distill_runs, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.ci
+def test_post_hoc_ema_sweep_of_a_student_samples_it_as_a_student(distill_runs, tmp_path):
+    # `--mode=phema_sweep` measures each post-hoc EMA of a distillation run with the
+    # student's few-step sampler, not with 32 Heun steps (63 evaluations of a network
+    # trained for 2); a teacher keeps the Heun sampler; --steps replaces either's steps.
+    from edm2_jax.ema import posthoc, sweep
+    run = str(distill_runs["full"])
+    out, = posthoc.reconstruct(run, [0.07], out_dir=str(tmp_path / "phema"), progress=False)
+    assert sweep.sampler_kwargs(out) == generate.student_sampler(run)
+    assert sweep.sampler_kwargs(out)["sampler"] == "consistency"
+    assert sweep.sampler_kwargs(out, 4) == dict(generate.student_sampler(run), num_steps=4)
+    assert sweep.sampler_kwargs(distill_runs["teacher"]) == {"num_steps": 32}
+    assert sweep.sampler_kwargs(distill_runs["teacher"], 8) == {"num_steps": 8}
+
+
+@pytest.mark.slow
+@pytest.mark.ci
 def test_teacher_errors_are_named_before_anything_is_built(distill_runs, tmp_path):
     """A missing teacher, or data of another kind than the teacher's, fail at set-up with
     the flag named, before the step compiles; the output directory holds no state."""

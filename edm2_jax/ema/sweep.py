@@ -3,7 +3,8 @@ best (the paper's Fig. 5a).
 
 Owns `sweep` (any metric function; CSV and plot), `main_sweep` (the body of
 `--mode=phema_sweep`: the metric, its reference data, the metric function over generated
-images) and `run_data_config` (a run's reference data when no `--config` is given).
+images), `sampler_kwargs` (the sampler it generates them with: a distilled student's own)
+and `run_data_config` (a run's reference data when no `--config` is given).
 """
 from __future__ import annotations
 
@@ -95,14 +96,28 @@ def _plot(rows: list[dict], metric_name: str, path: str) -> None:
     paths_lib.rename(tmp, path)
 
 
+def sampler_kwargs(net_path: str, num_steps: int | None = None) -> dict:
+    """The sampler settings (`generate.generate_images` kwargs) the sweep generates the
+    network at `net_path` with: a distilled student's few-step sampler (its post-hoc EMAs
+    are students too: `generate.student_sampler`), else the Heun sampler of 32 steps;
+    `num_steps` (`--steps`), when given, replaces the steps of either."""
+    from edm2_jax.sampling import generate
+    kw = dict(generate.student_sampler(net_path) or {"num_steps": 32})
+    if num_steps is not None:
+        kw["num_steps"] = int(num_steps)
+    return kw
+
+
 def main_sweep(workdir: str, sigma_rels: Sequence[float], *, metrics: str = "fid",
-               num_images: int = 50000, batch_size: int = 64, num_steps: int = 32,
+               num_images: int = 50000, batch_size: int = 64, num_steps: int | None = None,
                ref: str | None = None, ref_split: str = "test",
                data_config: dict | None = None, at_kimg: float | None = None,
                out_dir: str | None = None, per_tensor: str | None = None,
                dinov2: str | None = None, vae_path: str | None = None) -> tuple[str, str]:
     """CLI body of `--mode=phema_sweep`: reconstruct each sigma_rel, generate
-    `num_images` from it and measure the first of `metrics` (`cls`: FD in the
+    `num_images` from it (with the run's own sampler, `sampler_kwargs`: a distillation
+    run's few-step sampler, else Heun; `num_steps` None keeps its steps) and measure the
+    first of `metrics` (`cls`: FD in the
     classifier's features; `fid`: FID, `fd_dinov2`: FD_DINOv2 (weights file `dinov2`),
     each against `ref` or the data), then `sweep`'s CSV and plot. Reference data:
     `data_config` (the `--config`'s data section), else the run's config.json
@@ -129,7 +144,8 @@ def main_sweep(workdir: str, sigma_rels: Sequence[float], *, metrics: str = "fid
                                 ref_split=ref_split, dinov2=dinov2, vae=vae)
 
     def metric_fn(net_path: str) -> float:
-        imgs = net_images(net_path, range(num_images), batch_size, num_steps=num_steps, vae=vae)
+        imgs = net_images(net_path, range(num_images), batch_size, vae=vae,
+                          **sampler_kwargs(net_path, num_steps))
         return suite(np.concatenate(list(imgs)))[key]
 
     csv_path, png = sweep(workdir, sigma_rels, metric_fn, at_kimg=at_kimg, out_dir=out_dir,

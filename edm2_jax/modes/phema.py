@@ -59,7 +59,8 @@ def run_sweep() -> None:
     check_phema_dirs(workdir)
     phema.main_sweep(
         workdir, sigma_rels(), metrics=FLAGS.metrics, num_images=FLAGS.num_images,
-        batch_size=FLAGS.batch, num_steps=FLAGS.steps, ref=FLAGS.ref,
+        batch_size=FLAGS.batch, num_steps=FLAGS.steps if FLAGS["steps"].present else None,
+        ref=FLAGS.ref,
         ref_split=FLAGS.ref_split, data_config=common.data_config(), at_kimg=FLAGS.at_kimg,
         out_dir=FLAGS.outdir, per_tensor=FLAGS.per_tensor, dinov2=FLAGS.dinov2,
         vae_path=FLAGS.vae)
