@@ -288,10 +288,10 @@ class ReleaseSide:
         import torch
         sys.path.insert(0, os.path.abspath(args.release))
         importlib.import_module("training.networks_edm2")  # now, while ours compile
-        self.ns = argparse.Namespace(release=args.release, device="", dtype=args.dtype,
-                                     work=["train", "sample"], threads=0, steps=args.steps)
+        ns = argparse.Namespace(release=args.release, device="", dtype=args.dtype,
+                                work=["train", "sample"], threads=0, steps=args.steps)
         self.make = lambda: compare_release.Release(
-            build_config(args.preset, args.batch, args.dtype), self.ns)
+            build_config(args.preset, args.batch, args.dtype), ns)
         self.torch, self.args, self.rel = torch, args, None
         self.info = {}
 

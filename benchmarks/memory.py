@@ -95,19 +95,14 @@ def sampler_memory(preset: str, batch: int, dtype: str, steps: int = 32,
                  compiled, time.perf_counter() - t)
 
 
-def saved_activations(preset: str, batch: int, dtype: str, kernels: str = "xla") -> float:
-    """GiB of the per-example arrays (leading axis `batch`) the training loss of
-    `preset` keeps for its backward pass (`jax.vjp`'s residuals; `jax.eval_shape`)."""
+def saved_for_backward(net, batch: int) -> list:
+    """Shapes and dtypes (`jax.ShapeDtypeStruct`) of what the EDM2 training loss of `net`
+    (a `Precond`) at `batch` keeps for its backward pass: the residuals of `jax.vjp`, by
+    `jax.eval_shape` (nothing compiled or run)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from gpu_table import build_config
     from edm2_jax.model import loss as loss_lib
     from edm2_jax.model.networks import init_variables
-    from edm2_jax.training import state as state_lib
-    config = build_config(preset, batch, dtype)
-    config.backend.kernels = kernels
-    net = state_lib.make_network(config)
     r, c, L = net.img_resolution, net.img_channels, net.label_dim
 
     def residuals(key):
@@ -122,7 +117,18 @@ def saved_activations(preset: str, batch: int, dtype: str, kernels: str = "xla")
                 batch_size=batch)[0]
         return jax.tree.leaves(jax.vjp(loss, v["params"])[1])
 
-    kept = jax.eval_shape(residuals, jax.random.PRNGKey(0))
+    return jax.eval_shape(residuals, jax.random.PRNGKey(0))
+
+
+def saved_activations(preset: str, batch: int, dtype: str, kernels: str = "xla") -> float:
+    """GiB of the per-example arrays (leading axis `batch`) the training loss of
+    `preset` keeps for its backward pass (`saved_for_backward`)."""
+    import numpy as np
+    from gpu_table import build_config
+    from edm2_jax.training import state as state_lib
+    config = build_config(preset, batch, dtype)
+    config.backend.kernels = kernels
+    kept = saved_for_backward(state_lib.make_network(config), batch)
     gib = sum(np.prod(a.shape) * a.dtype.itemsize for a in kept
               if a.ndim >= 2 and a.shape[0] == batch) / 2**30
     print(f"saved for the backward pass, {preset} batch {batch} {dtype}: {gib:.2f} GiB of "

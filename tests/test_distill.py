@@ -341,7 +341,7 @@ def test_student_images_depend_only_on_the_seed_and_generate_finds_its_sampler(
 @pytest.mark.slow
 @pytest.mark.ci
 def test_post_hoc_ema_of_a_student_is_sampled_as_a_student(distill_runs, tmp_path):
-    from edm2_jax.ema import posthoc
+    from edm2_jax.ema import posthoc, sweep
     run = str(distill_runs["full"])
     out, = posthoc.reconstruct(run, [0.07], out_dir=str(tmp_path / "phema"), progress=False)
     assert generate.student_sampler(out) == generate.student_sampler(run)
@@ -349,17 +349,9 @@ def test_post_hoc_ema_of_a_student_is_sampled_as_a_student(distill_runs, tmp_pat
     imgs = np.asarray(sampling.sample_images(net, variables, np.arange(2),
                                              **generate.student_sampler(out)))
     assert imgs.shape == (2, 16, 16, 3)
-
-
-@pytest.mark.slow
-@pytest.mark.ci
-def test_post_hoc_ema_sweep_of_a_student_samples_it_as_a_student(distill_runs, tmp_path):
     # `--mode=phema_sweep` measures each post-hoc EMA of a distillation run with the
     # student's few-step sampler, not with 32 Heun steps (63 evaluations of a network
     # trained for 2); a teacher keeps the Heun sampler; --steps replaces either's steps.
-    from edm2_jax.ema import posthoc, sweep
-    run = str(distill_runs["full"])
-    out, = posthoc.reconstruct(run, [0.07], out_dir=str(tmp_path / "phema"), progress=False)
     assert sweep.sampler_kwargs(out) == generate.student_sampler(run)
     assert sweep.sampler_kwargs(out)["sampler"] == "consistency"
     assert sweep.sampler_kwargs(out, 4) == dict(generate.student_sampler(run), num_steps=4)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
 from pathlib import Path
 
 import jax
@@ -27,6 +28,9 @@ from edm2_jax.training import state as state_lib
 from edm2_jax.training import step as step_lib
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import memory  # noqa: E402  (benchmarks/memory.py: what the loss keeps for its backward pass)
 
 
 def _config(dtype: str, kernels: str = "xla", batch_per_device: int = 0):
@@ -184,22 +188,10 @@ def test_float32_layers_exist_in_the_network():
 
 def _saved_for_backward(dtype: str, batch: int = 8) -> list:
     """Shapes and dtypes of what the training loss keeps for its backward pass (the
-    residuals `jax.vjp` closes over), for a bf16/f32 net of the fashion_mnist config."""
-    from edm2_jax.model import loss as loss_lib
-    from edm2_jax.model.networks import init_variables
-    net = precond_from_config(_config(dtype).network.to_dict())
-    v = init_variables(net, jax.random.PRNGKey(0))
-    r, ch, L = net.img_resolution, net.img_channels, net.label_dim
-    x = jnp.zeros((batch, r, r, ch), jnp.float32)
-
-    def loss(params):
-        return loss_lib.edm2_objective(
-            params, v["buffers"], net, x, jnp.zeros((batch, L), jnp.float32), P_mean=-0.8,
-            P_std=1.6, sigma_data=0.5, train=True, rnd_normal=jnp.zeros((batch,)),
-            noise_unit=jnp.zeros_like(x), dropout_rng=jax.random.PRNGKey(0),
-            batch_size=batch)[0]
-
-    return jax.eval_shape(lambda p: jax.tree.leaves(jax.vjp(loss, p)[1]), v["params"])
+    residuals `jax.vjp` closes over: `benchmarks/memory.py`'s `saved_for_backward`), for
+    a bf16/f32 net of the fashion_mnist config."""
+    return memory.saved_for_backward(precond_from_config(_config(dtype).network.to_dict()),
+                                     batch)
 
 
 def test_bf16_step_keeps_its_activations_for_the_backward_pass_in_bf16():
