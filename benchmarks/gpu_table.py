@@ -112,6 +112,9 @@ def classify(name: str, hlo_op: str = "") -> str:
     return "elementwise"
 
 
+TOP_KERNELS = 40  # kernels listed by name in a profile's JSON (15 in the table)
+
+
 def _trace_events(logdir: str) -> list[dict]:
     paths = [os.path.join(d, f) for d, _, fs in os.walk(logdir) for f in fs
              if f.endswith("perfetto_trace.json.gz") or f.endswith(".trace.json.gz")]
@@ -125,8 +128,9 @@ def _trace_events(logdir: str) -> list[dict]:
 
 def profile_summary(logdir: str, steps: int) -> dict:
     """Kernel time of a `jax.profiler` trace in `logdir` summed by class (`classify`),
-    per step: `{'classes': {class: {'ms': .., 'count': ..}}, 'busy_ms', 'idle_ms',
-    'span_ms', 'source'}`. On a GPU the device's kernels (every stream); on the CPU the
+    per step: `{'classes': {class: {'ms': .., 'count': ..}}, 'top': [the TOP_KERNELS
+    kernels of most time, by name: {'name', 'ms', 'count', 'class', 'hlo_op'}],
+    'busy_ms', 'idle_ms', 'span_ms', 'source'}`. On a GPU the device's kernels (every stream); on the CPU the
     XLA ops the runtime records (`hlo_op`), where idle is the time no op runs."""
     events = _trace_events(logdir)
     procs = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
@@ -142,6 +146,7 @@ def profile_summary(logdir: str, steps: int) -> dict:
     if not kernels:
         raise ValueError(f"the trace in {logdir} holds no kernels")
     classes: dict[str, dict] = {}
+    by_kernel: dict[str, dict] = {}
     intervals = []
     for e in kernels:
         args = e.get("args", {})
@@ -149,6 +154,10 @@ def profile_summary(logdir: str, steps: int) -> dict:
         d = classes.setdefault(c, {"ms": 0.0, "count": 0})
         d["ms"] += e["dur"] / 1e3 / steps
         d["count"] += 1
+        k = by_kernel.setdefault(e["name"], {"ms": 0.0, "count": 0, "class": c,
+                                             "hlo_op": str(args.get("hlo_op", ""))[:80]})
+        k["ms"] += e["dur"] / 1e3 / steps
+        k["count"] += 1
         intervals.append((e["ts"], e["ts"] + e["dur"]))
     intervals.sort()
     busy, end = 0.0, None
@@ -161,9 +170,11 @@ def profile_summary(logdir: str, steps: int) -> dict:
             busy += b - end
             end = b
     span = end - start
-    for d in classes.values():
+    for d in (*classes.values(), *by_kernel.values()):
         d["count"] = d["count"] / steps
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1]["ms"])[:TOP_KERNELS]
     return {"classes": dict(sorted(classes.items(), key=lambda kv: -kv[1]["ms"])),
+            "top": [{"name": n[:120], **d} for n, d in top],
             "busy_ms": busy / 1e3 / steps, "idle_ms": (span - busy) / 1e3 / steps,
             "span_ms": span / 1e3 / steps, "source": source}
 
@@ -215,11 +226,11 @@ class OursTrain:
         self.jax.block_until_ready((self.state, metrics))
         return self.bs * iters / (time.perf_counter() - t)
 
-    def measure(self) -> dict:
+    def measure(self, profile: bool = True) -> dict:
         self.run(self.args.warmup)
         img_s = max(self.run(self.args.iters) for _ in range(self.args.repeats))
         out = {"train_img_s": img_s, "peak_gib": _peak_gib(self.jax)}
-        if self.args.profile_steps:
+        if profile and self.args.profile_steps:
             out["profile"] = self.profile(self.args.profile_steps)
         return out
 
@@ -267,7 +278,7 @@ class OursSample:
             num_steps=self.args.steps, **kw))
         return time.perf_counter() - t
 
-    def measure(self) -> dict:
+    def measure(self, profile: bool = True) -> dict:
         out = {}
         for guided in (False, True):
             key = "guided" if guided else "sample"
@@ -303,7 +314,7 @@ class ReleaseSide:
         return self.rel.sample(iters, self.args.sample_batch,
                                self.args.guidance if guided else 1.0)
 
-    def measure(self) -> dict:
+    def measure(self, profile: bool = True) -> dict:
         self.rel = self.make()
         self._reset()
         self.rel.train(self.args.warmup)
@@ -327,7 +338,10 @@ def _peak_gib(jax) -> float:
 
 def worker(args) -> None:
     """One side of one preset in its own process: build (and compile) it, print `READY
-    {info}`, then on 'measure' print `RESULT {figures}`; 'quit' ends it."""
+    {info}`, then on 'measure' print `RESULT {figures}` ('measure quick': no profile);
+    'quit' ends it. With `--code=DIR` the package is imported from that checkout."""
+    if args.code:  # --against: another commit's package, first on the path
+        sys.path.insert(0, os.path.abspath(args.code))
     from edm2_jax import process
     process.add_default_xla_flags()
     process.enable_compilation_cache()  # a second run on the machine skips the compiles
@@ -338,12 +352,25 @@ def worker(args) -> None:
         dev = jax.devices()[0]
         info["device"] = f"{dev.platform}:{dev.device_kind}"
         info["platform"] = dev.platform
+        info["versions"] = {"jax": jax.__version__, "jaxlib": _version("jaxlib"),
+                            "flax": _version("flax"), "optax": _version("optax")}
+        info["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    info["package"] = os.path.dirname(process.__file__)
     print("READY " + json.dumps(info), flush=True)
     for line in sys.stdin:
-        if line.strip() == "measure":
-            print("RESULT " + json.dumps(side.measure()), flush=True)
+        if line.strip() in ("measure", "measure quick"):
+            out = side.measure(profile=line.strip() == "measure")
+            print("RESULT " + json.dumps(out), flush=True)
         else:
             break
+
+
+def _version(dist: str) -> str:
+    from importlib import metadata
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "?"
 
 
 class Worker:
@@ -356,6 +383,7 @@ class Worker:
              f"--preset={preset}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env=env)
         self.info = None
+        self.closed = False
 
     def _read(self, tag: str) -> dict:
         for line in self.proc.stdout:
@@ -369,15 +397,18 @@ class Worker:
             self.info = self._read("READY")
         return self.info
 
-    def measure(self) -> dict:
+    def measure(self, close: bool = True, profile: bool = True) -> dict:
+        """The worker's figures; `close=False` keeps it for another measurement."""
         self.ready()
-        self.proc.stdin.write("measure\n")
+        self.proc.stdin.write("measure\n" if profile else "measure quick\n")
         self.proc.stdin.flush()
         out = self._read("RESULT")
-        self.close()
+        if close:
+            self.close()
         return out
 
     def close(self) -> None:
+        self.closed = True
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.write("quit\n")
@@ -402,6 +433,7 @@ def render(results: dict, args) -> str:
              f"on a GPU; sampler: Heun {args.steps} steps ({2 * args.steps - 1} evaluations), "
              f"batch {args.sample_batch}, guided = guidance {args.guidance} by a guide of "
              f"the same size. MFU of {results.get('peak_tflops', float('nan')):.0f} TFLOP/s. "
+             f"Versions: {results.get('versions')}. "
              f"Command: `{results.get('command', '')}`", "",
              "| preset | side | train img/s | train TFLOP/s | MFU % | peak GiB (train) | "
              "compile s | sample img/s | guided img/s | peak GiB (sampler) |",
@@ -425,8 +457,9 @@ def render(results: dict, args) -> str:
             ratio = lambda k: ours.get(k, float("nan")) / rel.get(k, float("nan"))  # noqa: E731
             lines.append(f"| {preset} | **ratio** | **{ratio('train_img_s'):.2f}x** | | | | | "
                          f"**{ratio('sample_img_s'):.2f}x** | **{ratio('guided_img_s'):.2f}x** | |")
-        if "error" in r:
-            lines.append(f"| {preset} | error | {r['error']} | | | | | | | |")
+        for key in ("error", "release_error"):
+            if key in r:
+                lines.append(f"| {preset} | {key.replace('_', ' ')} | {r[key]} | | | | | | | |")
     lines += ["", "Compile s: training step / sampler / guided sampler (first batch less a "
               "steady one). Our programs' buffers (`memory_analysis`, GiB): " + "; ".join(
                   f"{p}: step temp {_f(r.get('ours', {}).get('temp_gib'), '{:.2f}')}, "
@@ -449,6 +482,14 @@ def render(results: dict, args) -> str:
                          f"{d['count']:.0f} |")
         lines += [f"| idle gaps | {prof['idle_ms']:.2f} | {100 * prof['idle_ms'] / step_ms:.1f} | |",
                   ""]
+        if prof.get("top"):
+            lines += [f"The {min(15, len(prof['top']))} kernels of most time ({preset}, per step):",
+                      "", "| kernel | class | HLO op | ms/step | launches/step |", "|---|---|---|---|---|"]
+            lines += [f"| `{k['name'][:60]}` | {k['class']} | {k['hlo_op'][:40]} | {k['ms']:.2f} | "
+                      f"{k['count']:.0f} |" for k in prof["top"][:15]]
+            lines.append("")
+    for preset, r in results["presets"].items():
+        lines += _render_variants(preset, r)
     data = results.get("data_pipeline")
     if data:
         best = max((r.get("ours", {}).get("train_img_s", 0.0)
@@ -461,6 +502,45 @@ def render(results: dict, args) -> str:
     return "\n".join(lines)
 
 
+def _render_variants(preset: str, r: dict) -> list[str]:
+    """The A/B rows of the first preset: each variant's step against the plain step
+    (the mean of its measurements before and after the variants), and the kernel classes
+    whose time moved."""
+    variants, ours = r.get("variants"), r.get("ours", {})
+    if not variants or not ours:
+        return []
+    base = [x for x in (ours.get("train_img_s"), ours.get("train_img_s_again")) if x]
+    base_img_s = sum(base) / len(base)
+    lines = [f"## Variants of the {preset} training step, each alone on the device", "",
+             f"Plain step: {' then '.join(f'{x:.1f}' for x in base)} img/s (before and after "
+             f"the variants), compile {_f(ours.get('compile_s'))} s.", "",
+             "| variant | what | compile s | train img/s | vs plain | peak GiB | temp GiB | "
+             "profile span ms |", "|---|---|---|---|---|---|---|---|"]
+    for name, v in variants.items():
+        if "error" in v:
+            lines.append(f"| {name} | {v['what']} | error: {v['error'][:200]} | | | | | |")
+            continue
+        prof = v.get("profile") or {}
+        lines.append(f"| {name} | {v['what']} | {_f(v.get('compile_s'))} | "
+                     f"{_f(v.get('train_img_s'))} | {v['train_img_s'] / base_img_s:.3f}x | "
+                     f"{_f(v.get('peak_gib'), '{:.2f}')} | {_f(v.get('temp_gib'), '{:.2f}')} | "
+                     f"{_f(prof.get('span_ms'))} |")
+    base_prof = (ours.get("profile") or {}).get("classes")
+    profs = {n: (v.get("profile") or {}).get("classes") for n, v in variants.items()}
+    profs = {n: c for n, c in profs.items() if c}
+    if base_prof and profs:
+        names = sorted(set(base_prof).union(*profs.values()),
+                       key=lambda c: -base_prof.get(c, {}).get("ms", 0.0))
+        lines += ["", "Kernel classes, ms/step (kernels/step):", "",
+                  "| class | plain | " + " | ".join(profs) + " |",
+                  "|---|---|" + "---|" * len(profs)]
+        cell = lambda d: f"{d['ms']:.2f} ({d['count']:.0f})" if d else "–"  # noqa: E731
+        for c in names:
+            lines.append(f"| {c} | {cell(base_prof.get(c))} | "
+                         + " | ".join(cell(p.get(c)) for p in profs.values()) + " |")
+    return lines + [""]
+
+
 def write_table(results: dict, args) -> str:
     """Render `results`, write it to `args.out` (and the figures to `<out>.json`)."""
     table = render(results, args)
@@ -469,6 +549,50 @@ def write_table(results: dict, args) -> str:
     with open(args.out + ".json", "w") as f:
         json.dump(results, f, indent=1, default=float)
     return table
+
+
+def parse_variants(specs: list[str], against: str) -> dict[str, dict]:
+    """`{name: {'xla_flags', 'code', 'what'}}` of `--variant NAME=FLAGS` and `--against
+    DIR`; exits with one `error:` line for a malformed spec or a DIR without edm2_jax."""
+    variants: dict[str, dict] = {}
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not re.fullmatch(r"[\w.-]+", name) or not flags.strip().startswith("--") \
+                or name in variants or name in ("train", "sample", "release", "against"):
+            raise SystemExit(f"error: --variant={spec!r}: expected NAME=--xla_flag=VALUE... "
+                             "with a new NAME of letters, digits, '.', '_' or '-'")
+        variants[name] = {"xla_flags": flags.strip(), "code": "", "what": flags.strip()}
+    if against:
+        if not os.path.isfile(os.path.join(against, "edm2_jax", "training", "step.py")):
+            raise SystemExit(f"error: --against={against!r} is not an edm2-jax checkout (no "
+                             "edm2_jax/training/step.py there); e.g. git worktree add DIR HEAD~1")
+        variants["against"] = {"xla_flags": "", "code": os.path.abspath(against),
+                               "what": f"the code of {against}"}
+    return variants
+
+
+def measure_variants(variants: dict, ours: dict, preset: str, t0: float) -> dict:
+    """Measure each compiled variant's training step alone on the device, one after
+    another; a variant that failed keeps its error."""
+    out = {}
+    for name, v in variants.items():
+        row = {"what": v["what"]}
+        if "error" in v:
+            row["error"] = v["error"]
+        else:
+            w = ours[preset, name]
+            try:
+                info = w.ready()
+                row.update(w.measure(), compile_s=info["compile_s"],
+                           temp_gib=info.get("temp_gib"), package=info.get("package"))
+            except Exception as e:  # noqa: BLE001 - the table says why
+                row["error"] = f"{type(e).__name__}: {e}"
+            finally:
+                w.close()
+        out[name] = row
+        print(f"[{time.time() - t0:.0f} s] {preset} {name}: "
+              f"{ {k: x for k, x in row.items() if k != 'profile'} }", flush=True)
+    return out
 
 
 def _installed(module: str) -> bool:
@@ -504,13 +628,21 @@ def main():
     ap.add_argument("--data_workers", default="1,2,4",
                     help="after the presets, the data pipeline's img/s of 64x64 images with "
                          "these loader-thread counts (benchmarks/data_pipeline.py); '' skips")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=XLA_FLAGS",
+                    help="also measure the first preset's training step with these XLA flags "
+                         "added (repeatable), between two measurements of the plain step")
+    ap.add_argument("--against", default="", metavar="DIR",
+                    help="also measure the first preset's training step of the edm2-jax "
+                         "checkout DIR (another commit), likewise")
     ap.add_argument("--out", default="gpu_table.md", help="Markdown table; raw figures to <out>.json")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--preset", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--code", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    variants = parse_variants(args.variant, args.against)
     from edm2_jax.model.presets import NETWORK_PRESETS
     unknown = [p for p in presets if p != "tiny" and p not in NETWORK_PRESETS]
     if unknown:
@@ -529,7 +661,7 @@ def main():
                          "without an index, install their wheels: pip install --no-deps "
                          "--target DIR WHEELS, then PYTHONPATH=DIR")
 
-    argv = [a for a in sys.argv[1:] if not a.startswith(("--worker", "--preset="))]
+    argv = [a for a in sys.argv[1:] if not a.startswith(("--worker", "--preset=", "--code="))]
     argv.append(f"--batch={args.batch}")
     env = dict(os.environ)
     # Several processes share the GPU: none takes memory up front, each takes its own.
@@ -544,6 +676,11 @@ def main():
                 ours[p, kind].ready()
         if args.release:
             release[p] = Worker("release", p, argv, env)
+        if p == presets[0]:  # the variants of the first preset's step compile now too
+            for name, v in variants.items():
+                venv = dict(env, XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} {v['xla_flags']}".strip())
+                ours[p, name] = Worker("train", p, argv + ([f"--code={v['code']}"]
+                                                           if v["code"] else []), venv)
     results = {"presets": {p: {} for p in presets},
                "command": "python benchmarks/gpu_table.py " + " ".join(sys.argv[1:])}
     # Measurements start once every program is compiled: XLA:GPU autotunes by running
@@ -553,12 +690,22 @@ def main():
             info_t, info_s = ours[p, "train"].ready(), ours[p, "sample"].ready()
             print(f"[{time.time() - t0:.0f} s] {p}: compiled (step {info_t['compile_s']:.1f} s, "
                   f"sampler {info_s['compile_s']:.1f} s)", flush=True)
+            results["versions"] = info_t.get("versions")
         except Exception as e:  # noqa: BLE001 - one preset's failure leaves the others' rows
             results["presets"][p]["error"] = f"{type(e).__name__}: {e}"
             print(f"{p}: {results['presets'][p]['error']}", flush=True)
+    for name in variants:
+        try:
+            info = ours[presets[0], name].ready()
+            print(f"[{time.time() - t0:.0f} s] {presets[0]} {name}: compiled (step "
+                  f"{info['compile_s']:.1f} s, package {info['package']})", flush=True)
+        except Exception as e:  # noqa: BLE001 - a variant's failure leaves the table
+            variants[name]["error"] = f"{type(e).__name__}: {e}"
+            print(f"{presets[0]} {name}: {variants[name]['error']}", flush=True)
     for p in presets:
         r = results["presets"][p]
-        workers = [ours[p, "train"], ours[p, "sample"]] + ([release[p]] if p in release else [])
+        workers = [w for (q, _), w in ours.items() if q == p] + (
+            [release[p]] if p in release else [])
         if "error" in r or (args.budget_s and time.time() - t0 > args.budget_s):
             r.setdefault("error", f"not measured: --budget_s={args.budget_s:.0f} s spent")
             for w in workers:
@@ -571,9 +718,13 @@ def main():
             r["train_flops_per_img"] = info_t["flops_per_img"]
             r["sample_flops_per_img"] = info_s["flops_per_img"]
             if p in release:
-                r["release"] = release[p].measure()
-                print(f"[{time.time() - t0:.0f} s] {p} release: {r['release']}", flush=True)
-            o = tr.measure()
+                try:
+                    r["release"] = release[p].measure()
+                    print(f"[{time.time() - t0:.0f} s] {p} release: {r['release']}", flush=True)
+                except Exception as e:  # noqa: BLE001 - ours are measured all the same
+                    r["release_error"] = f"{type(e).__name__}: {e}"
+                    print(f"{p} release: {r['release_error']}", flush=True)
+            o = tr.measure(close=not (p == presets[0] and variants))
             o.update(compile_s=info_t["compile_s"], temp_gib=info_t.get("temp_gib"),
                      arg_gib=info_t.get("arg_gib"))
             o.update(sa.measure())
@@ -582,6 +733,11 @@ def main():
             r["ours"] = o
             print(f"[{time.time() - t0:.0f} s] {p} edm2-jax: "
                   f"{ {k: v for k, v in o.items() if k != 'profile'} }", flush=True)
+            if p == presets[0] and variants:
+                r["variants"] = measure_variants(variants, ours, p, t0)
+                again = tr.measure(profile=False)  # the plain step once more: the drift
+                o["train_img_s_again"] = again["train_img_s"]
+                print(f"[{time.time() - t0:.0f} s] {p} edm2-jax again: {again}", flush=True)
         except Exception as e:  # noqa: BLE001 - one preset's failure leaves the others' rows
             r["error"] = f"{type(e).__name__}: {e}"
             print(f"{p}: {r['error']}", flush=True)
