@@ -51,6 +51,17 @@ def batch_splits(config: ml_collections.ConfigDict, num_devices: int) -> bool:
         return False
 
 
+def global_norm(tree) -> jax.Array:
+    """The L2 norm of all leaves of `tree` taken together (float32 scalar), as one
+    reduction over their concatenation: one kernel where a norm per leaf and their sum
+    (`optax.tree.norm`) launch one per leaf, 200-300 for an EDM2 U-Net. The same value
+    up to float32 summation order."""
+    leaves = [jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree)]
+    if not leaves:
+        return jnp.zeros((), jnp.float32)
+    return jnp.sqrt(jnp.sum(jnp.square(jnp.concatenate(leaves))))
+
+
 def make_train_step(config: ml_collections.ConfigDict, net: Precond,
                     tx: optax.GradientTransformation, num_accum: int = 1) -> Callable:
     """Build `train_step(state, batch) -> (state, metrics)` (not yet jitted).
@@ -127,9 +138,9 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
         lr = optim_lib.learning_rate(nimg, batch_size=batch_size, ref_lr=config.optim.ref_lr,
                                      t_ref=config.optim.t_ref, rampup_kimg=config.optim.rampup_kimg)
         metrics = {"objective": loss, "lr": jnp.asarray(lr, jnp.float32),
-                   "grad_norm": optax.tree.norm(grads),
-                   "update_norm": optax.tree.norm(updates),
-                   "param_norm": optax.tree.norm(new_params),
+                   "grad_norm": global_norm(grads),
+                   "update_norm": global_norm(updates),
+                   "param_norm": global_norm(new_params),
                    **{f"loss/{k}": v for k, v in aux.items()}}
         new_state = dict(state, step=state["step"] + 1, params=new_params, opt_state=opt_state,
                          ema=ema, rng=rng)
