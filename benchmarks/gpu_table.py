@@ -5,6 +5,8 @@ and sampling of the released presets, with where our training step's time goes.
     python benchmarks/gpu_table.py --presets=img64-s --batch=128 --out=t.md   # ours only
     JAX_PLATFORMS=cpu python benchmarks/gpu_table.py --presets=tiny --batch=8 \
         --sample_batch=4 --steps=4 --out=/tmp/t.md                        # smoke test, CPU
+    git worktree add /tmp/before HEAD~1 && python benchmarks/gpu_table.py --presets=img64-s \
+        --against=/tmp/before --variant=no_cmdbuf=--xla_gpu_enable_command_buffer=   # A/B
 
 For each preset (`--presets`, default img64-s,img512-s,img64-xs,img512-xs, the S nets
 first since the table is rewritten after each preset; `tiny` is a small 16x16 net for
@@ -31,6 +33,13 @@ it measures:
   with theirs, reductions, elementwise fusions, transposes, copies, and the idle gaps
   between kernels (`profile_summary`).
 
+A/B of the first preset's training step: `--against=DIR` (a checkout of another commit:
+its package) and `--variant NAME=XLA_FLAGS` (repeatable) each add a training worker that
+compiles with the others and is measured, then profiled, alone on the device, between two
+measurements of the plain step (their mean is the "plain" the variants are compared with;
+the two together show the drift); the table gives each variant's compile time, img/s,
+memory and kernel classes beside the plain step's.
+
 Each side runs in its own processes (ours: one for training, one for sampling, so each
 peak is its own; the release: one, which builds its network when measured). All start
 at once: ours compile in parallel (`--serial_compile`: one at a time) while the
@@ -43,15 +52,18 @@ configs and, with `--release`, torch. GPU images often lack ml_collections: brin
 wheel (`pip install --no-deps --target DIR ml_collections-*.whl`, then `PYTHONPATH=DIR`);
 without it the command stops in one `error:` line before starting anything.
 The table goes to `--out` as Markdown (and the raw figures to `<out>.json`), rewritten
-after each preset, and is printed last.
+after every reply of a worker, so that a call cut short keeps what it measured, and is
+printed last. A worker that gives no reply within `--measure_timeout` seconds is killed
+and its row says so (on one H200 the img64-s step compiled with
+`--xla_gpu_autotune_level=0` gave no result in 236 s).
 
 Compile time bounds what one call can measure: on an H200 (jax 0.11.2) the img64-s
 training step compiled in 145 s and its sampler in 45 s with the two compiling side by
-side, and eight programs of four presets compiling at once took 415 s (a sampler that
-traced the network three times; the sampler here traces it once, which XLA:CPU compiles in half
-the time: benchmarks/README.md). Our workers use
-the persistent compilation cache (`edm2_jax.process.enable_compilation_cache`), so a
-second call on the same machine skips the compiles; `--presets` measures a subset and
+side; with five programs at once (img64-s and img512-s, two step variants) the step took
+306 s, and measuring img64-s against the release took another 90 s (benchmarks/README.md).
+Autotuning is about 60% of a cold compile. Our workers use the persistent compilation
+cache (`edm2_jax.process.enable_compilation_cache`), so a second call on the same machine
+skips the compiles (the img64-s step in 8 s); `--presets` measures a subset and
 `--budget_s` stops starting new presets after that many seconds.
 """
 from __future__ import annotations
@@ -61,9 +73,11 @@ import gzip
 import importlib.util
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -226,23 +240,26 @@ class OursTrain:
         self.jax.block_until_ready((self.state, metrics))
         return self.bs * iters / (time.perf_counter() - t)
 
-    def measure(self, profile: bool = True) -> dict:
+    def measure(self) -> dict:
+        t = time.perf_counter()
         self.run(self.args.warmup)
+        _progress(f"warm-up, {self.args.warmup} steps: {time.perf_counter() - t:.1f} s")
         img_s = max(self.run(self.args.iters) for _ in range(self.args.repeats))
-        out = {"train_img_s": img_s, "peak_gib": _peak_gib(self.jax)}
-        if profile and self.args.profile_steps:
-            out["profile"] = self.profile(self.args.profile_steps)
-        return out
+        _progress(f"{self.args.repeats} x {self.args.iters} steps: best {img_s:.1f} img/s")
+        return {"train_img_s": img_s, "peak_gib": _peak_gib(self.jax)}
 
-    def profile(self, steps: int) -> dict:
+    def profile(self) -> dict:
         import tempfile
+        steps = self.args.profile_steps
         logdir = tempfile.mkdtemp(prefix="edm2_jax_trace_")
         try:
+            t = time.perf_counter()
             with self.jax.profiler.trace(logdir, create_perfetto_trace=True):
                 self.run(steps)
-            return profile_summary(logdir, steps)
+            _progress(f"trace of {steps} steps: {time.perf_counter() - t:.1f} s")
+            return {"profile": profile_summary(logdir, steps)}
         except Exception as e:  # noqa: BLE001 - the table says why it has no profile
-            return {"error": f"{type(e).__name__}: {e}"}
+            return {"profile": {"error": f"{type(e).__name__}: {e}"}}
 
 
 class OursSample:
@@ -278,7 +295,7 @@ class OursSample:
             num_steps=self.args.steps, **kw))
         return time.perf_counter() - t
 
-    def measure(self, profile: bool = True) -> dict:
+    def measure(self) -> dict:
         out = {}
         for guided in (False, True):
             key = "guided" if guided else "sample"
@@ -314,7 +331,7 @@ class ReleaseSide:
         return self.rel.sample(iters, self.args.sample_batch,
                                self.args.guidance if guided else 1.0)
 
-    def measure(self, profile: bool = True) -> dict:
+    def measure(self) -> dict:
         self.rel = self.make()
         self._reset()
         self.rel.train(self.args.warmup)
@@ -338,8 +355,9 @@ def _peak_gib(jax) -> float:
 
 def worker(args) -> None:
     """One side of one preset in its own process: build (and compile) it, print `READY
-    {info}`, then on 'measure' print `RESULT {figures}` ('measure quick': no profile);
-    'quit' ends it. With `--code=DIR` the package is imported from that checkout."""
+    {info}`, then on 'measure' (timings) or 'profile' (a training worker's kernel
+    profile) print `RESULT {figures}`; anything else ends it. Progress goes to stderr.
+    With `--code=DIR` the package is imported from that checkout."""
     if args.code:  # --against: another commit's package, first on the path
         sys.path.insert(0, os.path.abspath(args.code))
     from edm2_jax import process
@@ -358,11 +376,17 @@ def worker(args) -> None:
     info["package"] = os.path.dirname(process.__file__)
     print("READY " + json.dumps(info), flush=True)
     for line in sys.stdin:
-        if line.strip() in ("measure", "measure quick"):
-            out = side.measure(profile=line.strip() == "measure")
-            print("RESULT " + json.dumps(out), flush=True)
-        else:
+        command = line.strip()
+        if command not in ("measure", "profile"):
             break
+        print("RESULT " + json.dumps(getattr(side, command)()), flush=True)
+
+
+def _progress(message: str) -> None:
+    """One progress line of a worker on stderr (the orchestrator's log shows where a
+    measurement stands, or where it stopped)."""
+    print(f"  [{os.environ.get('EDM2_JAX_BENCH_WORKER', 'worker')}] {message}",
+          file=sys.stderr, flush=True)
 
 
 def _version(dist: str) -> str:
@@ -374,41 +398,57 @@ def _version(dist: str) -> str:
 
 
 class Worker:
-    """The orchestrator's handle on one worker process."""
+    """The orchestrator's handle on one worker process. A thread reads its stdout, so
+    that a worker never blocks on a full pipe and a reply can be waited for with a
+    timeout."""
 
-    def __init__(self, kind: str, preset: str, argv: list[str], env: dict):
-        self.kind, self.preset = kind, preset
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), *argv, f"--worker={kind}",
-             f"--preset={preset}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env=env)
+    def __init__(self, kind: str, preset: str, argv: list[str], env: dict, name: str = ""):
+        self.kind, self.preset, self.name = kind, preset, name or kind
         self.info = None
-        self.closed = False
+        self._start([sys.executable, os.path.abspath(__file__), *argv, f"--worker={kind}",
+                     f"--preset={preset}"], dict(env, EDM2_JAX_BENCH_WORKER=f"{preset} {self.name}"))
 
-    def _read(self, tag: str) -> dict:
+    def _start(self, command: list[str], env: dict) -> None:
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
         for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)  # end of output: the worker exited
+
+    def _read(self, tag: str, timeout: float | None = None) -> dict:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=None if deadline is None
+                                      else max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                self.proc.kill()
+                raise TimeoutError(f"the {self.name} worker of {self.preset} gave no {tag} in "
+                                   f"{timeout:.0f} s (--measure_timeout); killed") from None
+            if line is None:
+                raise RuntimeError(f"the {self.name} worker of {self.preset} exited "
+                                   f"(code {self.proc.wait()}); its error is above")
             if line.startswith(tag + " "):
                 return json.loads(line[len(tag) + 1:])
-        raise RuntimeError(f"the {self.kind} worker of {self.preset} exited "
-                           f"(code {self.proc.wait()}); its error is above")
 
     def ready(self) -> dict:
         if self.info is None:
             self.info = self._read("READY")
         return self.info
 
-    def measure(self, close: bool = True, profile: bool = True) -> dict:
-        """The worker's figures; `close=False` keeps it for another measurement."""
+    def ask(self, command: str, timeout: float | None = None) -> dict:
+        """The worker's reply to `command` ('measure' or 'profile'), waited for at most
+        `timeout` seconds (then the worker is killed and TimeoutError raised)."""
         self.ready()
-        self.proc.stdin.write("measure\n" if profile else "measure quick\n")
+        self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
-        out = self._read("RESULT")
-        if close:
-            self.close()
-        return out
+        return self._read("RESULT", timeout)
 
     def close(self) -> None:
-        self.closed = True
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.write("quit\n")
@@ -517,12 +557,11 @@ def _render_variants(preset: str, r: dict) -> list[str]:
              "| variant | what | compile s | train img/s | vs plain | peak GiB | temp GiB | "
              "profile span ms |", "|---|---|---|---|---|---|---|---|"]
     for name, v in variants.items():
-        if "error" in v:
-            lines.append(f"| {name} | {v['what']} | error: {v['error'][:200]} | | | | | |")
-            continue
+        what = v["what"] + (f" (error: {v['error'][:200]})" if "error" in v else "")
         prof = v.get("profile") or {}
-        lines.append(f"| {name} | {v['what']} | {_f(v.get('compile_s'))} | "
-                     f"{_f(v.get('train_img_s'))} | {v['train_img_s'] / base_img_s:.3f}x | "
+        img_s = v.get("train_img_s")
+        lines.append(f"| {name} | {what} | {_f(v.get('compile_s'))} | {_f(img_s)} | "
+                     f"{f'{img_s / base_img_s:.3f}x' if img_s else '–'} | "
                      f"{_f(v.get('peak_gib'), '{:.2f}')} | {_f(v.get('temp_gib'), '{:.2f}')} | "
                      f"{_f(prof.get('span_ms'))} |")
     base_prof = (ours.get("profile") or {}).get("classes")
@@ -555,6 +594,12 @@ def parse_variants(specs: list[str], against: str) -> dict[str, dict]:
     """`{name: {'xla_flags', 'code', 'what'}}` of `--variant NAME=FLAGS` and `--against
     DIR`; exits with one `error:` line for a malformed spec or a DIR without edm2_jax."""
     variants: dict[str, dict] = {}
+    if against:  # first: a code change is what an A/B is most often for
+        if not os.path.isfile(os.path.join(against, "edm2_jax", "training", "step.py")):
+            raise SystemExit(f"error: --against={against!r} is not an edm2-jax checkout (no "
+                             "edm2_jax/training/step.py there); e.g. git worktree add DIR HEAD~1")
+        variants["against"] = {"xla_flags": "", "code": os.path.abspath(against),
+                               "what": f"the code of {against}"}
     for spec in specs:
         name, sep, flags = spec.partition("=")
         if not sep or not re.fullmatch(r"[\w.-]+", name) or not flags.strip().startswith("--") \
@@ -562,34 +607,33 @@ def parse_variants(specs: list[str], against: str) -> dict[str, dict]:
             raise SystemExit(f"error: --variant={spec!r}: expected NAME=--xla_flag=VALUE... "
                              "with a new NAME of letters, digits, '.', '_' or '-'")
         variants[name] = {"xla_flags": flags.strip(), "code": "", "what": flags.strip()}
-    if against:
-        if not os.path.isfile(os.path.join(against, "edm2_jax", "training", "step.py")):
-            raise SystemExit(f"error: --against={against!r} is not an edm2-jax checkout (no "
-                             "edm2_jax/training/step.py there); e.g. git worktree add DIR HEAD~1")
-        variants["against"] = {"xla_flags": "", "code": os.path.abspath(against),
-                               "what": f"the code of {against}"}
     return variants
 
 
-def measure_variants(variants: dict, ours: dict, preset: str, t0: float) -> dict:
+def measure_variants(variants: dict, ours: dict, preset: str, t0: float, timeout: float,
+                     save) -> dict:
     """Measure each compiled variant's training step alone on the device, one after
-    another; a variant that failed keeps its error."""
-    out = {}
+    another (timings, then its profile), calling `save(rows)` after each reply; a
+    variant that failed or gave no reply within `timeout` s keeps its error."""
+    out: dict[str, dict] = {}
     for name, v in variants.items():
-        row = {"what": v["what"]}
+        row = out[name] = {"what": v["what"]}
         if "error" in v:
             row["error"] = v["error"]
-        else:
-            w = ours[preset, name]
-            try:
-                info = w.ready()
-                row.update(w.measure(), compile_s=info["compile_s"],
-                           temp_gib=info.get("temp_gib"), package=info.get("package"))
-            except Exception as e:  # noqa: BLE001 - the table says why
-                row["error"] = f"{type(e).__name__}: {e}"
-            finally:
-                w.close()
-        out[name] = row
+            continue
+        w = ours[preset, name]
+        try:
+            info = w.ready()
+            row.update(compile_s=info["compile_s"], temp_gib=info.get("temp_gib"),
+                       package=info.get("package"))
+            row.update(w.ask("measure", timeout))
+            save(out)
+            row.update(w.ask("profile", timeout))
+        except Exception as e:  # noqa: BLE001 - the table says why
+            row["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            w.close()
+        save(out)
         print(f"[{time.time() - t0:.0f} s] {preset} {name}: "
               f"{ {k: x for k, x in row.items() if k != 'profile'} }", flush=True)
     return out
@@ -628,6 +672,9 @@ def main():
     ap.add_argument("--data_workers", default="1,2,4",
                     help="after the presets, the data pipeline's img/s of 64x64 images with "
                          "these loader-thread counts (benchmarks/data_pipeline.py); '' skips")
+    ap.add_argument("--measure_timeout", type=float, default=240.0,
+                    help="seconds a worker has for one measurement or profile; then it is "
+                         "killed and its row says so (0: no limit)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=XLA_FLAGS",
                     help="also measure the first preset's training step with these XLA flags "
                          "added (repeatable), between two measurements of the plain step")
@@ -680,7 +727,7 @@ def main():
             for name, v in variants.items():
                 venv = dict(env, XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} {v['xla_flags']}".strip())
                 ours[p, name] = Worker("train", p, argv + ([f"--code={v['code']}"]
-                                                           if v["code"] else []), venv)
+                                                           if v["code"] else []), venv, name)
     results = {"presets": {p: {} for p in presets},
                "command": "python benchmarks/gpu_table.py " + " ".join(sys.argv[1:])}
     # Measurements start once every program is compiled: XLA:GPU autotunes by running
@@ -711,6 +758,17 @@ def main():
             for w in workers:
                 w.proc.kill()
             continue
+        def save() -> None:  # after every reply: a cut-off call keeps what it measured
+            dev = results.get("device", "")
+            results["peak_tflops"] = args.peak_tflops or next(
+                (v for k, v in PEAK_TFLOPS.items() if k in dev), float("nan"))
+            write_table(results, args)
+
+        def say(what: str, figures: dict) -> None:
+            print(f"[{time.time() - t0:.0f} s] {p} {what}: "
+                  f"{ {k: v for k, v in figures.items() if k != 'profile'} }", flush=True)
+
+        timeout = args.measure_timeout or None
         try:
             tr, sa = ours[p, "train"], ours[p, "sample"]
             info_t, info_s = tr.ready(), sa.ready()
@@ -719,35 +777,41 @@ def main():
             r["sample_flops_per_img"] = info_s["flops_per_img"]
             if p in release:
                 try:
-                    r["release"] = release[p].measure()
-                    print(f"[{time.time() - t0:.0f} s] {p} release: {r['release']}", flush=True)
+                    r["release"] = release[p].ask("measure", timeout)
+                    say("release", r["release"])
                 except Exception as e:  # noqa: BLE001 - ours are measured all the same
                     r["release_error"] = f"{type(e).__name__}: {e}"
                     print(f"{p} release: {r['release_error']}", flush=True)
-            o = tr.measure(close=not (p == presets[0] and variants))
-            o.update(compile_s=info_t["compile_s"], temp_gib=info_t.get("temp_gib"),
-                     arg_gib=info_t.get("arg_gib"))
-            o.update(sa.measure())
-            o.update(sample_compile_s=info_s["compile_s"],
-                     guided_compile_s=info_s["compile_s_guided"])
-            r["ours"] = o
-            print(f"[{time.time() - t0:.0f} s] {p} edm2-jax: "
-                  f"{ {k: v for k, v in o.items() if k != 'profile'} }", flush=True)
+                finally:
+                    release[p].close()
+                save()
+            o = r["ours"] = dict(compile_s=info_t["compile_s"], temp_gib=info_t.get("temp_gib"),
+                                 arg_gib=info_t.get("arg_gib"),
+                                 sample_compile_s=info_s["compile_s"],
+                                 guided_compile_s=info_s["compile_s_guided"])
+            o.update(tr.ask("measure", timeout))
+            save()
+            o.update(sa.ask("measure", timeout))
+            sa.close()
+            save()
+            say("edm2-jax", o)
+            if args.profile_steps:
+                o.update(tr.ask("profile", timeout))
+                save()
             if p == presets[0] and variants:
-                r["variants"] = measure_variants(variants, ours, p, t0)
-                again = tr.measure(profile=False)  # the plain step once more: the drift
+                r["variants"] = measure_variants(
+                    variants, ours, p, t0, timeout,
+                    lambda rows: (r.__setitem__("variants", rows), save()))
+                again = tr.ask("measure", timeout)  # the plain step once more: the drift
                 o["train_img_s_again"] = again["train_img_s"]
-                print(f"[{time.time() - t0:.0f} s] {p} edm2-jax again: {again}", flush=True)
+                say("edm2-jax again", again)
         except Exception as e:  # noqa: BLE001 - one preset's failure leaves the others' rows
             r["error"] = f"{type(e).__name__}: {e}"
             print(f"{p}: {r['error']}", flush=True)
         finally:
             for w in workers:
                 w.close()
-        dev = results.get("device", "")
-        results["peak_tflops"] = args.peak_tflops or next(
-            (v for k, v in PEAK_TFLOPS.items() if k in dev), float("nan"))
-        write_table(results, args)
+        save()
     if args.data_workers:
         import data_pipeline
         results["data_pipeline"] = data_pipeline.main([

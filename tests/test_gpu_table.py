@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,67 @@ def test_gpu_table_names_a_missing_package_before_starting_workers(tmp_path):
     assert last.startswith("error: ml_collections not installed here"), proc.stderr[-2000:]
     assert "pip install --no-deps" in last
     assert "READY" not in proc.stdout and not (tmp_path / "t.md").exists()
+
+
+def test_a_worker_without_a_reply_is_killed_at_the_timeout():
+    """A measurement that never ends (on one H200 a step variant ran 16 steps in more than
+    236 s) costs `--measure_timeout` seconds and its row, not the rest of the call."""
+    w = gpu_table.Worker.__new__(gpu_table.Worker)
+    w.kind = w.name = "train"
+    w.preset, w.info = "tiny", None
+    w._start([sys.executable, "-c", "import sys, time; print('READY {\"compile_s\": 1}', "
+              "flush=True); sys.stdin.readline(); time.sleep(600)"], dict(os.environ))
+    assert w.ready() == {"compile_s": 1}
+    t = time.monotonic()
+    with pytest.raises(TimeoutError, match="train worker of tiny gave no RESULT in 2 s"):
+        w.ask("measure", timeout=2)
+    assert time.monotonic() - t < 30
+    assert w.proc.wait(timeout=30) != 0  # killed
+    w.close()
+
+
+def test_variants_are_parsed_with_the_code_change_first(tmp_path):
+    (tmp_path / "edm2_jax" / "training").mkdir(parents=True)
+    (tmp_path / "edm2_jax" / "training" / "step.py").write_text("")
+    v = gpu_table.parse_variants(["no_cmdbuf=--xla_gpu_enable_command_buffer="], str(tmp_path))
+    assert list(v) == ["against", "no_cmdbuf"]
+    assert v["against"]["code"] == str(tmp_path) and v["against"]["xla_flags"] == ""
+    assert v["no_cmdbuf"] == {"xla_flags": "--xla_gpu_enable_command_buffer=", "code": "",
+                              "what": "--xla_gpu_enable_command_buffer="}
+    for bad in (["x"], ["a b=--f"], ["x=f"], ["release=--f"], ["x=--f", "x=--g"]):
+        with pytest.raises(SystemExit, match="error: --variant="):
+            gpu_table.parse_variants(bad, "")
+    with pytest.raises(SystemExit, match="is not an edm2-jax checkout"):
+        gpu_table.parse_variants([], str(tmp_path / "nowhere"))
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_gpu_table_measures_a_variant_and_another_checkout_beside_the_plain_step(tmp_path):
+    """`--against=DIR` runs the training step of the package in DIR (here a copy of this
+    one), `--variant` the step under other XLA flags; both rows, their kernel classes and
+    the plain step measured before and after them are in the table."""
+    import shutil
+    shutil.copytree(REPO / "edm2_jax", tmp_path / "other" / "edm2_jax",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "table.md"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path),
+               EDM2_JAX_COMPILATION_CACHE=str(tmp_path / "xla_cache"))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_table.py"), "--presets=tiny", "--batch=4",
+         "--sample_batch=2", "--steps=2", "--iters=1", "--warmup=1", "--repeats=1",
+         "--profile_steps=1", "--data_workers=", f"--out={out}",
+         f"--against={tmp_path / 'other'}", "--variant=fast_math=--xla_cpu_enable_fast_math=false"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads((tmp_path / "table.md.json").read_text())
+    tiny = figures["presets"]["tiny"]
+    assert list(tiny["variants"]) == ["against", "fast_math"]
+    assert tiny["variants"]["against"]["package"] == str(tmp_path / "other" / "edm2_jax")
+    assert tiny["variants"]["fast_math"]["package"] == str(REPO / "edm2_jax")
+    for row in tiny["variants"].values():
+        assert row["train_img_s"] > 0 and row["profile"]["classes"], row
+    assert tiny["ours"]["train_img_s"] > 0 and tiny["ours"]["train_img_s_again"] > 0
+    table = out.read_text()
+    assert "## Variants of the tiny training step" in table
+    assert "| class | plain | against | fast_math |" in table
