@@ -44,3 +44,17 @@ print((module.get_config(variant) if variant else module.get_config()).network.d
     *) echo "network.dtype: $dtype" ;;
   esac
 }
+
+# compilation_cache [WHERE]: print where the run keeps its compiled programs, the
+# persistent XLA cache of edm2_jax/process.py ($EDM2_JAX_COMPILATION_CACHE, default
+# ~/.cache/edm2_jax/xla; `off` = none). A resumed, requeued or repeated run of the same
+# config and code loads its step from there in seconds instead of compiling it for
+# minutes (img64-s, one H200: 8.1 s against 306 s; benchmarks/README.md).
+compilation_cache() {
+  local dir="${EDM2_JAX_COMPILATION_CACHE:-~/.cache/edm2_jax/xla}"
+  if [ "$dir" = off ]; then
+    echo "compilation cache: off (EDM2_JAX_COMPILATION_CACHE=off: every start compiles)"
+  else
+    echo "compilation cache: $dir${1:+ $1} (a resumed run compiles in seconds; EDM2_JAX_COMPILATION_CACHE)"
+  fi
+}

@@ -24,5 +24,5 @@ check_workdir "$WORKDIR"
 
 # Let XLA take most of the GPU memory up front, as is usual for training.
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
-[ "$DRY_RUN" != 1 ] || network_dtype "$CONFIG" "${EXTRA[@]}"
+[ "$DRY_RUN" != 1 ] || { network_dtype "$CONFIG" "${EXTRA[@]}"; compilation_cache "on this host"; }
 run python -m edm2_jax.main --config="$CONFIG" --workdir="$WORKDIR" "${EXTRA[@]}"

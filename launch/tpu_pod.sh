@@ -41,8 +41,11 @@ check_workdir "$WORKDIR"
 case "$WORKDIR" in gs://*) ;; *) echo "warning: $WORKDIR is not a gs:// path; every worker must see the same directory" >&2 ;; esac
 if [ "$DRY_RUN" != 1 ]; then command -v gcloud >/dev/null || die "gcloud not found (install the Google Cloud SDK)"; fi
 
-[ "$DRY_RUN" != 1 ] || network_dtype "$CONFIG" "${EXTRA[@]}"
-remote="cd $REPO_DIR && python -m edm2_jax.main --config=$CONFIG --workdir=$WORKDIR"
+[ "$DRY_RUN" != 1 ] || { network_dtype "$CONFIG" "${EXTRA[@]}"; compilation_cache "on each worker"; }
+# The workers keep their compiled programs where this shell's EDM2_JAX_COMPILATION_CACHE
+# says (default: each worker's ~/.cache/edm2_jax/xla).
+cache_env="${EDM2_JAX_COMPILATION_CACHE:+EDM2_JAX_COMPILATION_CACHE=$(printf '%q' "$EDM2_JAX_COMPILATION_CACHE") }"
+remote="cd $REPO_DIR && ${cache_env}python -m edm2_jax.main --config=$CONFIG --workdir=$WORKDIR"
 for arg in "${EXTRA[@]}"; do remote+=" $(printf '%q' "$arg")"; done
 project_flag=()
 [ -n "$PROJECT" ] && project_flag=(--project="$PROJECT")

@@ -11,8 +11,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["launch/single_gpu.sh", "launch/slurm.sbatch", "launch/tpu_pod.sh"]
 
 
-def run(*args):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+def run(*args, env=None):
+    extra = env or {}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SLURM") and k != "EDM2_JAX_COMPILATION_CACHE"}
+    env.update(extra)
     # `python` is this interpreter (the dry-run reads the config's network.dtype with it).
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     return subprocess.run(["bash", *args], cwd=ROOT, capture_output=True, text=True, env=env)
@@ -62,7 +65,8 @@ def test_dry_run_prints_the_compute_dtype():
     assert r.stdout.splitlines()[0] == "network.dtype: float32", r.stdout
     r = run("launch/slurm.sbatch", "--config=configs/fashion_mnist.py", "--workdir=/lustre/x",
             "--dry-run")
-    assert "network.dtype: float32\n+ srun" in r.stdout, r.stdout
+    assert "network.dtype: float32\ncompilation cache: ~/.cache/edm2_jax/xla on each node (" in r.stdout, r.stdout
+    assert "(a resumed run compiles in seconds; EDM2_JAX_COMPILATION_CACHE)\n+ srun" in r.stdout
     r = run("launch/tpu_pod.sh", "--tpu=pod", "--zone=z", "--config=configs/img512.py:xl",
             "--workdir=gs://b/r", "--dry-run", "--skip-install")
     assert r.returncode == 0 and auto in r.stdout, r.stdout + r.stderr
@@ -99,3 +103,25 @@ def test_ablation_script_end_to_end(tmp_path):
     r = subprocess.run([sys.executable, "-m", "edm2_jax.analysis.diagnostics", "--compare", str(run)],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and "(fid20)" in r.stdout, r.stdout + r.stderr
+
+
+def test_dry_run_names_the_compilation_cache_and_the_pod_workers_get_it():
+    """The persistent XLA cache a run's compiled step is kept in (a resumed run loads it
+    in seconds): printed by every launcher's dry run, and the one this shell sets is the
+    one the TPU workers use."""
+    r = run("launch/single_gpu.sh", "--config=configs/img64.py:xs", "--workdir=runs/x", "--dry-run",
+            env={"EDM2_JAX_COMPILATION_CACHE": "/scratch/xla cache"})
+    assert "compilation cache: /scratch/xla cache on this host (a resumed run" in r.stdout, r.stdout
+    r = run("launch/single_gpu.sh", "--config=configs/img64.py:xs", "--workdir=runs/x", "--dry-run",
+            env={"EDM2_JAX_COMPILATION_CACHE": "off"})
+    assert "compilation cache: off" in r.stdout, r.stdout
+    r = run("launch/tpu_pod.sh", "--tpu=pod", "--zone=z", "--config=configs/img64.py:m",
+            "--workdir=gs://b/r", "--dry-run", "--skip-install",
+            env={"EDM2_JAX_COMPILATION_CACHE": "/mnt/disk/xla"})
+    assert "compilation cache: /mnt/disk/xla on each worker" in r.stdout, r.stdout
+    train = next(line for line in r.stdout.splitlines() if "edm2_jax.main" in line)
+    assert "EDM2_JAX_COMPILATION_CACHE=/mnt/disk/xla python -m edm2_jax.main" in train.replace("\\", "")
+    r = run("launch/tpu_pod.sh", "--tpu=pod", "--zone=z", "--config=configs/img64.py:m",
+            "--workdir=gs://b/r", "--dry-run", "--skip-install")
+    train = next(line for line in r.stdout.splitlines() if "edm2_jax.main" in line)
+    assert "EDM2_JAX_COMPILATION_CACHE" not in train
