@@ -207,6 +207,49 @@ def two_steps():
     return config, states, metrics
 
 
+def _eqns(jaxpr):
+    """Every equation of a closed jaxpr, those of its sub-jaxprs (jit, remat, custom
+    derivatives, scan) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _eqns(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _eqns(sub)
+
+
+def test_global_norm_by_hand_in_one_reduction():
+    import math
+    import jax.numpy as jnp
+    tree = {"a": jnp.arange(12.0).reshape(3, 4),
+            "b": [jnp.full((5,), 3.0, jnp.bfloat16), jnp.full((2, 2, 2), -2.0)]}
+    # 0^2 + ... + 11^2 = 506, 5 x 9 = 45, 8 x 4 = 32
+    assert float(step_lib.global_norm(tree)) == pytest.approx(math.sqrt(583), rel=EPS32)
+    assert step_lib.global_norm(tree).dtype == jnp.float32
+    assert float(step_lib.global_norm({})) == 0.0
+    reductions = [e for e in _eqns(jax.make_jaxpr(step_lib.global_norm)(tree).jaxpr)
+                  if e.primitive.name == "reduce_sum"]
+    assert len(reductions) == 1 and reductions[0].invars[0].aval.size == 12 + 5 + 8
+
+
+def test_step_logs_each_norm_as_one_reduction_over_all_parameters(two_steps):
+    """grad_norm, update_norm and param_norm are each one reduction reading every
+    parameter (a norm per leaf launches a kernel per leaf on a GPU), with the values of
+    the per-leaf norms of the step's own arrays up to float32 summation order."""
+    import optax
+    config, states, metrics = two_steps
+    state, net, tx = random_state(config)
+    n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+    jaxpr = jax.make_jaxpr(step_lib.make_train_step(config, net, tx))(state, random_batch(config))
+    whole = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "reduce_sum"
+             and e.invars[0].aval.size == n_params]
+    assert len(whole) == 3, [str(e)[:200] for e in whole]
+    norm = float(optax.tree.norm(jax.tree.map(np.float64, states[1]["params"])))
+    assert metrics[1]["param_norm"] == pytest.approx(norm, rel=reorder_tol(n_params))
+
+
 def test_micro_batch_count_and_its_errors():
     c = step_config(batch_size=16)
     assert step_lib.num_micro_batches(c, 1) == 1
