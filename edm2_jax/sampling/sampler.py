@@ -60,8 +60,8 @@ def edm_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
     compiled program holds one copy of the network; with a guidance interval
     (`guided_steps`), one loop for each of the up to three ranges unguided / guided /
     unguided, and the unguided ones call `denoise(..., guided=False)` (the main net alone:
-    the guide is not evaluated there). The arithmetic is Algorithm 1's, operation for
-    operation; a predictor and a corrector differ only in what they select.
+    the guide is not evaluated there). A predictor and a corrector differ only in what they
+    select: the arithmetic is Algorithm 1's as `heun_sampler_reference` writes it.
 
     Args:
       denoise: `denoise(x [B,H,W,C] f32, sigma scalar f32, labels) -> D [B,H,W,C]`,
@@ -80,37 +80,17 @@ def edm_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
     Raises: ValueError when `S_churn > 0` and neither `churn_noise` nor `rng` is given,
       on a bad interval (`guided_steps`), or one other than `denoise`'s.
     """
-    own = getattr(denoise, "guidance_interval", None)
-    if guidance_interval is None:
-        guidance_interval = own
-    elif own is not None and check_guidance_interval(guidance_interval) != own:
-        raise ValueError(f"guidance_interval={guidance_interval} but the denoiser's is {own}; "
-                         f"pass it once (to make_denoiser)")
     t_host = edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)
-    a, b = guided_steps(guidance_interval, t_host)
+    a, b = guided_steps(_sampler_interval(denoise, guidance_interval), t_host)
     t_steps = jnp.asarray(t_host, jnp.float32)
-    stochastic = S_churn > 0
-    if stochastic and churn_noise is None:
-        if rng is None:
-            raise ValueError("S_churn > 0 needs churn noise: pass churn_noise="
-                             "seed_churn_noise(seeds, shape) or rng=jax.random.PRNGKey(...)")
-        churn_noise = lambda i: jax.random.normal(jax.random.fold_in(rng, i), noise.shape)
-    gamma = min(S_churn / num_steps, math.sqrt(2) - 1) if stochastic else 0.0
+    churn = _churn_source(S_churn, churn_noise, rng, noise.shape)
 
     def increase_noise(i, x_cur, t_cur):
-        if not stochastic:
+        if churn is None:
             return x_cur, t_cur
-        gamma_i = jnp.where((S_min <= t_cur) & (t_cur <= S_max), gamma, 0.0)
-        t_hat = t_cur + gamma_i * t_cur
-        eps = churn_noise(i).astype(jnp.float32)
-        # sqrt(t_hat^2 - t^2) written without the cancellation, which under XLA's fused
-        # multiply-adds can go slightly negative (NaN) when gamma_i = 0.
-        std = t_cur * jnp.sqrt(gamma_i * (2 + gamma_i))
-        return x_cur + std * S_noise * eps, t_hat
-
-    def D(x, sigma, guided):  # guided: a Python bool, one per step range
-        out = denoise(x, sigma, labels) if guided else denoise(x, sigma, labels, guided=False)
-        return out.astype(jnp.float32)
+        gamma_i = jnp.where((S_min <= t_cur) & (t_cur <= S_max),
+                            _churn_gamma(S_churn, num_steps), 0.0)
+        return _raise_noise(x_cur, t_cur, gamma_i, churn(i).astype(jnp.float32), S_noise)
 
     def evaluation(e, carry, guided=True):
         # Evaluation e of the 2N-1: the predictor of step i = e // 2 when e is even (from
@@ -118,15 +98,14 @@ def edm_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
         # predictor's x = x_{i+1}^Euler). Carry: x (x_i, or the predictor's Euler estimate
         # after a predictor), x_hat, t_hat and d_cur of step i's predictor.
         x, x_hat, t_hat, d_cur = carry
-        i = e // 2
-        corrector = e % 2 == 1
+        i, corrector = e // 2, e % 2 == 1
         t_cur, t_next = t_steps[i], t_steps[i + 1]
         x_hat_i, t_hat_i = increase_noise(i, x, t_cur)
         x_hat = jnp.where(corrector, x_hat, x_hat_i)
         t_hat = jnp.where(corrector, t_hat, t_hat_i)
         x_in = jnp.where(corrector, x, x_hat)
         t_in = jnp.where(corrector, t_next, t_hat)
-        d = (x_in - D(x_in, t_in, guided)) / t_in  # d_cur, or d_prime in a corrector
+        d = (x_in - _denoised(denoise, x_in, t_in, labels, guided)) / t_in  # or d_prime
         euler = x_hat + (t_next - t_hat) * d
         heun = x_hat + (t_next - t_hat) * (0.5 * d_cur + 0.5 * d)
         return (jnp.where(corrector, heun, euler), x_hat, t_hat,
@@ -141,6 +120,107 @@ def edm_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
             carry = jax.lax.fori_loop(start, min(stop, evaluations), functools.partial(
                 evaluation, guided=guided), carry)
     return carry[0]
+
+
+def heun_sampler_reference(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
+                           num_steps: int = 32, sigma_min: float = 0.002,
+                           sigma_max: float = 80.0, rho: float = 7.0, S_churn: float = 0.0,
+                           S_min: float = 0.0, S_max: float = float("inf"),
+                           S_noise: float = 1.0,
+                           churn_noise: Callable[[Array], Array] | None = None,
+                           rng: Array | None = None,
+                           guidance_interval: tuple[float, float] | None = None) -> Array:
+    """The EDM sampler as Karras et al. 2022 write it (Algorithm 2; Algorithm 1 at
+    `S_churn = 0`): the plain reference that `edm_sampler` is tested equal to.
+
+    For `i = 0 .. N-1` on `t = edm_sigma_steps(...)` (float32), from `x_0 = noise * t_0`:
+      gamma_i = min(S_churn / N, sqrt(2) - 1) if S_min <= t_i <= S_max else 0
+      t_hat = (1 + gamma_i) t_i;  x_hat = x_i + sqrt(t_hat^2 - t_i^2) S_noise eps_i
+      d = (x_hat - D(x_hat; t_hat)) / t_hat;  x_{i+1} = x_hat + (t_{i+1} - t_hat) d
+      if t_{i+1} != 0:  d' = (x_{i+1} - D(x_{i+1}; t_{i+1})) / t_{i+1}
+                        x_{i+1} = x_hat + (t_{i+1} - t_hat) (d / 2 + d' / 2)
+    with `D` guided on the steps `guided_steps(guidance_interval, t)` (both evaluations of
+    a step) and the main net alone on the others. A Python loop: traced under `jax.jit` it
+    holds `2 N - 1` copies of the network, which is why `edm_sampler` runs the same
+    arithmetic as one `fori_loop`. Arguments, return value (`x_N` `[B, H, W, C]` float32)
+    and errors are those of `edm_sampler`.
+    """
+    t_host = edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)
+    a, b = guided_steps(_sampler_interval(denoise, guidance_interval), t_host)
+    t32 = t_host.astype(np.float32)
+    t = jnp.asarray(t32)
+    churn = _churn_source(S_churn, churn_noise, rng, noise.shape)
+    x_next = jnp.asarray(noise, jnp.float32) * t[0]
+    for i in range(num_steps):
+        x_cur, t_cur, t_next, guided = x_next, t[i], t[i + 1], a <= i < b
+        # Churn: raise the noise level to t_hat (gamma_i = 0 leaves x and t as they are).
+        x_hat, t_hat = x_cur, t_cur
+        if churn is not None and np.float32(S_min) <= t32[i] <= np.float32(S_max):
+            gamma_i = jnp.float32(_churn_gamma(S_churn, num_steps))
+            x_hat, t_hat = _raise_noise(x_cur, t_cur, gamma_i, churn(i).astype(jnp.float32),
+                                        S_noise)
+        # Euler step from t_hat to t_{i+1}.
+        d_cur = (x_hat - _denoised(denoise, x_hat, t_hat, labels, guided)) / t_hat
+        x_next = x_hat + (t_next - t_hat) * d_cur
+        # Second-order correction, unless the step ends at t_N = 0.
+        if i < num_steps - 1:
+            d_prime = (x_next - _denoised(denoise, x_next, t_next, labels, guided)) / t_next
+            x_next = x_hat + (t_next - t_hat) * (0.5 * d_cur + 0.5 * d_prime)
+    return x_next
+
+
+def _sampler_interval(denoise: Denoiser,
+                      guidance_interval: tuple[float, float] | None) -> Any:
+    """The sampler's guidance interval: the one given, else the denoiser's own
+    (`make_denoiser(guidance_interval=...)`). Raises: ValueError when both are given and
+    differ."""
+    own = getattr(denoise, "guidance_interval", None)
+    if guidance_interval is None:
+        return own
+    if own is not None and check_guidance_interval(guidance_interval) != own:
+        raise ValueError(f"guidance_interval={guidance_interval} but the denoiser's is {own}; "
+                         f"pass it once (to make_denoiser)")
+    return guidance_interval
+
+
+def _churn_source(S_churn: float, churn_noise: Callable[[Array], Array] | None,
+                  rng: Array | None, shape: Sequence[int]) -> Callable[[Array], Array] | None:
+    """`i -> eps` of `shape`, the unit noise of step `i`'s churn: `churn_noise` if given,
+    else drawn from `fold_in(rng, i)`; None when `S_churn <= 0` (a deterministic sampler).
+    Raises: ValueError when `S_churn > 0` and neither is given."""
+    if not S_churn > 0:
+        return None
+    if churn_noise is not None:
+        return churn_noise
+    if rng is None:
+        raise ValueError("S_churn > 0 needs churn noise: pass churn_noise="
+                         "seed_churn_noise(seeds, shape) or rng=jax.random.PRNGKey(...)")
+    return lambda i: jax.random.normal(jax.random.fold_in(rng, i), shape)
+
+
+def _churn_gamma(S_churn: float, num_steps: int) -> float:
+    """`gamma = min(S_churn / N, sqrt(2) - 1)` (Karras et al. 2022, Algorithm 2)."""
+    return min(S_churn / num_steps, math.sqrt(2) - 1)
+
+
+def _raise_noise(x: Array, t: Array, gamma_i: Array, eps: Array,
+                 S_noise: float) -> tuple[Array, Array]:
+    """Churn (Karras et al. 2022, Algorithm 2): `(x_hat, t_hat)`, `t_hat = (1 + gamma_i) t`
+    and `x_hat = x + sqrt(t_hat^2 - t^2) S_noise eps`; `x`, `eps` `[B, H, W, C]`, `t`,
+    `gamma_i` float32 scalars."""
+    t_hat = t + gamma_i * t
+    # sqrt(t_hat^2 - t^2) written without the cancellation, which under XLA's fused
+    # multiply-adds can go slightly negative (NaN) when gamma_i = 0.
+    std = t * jnp.sqrt(gamma_i * (2 + gamma_i))
+    return x + std * S_noise * eps, t_hat
+
+
+def _denoised(denoise: Denoiser, x: Array, sigma: Array, labels: Array | None,
+              guided: bool) -> Array:
+    """`D(x; sigma)` as float32: guided, or (`guided=False`, a Python bool) the main net
+    alone, `denoise(..., guided=False)`."""
+    out = denoise(x, sigma, labels) if guided else denoise(x, sigma, labels, guided=False)
+    return out.astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------
@@ -294,6 +374,34 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
       an unknown `rng` or `sampler`, churn or a guidance interval with the consistency
       sampler, or a bad interval or one at `guidance == 1` (before compiling).
     """
+    _check_sample_options(sampler, S_churn, guidance_interval, rng)
+    noise = churn_table = None
+    if rng == "release":
+        noise, release_labels, churn_table = _release_inputs(
+            net, seeds, teacher_steps if sampler == "consistency" else num_steps, sigma_min,
+            sigma_max, rho, S_churn, S_min, S_max)
+        if labels is None:
+            labels = release_labels
+    seeds = _seed_array(seeds)
+    labels = _label_array(net, labels, seeds)
+    sampler_kwargs = _sampler_kwargs(sampler, num_steps, teacher_steps, sigma_min, sigma_max,
+                                     rho, S_churn, S_min, S_max, S_noise)
+    interval = check_guidance_interval(guidance_interval)
+    if guidance == 1:
+        if interval is not None:
+            raise ValueError(f"guidance_interval={interval} with guidance=1 changes nothing; "
+                             f"drop the interval or set guidance != 1 (with a guide)")
+        guide_net = guide_variables = None
+    elif guide_net is None or guide_variables is None:
+        raise ValueError(f"guidance={guidance} needs guide_net and guide_variables")
+    return _sample(net, variables, guide_net, guide_variables, _seed_array(seeds), labels,
+                   float(guidance), sampler_kwargs, noise, churn_table, bool(raw), interval)
+
+
+def _check_sample_options(sampler: str, S_churn: float,
+                          guidance_interval: tuple[float, float] | None, rng: str) -> None:
+    """Raises: ValueError on an unknown `sampler` or `rng`, or churn or a guidance interval
+    with the consistency sampler (`sample_images`)."""
     if sampler not in ("heun", "consistency"):
         raise ValueError(f"sampler={sampler!r}: use 'heun' (the EDM sampler) or "
                          f"'consistency' (a few-step student)")
@@ -303,21 +411,30 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
     if rng not in ("jax", "release"):
         raise ValueError(f"rng={rng!r}: use 'jax' (JAX keys per seed) or 'release' (the "
                          f"release's per-seed torch generator)")
-    noise = churn_table = None
-    if rng == "release":
-        noise, release_labels, churn_table = release_seed_draws(
-            seeds, (net.img_resolution, net.img_resolution, net.img_channels), net.label_dim,
-            teacher_steps if sampler == "consistency" else num_steps, sigma_min, sigma_max,
-            rho, S_churn, S_min, S_max)
-        if labels is None:
-            labels = release_labels
-        sharding = getattr(seeds, "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding):  # split as the seeds are
-            noise = jax.device_put(noise, sharding)
-            churn_table = None if churn_table is None else jax.device_put(
-                churn_table, jax.sharding.NamedSharding(
-                    sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec)))
-    seeds = _seed_array(seeds)
+
+
+def _release_inputs(net: Any, seeds: Sequence[int] | Array, num_steps: int, sigma_min: float,
+                    sigma_max: float, rho: float, S_churn: float, S_min: float,
+                    S_max: float) -> tuple:
+    """`release_seed_draws` for `net`'s image shape and labels, `(noise, labels or None,
+    churn_table or None)`, the arrays split over devices as `seeds` are (when they carry
+    a `NamedSharding`, from `split_seeds`)."""
+    noise, labels, churn_table = release_seed_draws(
+        seeds, (net.img_resolution, net.img_resolution, net.img_channels), net.label_dim,
+        num_steps, sigma_min, sigma_max, rho, S_churn, S_min, S_max)
+    sharding = getattr(seeds, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):  # split as the seeds are
+        noise = jax.device_put(noise, sharding)
+        churn_table = None if churn_table is None else jax.device_put(
+            churn_table, jax.sharding.NamedSharding(
+                sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec)))
+    return noise, labels, churn_table
+
+
+def _label_array(net: Any, labels: Array | int | None, seeds: Array) -> Array | None:
+    """`sample_images`' labels as `[B, label_dim]` one-hot float32 (None for an
+    unconditional net): a random class per seed for None, one class for an int.
+    Raises: ValueError on labels that do not fit the net (the message names the fix)."""
     batch = seeds.shape[0]
     if net.label_dim == 0:
         if labels is not None:
@@ -333,28 +450,24 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
         if labels.shape != (batch, net.label_dim):
             raise ValueError(f"labels must be [{batch}, {net.label_dim}] one-hot, got "
                              f"{labels.shape}; or pass an int class index or None")
+    return labels
+
+
+def _sampler_kwargs(sampler: str, num_steps: int, teacher_steps: int, sigma_min: float,
+                    sigma_max: float, rho: float, S_churn: float, S_min: float, S_max: float,
+                    S_noise: float) -> tuple:
+    """The sampler's settings as a hashable tuple of `(name, value)` for `_sample`, the
+    schedule validated outside of jit. Raises: ValueError on a bad schedule."""
     if sampler == "consistency":
-        sampler_kwargs = tuple(dict(sampler=sampler, num_steps=int(num_steps),
-                                    teacher_steps=int(teacher_steps), sigma_min=float(sigma_min),
-                                    sigma_max=float(sigma_max), rho=float(rho)).items())
-        consistency.segment_bounds(num_steps, teacher_steps)  # validate outside of jit
+        consistency.segment_bounds(num_steps, teacher_steps)
         consistency.grid_sigmas(teacher_steps, sigma_min, sigma_max, rho)
-    else:
-        sampler_kwargs = tuple(dict(num_steps=int(num_steps), sigma_min=float(sigma_min),
-                                    sigma_max=float(sigma_max), rho=float(rho),
-                                    S_churn=float(S_churn), S_min=float(S_min),
-                                    S_max=float(S_max), S_noise=float(S_noise)).items())
-        edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)  # validate outside of jit
-    interval = check_guidance_interval(guidance_interval)
-    if guidance == 1:
-        if interval is not None:
-            raise ValueError(f"guidance_interval={interval} with guidance=1 changes nothing; "
-                             f"drop the interval or set guidance != 1 (with a guide)")
-        guide_net = guide_variables = None
-    elif guide_net is None or guide_variables is None:
-        raise ValueError(f"guidance={guidance} needs guide_net and guide_variables")
-    return _sample(net, variables, guide_net, guide_variables, _seed_array(seeds), labels,
-                   float(guidance), sampler_kwargs, noise, churn_table, bool(raw), interval)
+        return tuple(dict(sampler=sampler, num_steps=int(num_steps),
+                          teacher_steps=int(teacher_steps), sigma_min=float(sigma_min),
+                          sigma_max=float(sigma_max), rho=float(rho)).items())
+    edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)
+    return tuple(dict(num_steps=int(num_steps), sigma_min=float(sigma_min),
+                      sigma_max=float(sigma_max), rho=float(rho), S_churn=float(S_churn),
+                      S_min=float(S_min), S_max=float(S_max), S_noise=float(S_noise)).items())
 
 
 def save_image_grid(images: np.ndarray, path: str, rows: int, cols: int) -> None:
