@@ -45,7 +45,8 @@ from edm2_jax.run import network_dir as ckpt_lib
 from edm2_jax.ema import power as ema_lib
 from edm2_jax import paths as paths_lib
 from edm2_jax.ema import streaming
-from edm2_jax.ema.inputs import find_snapshots, input_checker, input_network
+from edm2_jax.ema.inputs import (SnapshotFile, find_snapshots, input_checker,
+                                 input_network)
 from edm2_jax.ema.solver import gammas, profile_error, solve_weights
 
 Array = jax.Array
@@ -229,6 +230,42 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
     """
     streaming.quiet_orbax()
     workdir = paths_lib.normalize(workdir)  # local or gs://
+    sigma_rels, per_tensor = _check_request(sigma_rels, per_tensor, batch_outputs)
+    device = device or jax.devices()[0]
+
+    # Find the snapshot EMAs and solve for their weights in each output.
+    kind, files = find_snapshots(workdir)
+    files = _select_emas(files, in_sigma_rels)
+    sol = _solve(files, sigma_rels, per_tensor, at_kimg, workdir, max_cond)
+    net_config, buffers = input_network(kind, workdir, files)
+
+    # Name the outputs; keep those an earlier run completed.
+    out_dir = paths_lib.normalize(out_dir or os.path.join(workdir, "phema"))
+    paths = _output_paths(out_dir, sol.out_nimg, sigma_rels, per_tensor)
+    todo = _outputs_to_write(paths, sol.labels, exist_ok)
+
+    # Stream the snapshots into a batch of outputs at a time, then write them.
+    for b0 in range(0, len(todo), batch_outputs):
+        batch = todo[b0:b0 + batch_outputs]
+        desc = f"phema {b0 // batch_outputs + 1}/{math.ceil(len(todo) / batch_outputs)}"
+        acc, layout = _accumulate(kind, workdir, files, sol, batch, device, desc, progress)
+        # Write the outputs one at a time, each straight from its accumulator (views of
+        # it on the host), and drop each accumulator as soon as it is written: the first
+        # output costs no more than the accumulators themselves.
+        for j, k in enumerate(batch):
+            flat = acc.pop_host(j)
+            save_output(paths[k], {"params": layout.unflatten(flat), "buffers": buffers},
+                        net_config, _output_meta(sol, k, workdir))
+            del flat
+        del acc
+    return paths
+
+
+def _check_request(sigma_rels: Sequence[float], per_tensor: Sequence | str | None,
+                   batch_outputs: int) -> tuple[list[float], list[tuple[str, float]]]:
+    """`reconstruct`'s wanted widths as a list of floats and its `parse_per_tensor`ed
+    groups. Raises: ValueError for no width, one out of range, a bad per-tensor spec or
+    `batch_outputs < 1`."""
     sigma_rels = [float(s) for s in np.atleast_1d(sigma_rels)]
     if not sigma_rels:
         raise ValueError("reconstruct needs at least one sigma_rel")
@@ -236,18 +273,49 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
     per_tensor = parse_per_tensor(per_tensor)
     if batch_outputs < 1:
         raise ValueError(f"batch_outputs must be >= 1, got {batch_outputs}")
-    device = device or jax.devices()[0]
+    return sigma_rels, per_tensor
 
-    kind, files = find_snapshots(workdir)
-    if in_sigma_rels is not None:
-        keep = {ema_lib.ema_key(s) for s in in_sigma_rels}
-        files = [dataclasses.replace(
-            f, sigma_rels=tuple(s for s in f.sigma_rels if ema_lib.ema_key(s) in keep),
-            tree_paths=tuple(p for s, p in zip(f.sigma_rels, f.tree_paths)
-                             if ema_lib.ema_key(s) in keep)) for f in files]
-        files = [f for f in files if f.sigma_rels]
-        if not files:
-            raise ValueError(f"no snapshot EMA has sigma_rel in {list(in_sigma_rels)}")
+
+def _select_emas(files: list[SnapshotFile],
+                 in_sigma_rels: Sequence[float] | None) -> list[SnapshotFile]:
+    """The snapshot files with only their EMAs of widths `in_sigma_rels` (all for None);
+    files left with none are dropped. Raises: ValueError when no EMA is left."""
+    if in_sigma_rels is None:
+        return files
+    keep = {ema_lib.ema_key(s) for s in in_sigma_rels}
+    files = [dataclasses.replace(
+        f, sigma_rels=tuple(s for s in f.sigma_rels if ema_lib.ema_key(s) in keep),
+        tree_paths=tuple(p for s, p in zip(f.sigma_rels, f.tree_paths)
+                         if ema_lib.ema_key(s) in keep)) for f in files]
+    files = [f for f in files if f.sigma_rels]
+    if not files:
+        raise ValueError(f"no snapshot EMA has sigma_rel in {list(in_sigma_rels)}")
+    return files
+
+
+@dataclasses.dataclass(frozen=True)
+class _Solution:
+    """The inputs (snapshot EMAs) of a reconstruction and their weights. Columns of `X`
+    and `err`: the wanted `sigma_rels`, then one per `per_tensor` group."""
+    sigma_rels: list[float]
+    per_tensor: list[tuple[str, float]]
+    inputs: list[tuple[int, int]]   # (file index, EMA index in that file) per input
+    in_nimg: np.ndarray             # [inputs] float64
+    in_sigma: np.ndarray            # [inputs] float64
+    out_nimg: float
+    X: np.ndarray                   # [inputs, columns] float64 weights (`solve_weights`)
+    err: np.ndarray                 # [columns] profile errors (`profile_error`)
+    used: np.ndarray                # the inputs with a nonzero weight in some column
+    labels: list[str]               # '<snapshot label>:<sigma_rel>' of the used inputs
+
+
+def _solve(files: list[SnapshotFile], sigma_rels: list[float],
+           per_tensor: list[tuple[str, float]], at_kimg: float | None, workdir: str,
+           max_cond: float) -> _Solution:
+    """Weights of every snapshot EMA in each output (Algorithm 3, `solve_weights`) at the
+    time `at_kimg` (`_at_nimg`; default the last snapshot's), warning for a profile that
+    misses the wanted one by more than `PROFILE_ERROR_WARN`. Raises: ValueError for a
+    time after the last snapshot, and those of `solve_weights`."""
     inputs = [(fi, j) for fi, f in enumerate(files) for j in range(len(f.sigma_rels))]
     in_nimg = np.array([files[fi].nimg for fi, _ in inputs], np.float64)
     in_sigma = np.array([files[fi].sigma_rels[j] for fi, j in inputs], np.float64)
@@ -258,8 +326,6 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
             f"{in_nimg.min() / 1000:g}..{in_nimg.max() / 1000:g}): post-hoc EMA cannot "
             f"reconstruct a time after the last snapshot. Pass a value in (0, "
             f"{in_nimg.max() / 1000:g}], or leave it out for the last snapshot's time.")
-
-    # Columns: the wanted sigma_rels, then one per per-tensor group.
     col_sigma = np.array(sigma_rels + [s for _, s in per_tensor], np.float64)
     X = solve_weights(in_nimg, in_sigma, out_nimg, col_sigma, max_cond=max_cond)
     err = profile_error(in_nimg, in_sigma, out_nimg, col_sigma, X)
@@ -269,28 +335,28 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
                 f"post-hoc EMA sigma_rel {s:g} at kimg {out_nimg / 1000:g}: the snapshots "
                 f"reproduce its profile only to a relative error of {e:.3f}; save snapshots "
                 f"more often or nearer that time, or track two different sigma_rels that "
-                f"bracket it", stacklevel=2)
-    net_config, buffers = input_network(kind, workdir, files)
+                f"bracket it", stacklevel=3)  # reconstruct's caller
+    used = np.flatnonzero(np.any(X != 0, axis=1))
+    labels = [f"{files[inputs[i][0]].label}:{in_sigma[i]:.3f}" for i in used]
+    return _Solution(sigma_rels, per_tensor, inputs, in_nimg, in_sigma, out_nimg, X, err,
+                     used, labels)
 
-    out_dir = paths_lib.normalize(out_dir or os.path.join(workdir, "phema"))
+
+def _output_paths(out_dir: str, out_nimg: float, sigma_rels: list[float],
+                  per_tensor: list[tuple[str, float]]) -> list[str]:
+    """`out_dir/<output_name>` per wanted width. Raises: ValueError when two names clash."""
     names = [output_name(out_nimg, s, per_tensor) for s in sigma_rels]
     if len(set(names)) != len(names):
         raise ValueError(f"sigma_rels {sigma_rels} give clashing output names {names}; pass "
                          f"values that differ in the first 3 decimals")
-    paths = [os.path.join(out_dir, n) for n in names]
-    used = np.flatnonzero(np.any(X != 0, axis=1))
-    labels = [f"{files[inputs[i][0]].label}:{in_sigma[i]:.3f}" for i in used]
+    return [os.path.join(out_dir, n) for n in names]
 
-    def meta_of(k: int) -> dict:
-        groups = [{"regex": r, "sigma_rel": s, "weights": X[used, len(sigma_rels) + j].tolist(),
-                   "profile_error": float(err[len(sigma_rels) + j])}
-                  for j, (r, s) in enumerate(per_tensor)]
-        return {"phema": True, "sigma_rel": sigma_rels[k], "nimg": out_nimg,
-                "kimg": out_nimg / 1000, "source": workdir, "inputs": labels,
-                "input_nimg": in_nimg[used].tolist(), "input_sigma_rel": in_sigma[used].tolist(),
-                "weights": X[used, k].tolist(), "profile_error": float(err[k]),
-                "per_tensor": groups}
 
+def _outputs_to_write(paths: list[str], labels: list[str], exist_ok: bool) -> list[int]:
+    """Indices of the `paths` to write, deleting what an interrupted run left of them
+    (`remove_unfinished`); a complete output from the same inputs is kept (`exist_ok`).
+    Raises: FileExistsError for an existing output without `exist_ok`, or one from
+    other inputs."""
     todo = []
     for k, p in enumerate(paths):
         if not ckpt_lib.is_network_checkpoint(p):
@@ -304,62 +370,83 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
                                   f"it or choose another out_dir (--outdir)")
         else:
             print(f"Kept {p}: complete, from the same snapshots (written by an earlier run)")
+    return todo
 
-    for b0 in range(0, len(todo), batch_outputs):
-        batch = todo[b0:b0 + batch_outputs]
-        cols = np.array(batch + [len(sigma_rels) + j for j in range(len(per_tensor))])
-        acc, nbytes, t0 = None, 0, time.time()  # acc[j]: flat output batch[j]
-        active = [fi for fi in range(len(files))
-                  if any(np.any(X[i, cols] != 0)
-                         for i, (f2, _) in enumerate(inputs) if f2 == fi)]
-        bar = tqdm(active, desc=f"phema {b0 // batch_outputs + 1}/"
-                   f"{math.ceil(len(todo) / batch_outputs)}", unit="snapshot",
-                   disable=not progress, dynamic_ncols=True)
-        for fi in bar:
-            f = files[fi]
-            rows = [i for i, (f2, _) in enumerate(inputs) if f2 == fi]
-            rows = [i for i in rows if np.any(X[i, cols] != 0)]
-            tree_keys = (streaming.orbax_tree_keys(f.directory)
-                         if f.fmt == "orbax" else None)
-            context = streaming.ts_context()  # one per file
-            for i in rows:
-                tree_path = f.tree_paths[inputs[i][1]]
-                if acc is None:  # the layout from the first EMA read
-                    layout = streaming.flat_layout(streaming.ema_tree(f, tree_path),
-                                                   per_tensor)
-                    acc = _Accumulators(len(batch), layout.size, device)
-                try:
-                    reader = streaming.make_reader(f, tree_path, layout, context, tree_keys)
-                except streaming.StructureError as e:
-                    raise ValueError(
-                        f"{f.label}: the EMA at {'/'.join(tree_path)} has other tensors "
-                        f"than the first snapshot ({e}); all snapshots must come from the "
-                        f"same network") from None
-                # w[g]: weights of this input in the batch's outputs for tensor group g
-                # (0: each output's own sigma_rel, g > 0: per_tensor[g - 1]'s).
-                w = [X[i, batch]] + [np.full(len(batch), X[i, len(sigma_rels) + g])
-                                     for g in range(len(per_tensor))]
-                w = [acc.weights(wg) for wg in w]
-                checked = _checked_reader(reader, input_checker(kind, workdir, f),
-                                          tree_path, layout)
-                for offset, g, chunk in layout.chunks(checked):
-                    acc.add(offset, chunk, w[g])
-                    nbytes += chunk.nbytes
-                    del chunk
-                del reader, checked
-            del context
-            bar.set_postfix_str(f"{nbytes / max(time.time() - t0, 1e-9) / 1e9:.2f} GB/s")
-        bar.close()
-        # Write the outputs one at a time, each straight from its accumulator (views of
-        # it on the host), and drop each accumulator as soon as it is written: the first
-        # output costs no more than the accumulators themselves.
-        for j, k in enumerate(batch):
-            flat = acc.pop_host(j)
-            save_output(paths[k], {"params": layout.unflatten(flat), "buffers": buffers},
-                        net_config, meta_of(k))
-            del flat
-        del acc
-    return paths
+
+def _accumulate(kind: str, workdir: str, files: list[SnapshotFile], sol: _Solution,
+                batch: list[int], device, desc: str,
+                progress: bool) -> tuple[_Accumulators, streaming.FlatLayout]:
+    """Outputs `batch` (indices of `sol.sigma_rels`) as float32 sums of the snapshot EMAs
+    weighted by `sol.X`, each snapshot file read once, tensor by tensor: `(acc, layout)`,
+    `acc.pop_host(j)` the flat parameters of output `batch[j]` (`layout.unflatten`)."""
+    n_out = len(sol.sigma_rels)
+    cols = np.array(batch + [n_out + j for j in range(len(sol.per_tensor))])
+    acc, layout, nbytes, t0 = None, None, 0, time.time()  # acc[j]: flat output batch[j]
+    active = [fi for fi in range(len(files))
+              if any(np.any(sol.X[i, cols] != 0)
+                     for i, (f2, _) in enumerate(sol.inputs) if f2 == fi)]
+    bar = tqdm(active, desc=desc, unit="snapshot", disable=not progress, dynamic_ncols=True)
+    for fi in bar:
+        f = files[fi]
+        rows = [i for i, (f2, _) in enumerate(sol.inputs) if f2 == fi]
+        rows = [i for i in rows if np.any(sol.X[i, cols] != 0)]
+        tree_keys = (streaming.orbax_tree_keys(f.directory)
+                     if f.fmt == "orbax" else None)
+        context = streaming.ts_context()  # one per file
+        for i in rows:
+            tree_path = f.tree_paths[sol.inputs[i][1]]
+            if acc is None:  # the layout from the first EMA read
+                layout = streaming.flat_layout(streaming.ema_tree(f, tree_path),
+                                               sol.per_tensor)
+                acc = _Accumulators(len(batch), layout.size, device)
+            # Weights of this input in the batch's outputs per tensor group g (0: each
+            # output's own sigma_rel, g > 0: per_tensor[g - 1]'s).
+            w = [sol.X[i, batch]] + [np.full(len(batch), sol.X[i, n_out + g])
+                                     for g in range(len(sol.per_tensor))]
+            nbytes += _add_input(acc, layout, kind, workdir, f, tree_path, w, context,
+                                 tree_keys)
+        del context
+        bar.set_postfix_str(f"{nbytes / max(time.time() - t0, 1e-9) / 1e9:.2f} GB/s")
+    bar.close()
+    return acc, layout
+
+
+def _add_input(acc: _Accumulators, layout: streaming.FlatLayout, kind: str, workdir: str,
+               f: SnapshotFile, tree_path: tuple, w: list[np.ndarray], context,
+               tree_keys) -> int:
+    """Add the EMA at `tree_path` of snapshot file `f`, read chunk by chunk and checked
+    (`_checked_reader`), with weights `w[g]` per tensor group into `acc`. Returns the bytes
+    read. Raises: ValueError when its tensors are not those of `layout`."""
+    try:
+        reader = streaming.make_reader(f, tree_path, layout, context, tree_keys)
+    except streaming.StructureError as e:
+        raise ValueError(
+            f"{f.label}: the EMA at {'/'.join(tree_path)} has other tensors "
+            f"than the first snapshot ({e}); all snapshots must come from the "
+            f"same network") from None
+    w = [acc.weights(wg) for wg in w]
+    checked = _checked_reader(reader, input_checker(kind, workdir, f), tree_path, layout)
+    nbytes = 0
+    for offset, g, chunk in layout.chunks(checked):
+        acc.add(offset, chunk, w[g])
+        nbytes += chunk.nbytes
+        del chunk
+    return nbytes
+
+
+def _output_meta(sol: _Solution, k: int, workdir: str) -> dict:
+    """The meta of output `k`: its width and time, the inputs it uses with their weights
+    and its profile error, and those of each per-tensor group."""
+    n_out, used = len(sol.sigma_rels), sol.used
+    groups = [{"regex": r, "sigma_rel": s, "weights": sol.X[used, n_out + j].tolist(),
+               "profile_error": float(sol.err[n_out + j])}
+              for j, (r, s) in enumerate(sol.per_tensor)]
+    return {"phema": True, "sigma_rel": sol.sigma_rels[k], "nimg": sol.out_nimg,
+            "kimg": sol.out_nimg / 1000, "source": workdir, "inputs": sol.labels,
+            "input_nimg": sol.in_nimg[used].tolist(),
+            "input_sigma_rel": sol.in_sigma[used].tolist(),
+            "weights": sol.X[used, k].tolist(), "profile_error": float(sol.err[k]),
+            "per_tensor": groups}
 
 
 def main_phema(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None = None,
