@@ -26,6 +26,8 @@ LAYERS = (
     ("edm2_jax.run",),                                      # run directory: files, lock, checkpoints, stats
     ("edm2_jax.release",),                                  # the release's file formats and RNG
     ("edm2_jax.sampling",),                                 # EDM sampler, guidance, image generation
+    ("edm2_jax.objectives",),                               # training objectives: loss and sampler of each
+    ("edm2_jax.nets",),                                     # reading a network: weights, config, sampler
     ("edm2_jax.evaluation",),                               # metrics library
     ("edm2_jax.ema",),                                      # power EMA, post-hoc EMA and its sweep
     ("edm2_jax.configs",),                                  # ml_collections configs, presets

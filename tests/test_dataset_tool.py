@@ -304,7 +304,7 @@ def test_training_eval_decodes_a_latent_run(tmp_path, monkeypatch, standin_incep
     latents decoded by config.eval.vae, a finite metric under eval/."""
     from edm2_jax import configs
     from edm2_jax.evaluation import metrics
-    from edm2_jax.sampling import generate
+    from edm2_jax import nets
     from edm2_jax.training.periodic_eval import TrainingEval
     vae_dir, net_path, data = _latent_setup(tmp_path)
     seen = []
@@ -314,7 +314,7 @@ def test_training_eval_decodes_a_latent_run(tmp_path, monkeypatch, standin_incep
     c.data.update(data)
     c.eval.update(dict(metrics="fid", num_images=4, num_steps=2, batch_size=4, vae=vae_dir))
     ev = TrainingEval(c, log=False)
-    net, variables, _ = generate.load_net(net_path)
+    net, variables, _ = nets.load_net(net_path)
     out = ev(net, variables)
     assert np.isfinite(out["eval/fid4"])
     assert seen and all(s[1:] == (16, 16, 3) and d == np.uint8 for s, d in seen)

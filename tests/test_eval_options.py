@@ -14,8 +14,9 @@ import pytest
 from edm2_jax.run import network_dir as checkpoint
 from edm2_jax.evaluation import commands as eval_commands
 from edm2_jax.evaluation import images as eval_images
-from edm2_jax.sampling import generate
 from edm2_jax import main as main_lib
+from edm2_jax import nets
+from edm2_jax.modes import generate as generate_mode
 from edm2_jax.model.networks import init_variables, precond_from_config
 from edm2_jax.sampling.sampler import sample_images
 from tests.testdata import golden
@@ -25,7 +26,7 @@ NET = dict(img_resolution=8, img_channels=1, label_dim=3, model_channels=8, chan
 
 
 @pytest.fixture(scope="module")
-def nets(tmp_path_factory):
+def net_paths(tmp_path_factory):
     """A main and a guide network (different weights, non-zero gains)."""
     paths = []
     for k in (0, 1):
@@ -38,16 +39,16 @@ def nets(tmp_path_factory):
 
 
 @pytest.mark.slow  # ~40 s on 2 cores: two tiny networks written, three sampler compiles
-def test_eval_generates_with_guidance_seeds_and_schedule(nets):
+def test_eval_generates_with_guidance_seeds_and_schedule(net_paths):
     """`net_images` (what `--mode=eval --net` measures) gives exactly `sample_images`
     with the guide, guidance weight, seeds and schedule it was asked for."""
-    net_path, guide_path = nets
+    net_path, guide_path = net_paths
     kw = dict(num_steps=3, sigma_min=0.01, sigma_max=20.0, rho=3.0)
     got = np.concatenate(list(eval_images.net_images(
         net_path, [7, 3], batch_size=2, guide_path=guide_path, guidance=2.0, class_idx=1,
         progress=False, **kw)))
-    net, v, _ = generate.load_net(net_path)
-    gnet, gv, _ = generate.load_net(guide_path)
+    net, v, _ = nets.load_net(net_path)
+    gnet, gv, _ = nets.load_net(guide_path)
     want = np.asarray(sample_images(net, v, [7, 3], 1, guide_net=gnet, guide_variables=gv,
                                     guidance=2.0, **kw))
     np.testing.assert_array_equal(got, want)
@@ -61,7 +62,7 @@ def dispatch(argv, monkeypatch):
     """Run main.py's dispatch on `argv`, returning the kwargs it passed to the mode."""
     got = {}
     monkeypatch.setattr(eval_commands, "main_eval", lambda **kw: got.update(kw))
-    monkeypatch.setattr(generate, "main_generate", lambda *a, **kw: got.update(kw, args=a))
+    monkeypatch.setattr(generate_mode, "main_generate", lambda *a, **kw: got.update(kw, args=a))
     main_lib.FLAGS.unparse_flags()
     try:
         main_lib.FLAGS(["edm2_jax.main"] + argv)
@@ -117,11 +118,11 @@ def test_image_folder_subset_is_the_releases(tmp_path):
 
 
 @pytest.mark.slow  # ~12 s: two sampler compiles
-def test_release_rng_feeds_the_release_draws_to_the_sampler(nets):
+def test_release_rng_feeds_the_release_draws_to_the_sampler(net_paths):
     """`rng='release'`: the image is the sampler run on the release's draws for the seed
     (noise, class, churn noise at the steps where the release adds it)."""
     from edm2_jax.sampling import sampler as sampling
-    net, v, _ = generate.load_net(nets[0])
+    net, v, _ = nets.load_net(net_paths[0])
     kw = dict(num_steps=3, S_churn=2.0, S_min=3.0, S_max=100.0)
     got = np.asarray(sampling.sample_images(net, v, [4, 2**32 + 9], rng="release", **kw))
     noise, labels, table = sampling.release_seed_draws([4, 2**32 + 9], (8, 8, 1), 3, **kw)

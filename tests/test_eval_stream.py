@@ -45,12 +45,13 @@ import PIL.Image
 import pytest
 
 from edm2_jax import data as data_lib
-from edm2_jax import process
+from edm2_jax import nets, process
 from edm2_jax.evaluation import classifier as cls_lib
 from edm2_jax.evaluation import classifier_metrics, fid, inception, stream
 from edm2_jax.evaluation import commands as eval_commands
 from edm2_jax.evaluation.metrics import GeneratedFeatures
 from edm2_jax.model.networks import init_variables, precond_from_config
+from edm2_jax.modes import generate as generate_mode
 from edm2_jax.run import network_dir as checkpoint
 from edm2_jax.sampling import generate
 from tests.tolerances import forward_terms, reorder_tol
@@ -270,8 +271,8 @@ def test_guidance_interval_preset_and_outdir_reach_the_stream(setup, tmp_path, m
     res = eval_commands.main_eval(**_eval_kw(data, metrics="cls", num_images=4, seeds="3-6",
                                              net_path=net_path, preset="tiny-interval",
                                              outdir=str(tmp_path / "png"), **guided))
-    net, variables, _ = generate.load_net(net_path)
-    guide = generate.load_guide(guided["guide_path"], None, 3.0)
+    net, variables, _ = nets.load_net(net_path)
+    guide = nets.load_guide(guided["guide_path"], None, 3.0)
     want = {}
     for interval in ((0.5, 5.0), None):
         want[interval] = np.concatenate([b for _, b in _GENERATE_IMAGES(
@@ -339,7 +340,7 @@ def test_resume_after_an_exception_generates_only_the_rest(setup, tmp_path, monk
     # the tolerance of the module docstring
     folder = data_lib.make_source(data)
     clf, _ = cls_lib.get_classifier(folder, folder, config=CLASSIFIER, log=False)
-    net, variables, _ = generate.load_net(net_path)
+    net, variables, _ = nets.load_net(net_path)
     images = np.concatenate([b for _, b in generate.generate_images(
         net, variables, list(range(NUM)), batch_size=BATCH, num_steps=STEPS, progress=False)])
     gen, ref = clf.features(images), clf.features(cls_lib.source_arrays(folder)[0])
@@ -391,7 +392,7 @@ def test_streamed_eval_equals_generate_then_eval(setup, streamed, tmp_path, monk
     and those the library computes from the PNGs as whole arrays."""
     root, net_path, data = setup
     monkeypatch.setenv("EDM2_JAX_CACHE", str(root / "cache"))
-    generate.main_generate(net_path, f"0-{NUM - 1}", str(tmp_path / "png"), batch_size=BATCH,
+    generate_mode.main_generate(net_path, f"0-{NUM - 1}", str(tmp_path / "png"), batch_size=BATCH,
                            num_steps=STEPS)
     images = _png_images(tmp_path / "png", range(NUM))
     np.testing.assert_array_equal(images, _png_images(root / "png_streamed", range(NUM)))

@@ -326,7 +326,7 @@ def test_byte_flips_in_snapshots_and_networks_are_refused_by_every_reader(full_r
     or network checkpoint is an IntegrityError naming it and the fix, nothing is
     written, and the outputs made before are unchanged."""
     from edm2_jax.run import network_dir as ckpt_lib
-    from edm2_jax.sampling import generate
+    from edm2_jax import nets
     from edm2_jax.run import integrity
     from edm2_jax.ema import posthoc as phema
     from edm2_jax.run import snapshots
@@ -348,12 +348,12 @@ def test_byte_flips_in_snapshots_and_networks_are_refused_by_every_reader(full_r
         phema.reconstruct(str(run), [0.08], out_dir=str(tmp_path / "ph2"), progress=False)
     assert not any(ckpt_lib.is_network_checkpoint(str(p)) for p in (tmp_path / "ph2").glob("*"))
     with pytest.raises(integrity.IntegrityError, match="checksum mismatch"):
-        generate.load_net(str(run / "snapshots" / "4"))
+        nets.load_net(str(run / "snapshots" / "4"))
 
     _flip(_largest_array_file(run / "checkpoints" / "4" / "default"), 500)
     with pytest.raises(integrity.IntegrityError, match=r"checkpoint .*checkpoints/4: .*"
                                                        r"Re-run the run's training command"):
-        generate.load_net(str(run))
+        nets.load_net(str(run))
 
     net = tmp_path / "net"
     shutil.copytree(good, net)

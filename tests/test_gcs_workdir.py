@@ -158,9 +158,11 @@ def test_paths_on_gcs(gcs):
 @pytest.mark.ci
 def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  # noqa: F811
     from edm2_jax import paths
+    from edm2_jax import nets
+    from edm2_jax.modes import generate as generate_mode
     from edm2_jax.sampling import generate
     from edm2_jax.ema import posthoc as phema
-    from edm2_jax.run import checkpoints, layout, records, snapshots, stats
+    from edm2_jax.run import checkpoints, layout, network_dir, records, snapshots, stats
     from edm2_jax.training import loop
     root, fs = gcs
     run = f"{root}/run"
@@ -199,12 +201,12 @@ def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  
     outs = phema.reconstruct(run, [0.07], progress=False)
     assert outs[0].startswith(f"{run}/phema/")
     assert fs.exists(outs[0][5:] + "/network.json")
-    net_cfg, meta = generate.ckpt_lib.read_network_json(outs[0])
+    net_cfg, meta = network_dir.read_network_json(outs[0])
     assert meta["phema"] and meta["nimg"] == 32
 
     # Generate from the run (newest checkpoint) and from the post-hoc EMA, PNGs to gs://.
     for i, net in enumerate((run, outs[0], f"{run}/snapshots/4")):
-        generate.main_generate(net, "0-1", f"{root}/images{i}", batch_size=2, num_steps=2,
+        generate_mode.main_generate(net, "0-1", f"{root}/images{i}", batch_size=2, num_steps=2,
                                grid=f"{root}/grids/grid{i}.png")
         assert sorted(fs.ls(f"{BUCKET}/images{i}")) == [f"{BUCKET}/images{i}/000000.png",
                                                         f"{BUCKET}/images{i}/000001.png"]
@@ -222,8 +224,8 @@ def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  
     # The same net read from the bucket and from a local copy gives the same images.
     local = tmp_path / "phema_local"
     fs.get(outs[0][5:], str(local), recursive=True)
-    a = next(generate.generate_images(*generate.load_net(outs[0])[:2], [0, 1], batch_size=2,
+    a = next(generate.generate_images(*nets.load_net(outs[0])[:2], [0, 1], batch_size=2,
                                       num_steps=2, progress=False))[1]
-    c = next(generate.generate_images(*generate.load_net(str(local))[:2], [0, 1],
+    c = next(generate.generate_images(*nets.load_net(str(local))[:2], [0, 1],
                                       batch_size=2, num_steps=2, progress=False))[1]
     np.testing.assert_array_equal(a, c)

@@ -9,6 +9,8 @@ import jax
 import numpy as np
 import pytest
 
+from edm2_jax import nets
+from edm2_jax.modes import generate as generate_mode
 from edm2_jax.run import network_dir as checkpoint
 from edm2_jax.sampling import generate
 from edm2_jax.model.networks import init_variables, precond_from_config
@@ -35,7 +37,7 @@ def netdir(tmp_path_factory):
 
 
 def _images(netdir, batch, seeds):
-    net, v, _ = generate.load_net(netdir)
+    net, v, _ = nets.load_net(netdir)
     out = list(generate.generate_images(net, v, seeds, batch_size=batch, class_idx=1,
                                         num_steps=3, progress=False))
     return np.concatenate([imgs for _, imgs in out])
@@ -43,7 +45,7 @@ def _images(netdir, batch, seeds):
 
 def test_load_net_errors_name_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a network checkpoint"):
-        generate.load_net(str(tmp_path))
+        nets.load_net(str(tmp_path))
 
 
 def test_same_seeds_same_images_batch_1_vs_8_and_1_vs_8_devices(netdir, tmp_path):
@@ -71,7 +73,7 @@ def test_same_seeds_same_images_batch_1_vs_8_and_1_vs_8_devices(netdir, tmp_path
 
 def test_generate_writes_pngs_in_subdirs(netdir, tmp_path):
     import PIL.Image
-    generate.main_generate(netdir, "998-1001", str(tmp_path / "out"), subdirs=True,
+    generate_mode.main_generate(netdir, "998-1001", str(tmp_path / "out"), subdirs=True,
                            num_steps=2, grid=str(tmp_path / "grid.png"), class_idx=0)
     assert sorted(os.listdir(tmp_path / "out")) == ["000000", "001000"]
     assert sorted(os.listdir(tmp_path / "out" / "001000")) == ["001000.png", "001001.png"]

@@ -19,11 +19,10 @@ import numpy as np
 import pytest
 
 from edm2_jax.run import network_dir as ckpt_lib
-from edm2_jax import configs
+from edm2_jax import configs, nets
 from edm2_jax.release import convert
 from edm2_jax.evaluation import commands as eval_commands
 from edm2_jax.evaluation import images as eval_images
-from edm2_jax.sampling import generate
 from edm2_jax.run import integrity
 from edm2_jax.evaluation import fid
 
@@ -157,7 +156,7 @@ def test_generate_refuses_a_directory_that_is_both_run_and_network(tmp_path):
     (d / "config.json").write_text("{}")
     (d / ckpt_lib.NETWORK_JSON).write_text('{"network": {}}')
     with pytest.raises(ValueError, match="both a training run and a network checkpoint.*move"):
-        generate.load_net(str(d))
+        nets.load_net(str(d))
 
 
 def test_network_json_unreadable_is_an_integrity_error(tmp_path):

@@ -22,10 +22,11 @@ import numpy as np
 import PIL.Image
 import pytest
 
+from edm2_jax import nets
 from edm2_jax.modes import generate as generate_mode
 from edm2_jax.release import convert as C
 from edm2_jax.run import network_dir
-from edm2_jax.sampling import generate, presets
+from edm2_jax.sampling import presets
 from edm2_jax.sampling.sampler import sample_images
 from tests.test_cli_errors import assert_one_error, run_cli
 from tests.test_convert import write_release_pickle
@@ -169,7 +170,7 @@ def test_every_preset_resolves_converting_each_pickle_once(models, count_convers
             assert path == str(models / (f[:-len(".pkl")] + ".edm2jax"))
             cfg, meta = network_dir.read_network_json(path)
             assert meta["source"] == str(models / f)
-            assert generate.net_encoder(path) == ("sd-vae" if p.latent else "none")
+            assert nets.net_encoder(path) == ("sd-vae" if p.latent else "none")
             assert cfg["label_dim"] == (0 if "-uncond-" in f else 10)
     assert sorted(count_conversions) == sorted(files)       # each pickle once, shared ones too
     before = _mtimes(models)
@@ -307,8 +308,8 @@ def test_generate_with_a_preset_end_to_end(tmp_path):
     assert "Converting" in r.stdout and "guidance 1.7" in r.stdout
     got = np.asarray(PIL.Image.open(grid))
     assert got.shape == (8, 16, 3)                            # 2 images in a 1x2 grid
-    net, v, _ = generate.load_net(presets.cache_path(str(tmp_path / "models" / p.net)))
-    gnet, gv, _ = generate.load_net(presets.cache_path(str(tmp_path / "models" / p.guide)))
+    net, v, _ = nets.load_net(presets.cache_path(str(tmp_path / "models" / p.net)))
+    gnet, gv, _ = nets.load_net(presets.cache_path(str(tmp_path / "models" / p.guide)))
     want = np.asarray(sample_images(net, v, jax.numpy.asarray([3, 4], jax.numpy.uint32), 1,
                                     guide_net=gnet, guide_variables=gv, guidance=1.7,
                                     num_steps=3))

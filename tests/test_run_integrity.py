@@ -213,7 +213,7 @@ def test_cli_no_checkpoint_with_a_record_exits_1_naming_start_over(full_run, tmp
 
 
 def test_cli_phema_refuses_a_snapshot_without_its_record(full_run, tmp_path, xla_cache):
-    from edm2_jax.sampling import generate
+    from edm2_jax import nets
     run = _copy(full_run, tmp_path)
     _lose_records(run, "snapshots", 4, "both")
     _finite_flip(run / "snapshots" / "4" / "ema")
@@ -230,7 +230,7 @@ def test_cli_phema_refuses_a_snapshot_without_its_record(full_run, tmp_path, xla
     for read in (lambda: snapshots.restore_snapshot(str(run), 4),
                  lambda: snapshots.snapshot_checker(str(run), 4),
                  lambda: snapshots.run_buffers(str(run)),
-                 lambda: generate.load_net(str(run / "snapshots" / "4"))):
+                 lambda: nets.load_net(str(run / "snapshots" / "4"))):
         with pytest.raises(integrity.IntegrityError, match="snapshots/4 has no integrity"):
             read()
 

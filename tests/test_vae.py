@@ -21,12 +21,12 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from edm2_jax import data
+from edm2_jax import data, nets
 from edm2_jax.run import network_dir as checkpoint
-from edm2_jax.sampling import generate
 from edm2_jax.model import vae as V
 from edm2_jax.data.pipeline import latent_noise
 from edm2_jax.model.networks import init_variables, precond_from_config
+from edm2_jax.modes import generate as generate_mode
 from tests.tolerances import scaled_err
 
 # Two architectures: a small one (2 levels, 1 resnet per level, 8 groups, 2x) and the SD
@@ -442,20 +442,20 @@ def test_generate_needs_vae_for_latent_nets_only(tmp_path):
     rgb = _save_net(tmp_path / "rgb", dict(NET, img_channels=3))
     out = tmp_path / "out"
     with pytest.raises(ValueError, match=r"is a latent network.*pass --vae=PATH"):
-        generate.main_generate(latent, "0-1", str(out))
+        generate_mode.main_generate(latent, "0-1", str(out))
     with pytest.raises(ValueError, match=r"--vae=sd.safetensors given, but .* pixel-space "
                                          r"network.*drop --vae"):
-        generate.main_generate(rgb, "0-1", str(out), vae_path="sd.safetensors")
+        generate_mode.main_generate(rgb, "0-1", str(out), vae_path="sd.safetensors")
     with pytest.raises(ValueError, match="--guide=.* works in encoder 'none' space"):
-        generate.check_vae(latent, "sd.safetensors", guide_path=rgb)
+        nets.check_vae(latent, "sd.safetensors", guide_path=rgb)
     assert not out.exists()
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"network": dict(NET, img_channels=3),
                                                  "data": {"encoder": "sd-vae"}}))
-    assert generate.net_encoder(str(run)) == generate.net_encoder(
+    assert nets.net_encoder(str(run)) == nets.net_encoder(
         str(run / "snapshots" / "8")) == "sd-vae"
-    assert generate.net_encoder(_save_net(tmp_path / "meta", NET, {"encoder": "none"})) == "none"
+    assert nets.net_encoder(_save_net(tmp_path / "meta", NET, {"encoder": "none"})) == "none"
 
 
 def test_generate_cli_refuses_vae_for_an_rgb_net(tmp_path):
@@ -479,13 +479,13 @@ def test_generate_decodes_latent_net_samples_to_rgb_pngs(tmp_path):
     model = _diffusers_vae(QUARTER)
     model.save_pretrained(tmp_path / "vae")
     latent = _save_net(tmp_path / "latent", NET)
-    generate.main_generate(latent, "5-7", str(tmp_path / "out"), vae_path=str(tmp_path / "vae"),
+    generate_mode.main_generate(latent, "5-7", str(tmp_path / "out"), vae_path=str(tmp_path / "vae"),
                            num_steps=2, batch_size=2, grid=str(tmp_path / "grid.png"))
     assert sorted(os.listdir(tmp_path / "out")) == ["000005.png", "000006.png", "000007.png"]
     img = np.asarray(PIL.Image.open(tmp_path / "out" / "000006.png"))
     assert img.shape == (64, 64, 3) and img.dtype == np.uint8
     from edm2_jax.sampling.sampler import sample_images
-    net, v, _ = generate.load_net(latent)
+    net, v, _ = nets.load_net(latent)
     x = np.asarray(sample_images(net, v, np.array([6], np.uint32), num_steps=2, raw=True))
     assert x.shape == (1, 8, 8, 4)
     diff = np.abs(img.astype(int) - V.load_vae(tmp_path / "vae").decode(x)[0])

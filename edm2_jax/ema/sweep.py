@@ -3,8 +3,8 @@ best (the paper's Fig. 5a).
 
 Owns `sweep` (any metric function; CSV and plot), `main_sweep` (the body of
 `--mode=phema_sweep`: the metric, its reference data, the metric function over generated
-images), `sampler_kwargs` (the sampler it generates them with: a distilled student's own)
-and `run_data_config` (a run's reference data when no `--config` is given).
+images), `sampler_kwargs` (the sampler it generates them with: the network's own,
+`nets.net_sampler`) and `run_data_config` (a run's reference data when no `--config` is given).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from edm2_jax.run import network_dir as ckpt_lib
 from edm2_jax.evaluation import metrics as metrics_lib
 from edm2_jax.evaluation.images import net_images
 from edm2_jax.run import layout
+from edm2_jax import nets
 from edm2_jax import paths as paths_lib
 from edm2_jax.ema.reconstruction import reconstruct
 
@@ -98,11 +99,10 @@ def _plot(rows: list[dict], metric_name: str, path: str) -> None:
 
 def sampler_kwargs(net_path: str, num_steps: int | None = None) -> dict:
     """The sampler settings (`generate.generate_images` kwargs) the sweep generates the
-    network at `net_path` with: a distilled student's few-step sampler (its post-hoc EMAs
-    are students too: `generate.student_sampler`), else the Heun sampler of 32 steps;
-    `num_steps` (`--steps`), when given, replaces the steps of either."""
-    from edm2_jax.sampling import generate
-    kw = dict(generate.student_sampler(net_path) or {"num_steps": 32})
+    network at `net_path` with: its own (`nets.net_sampler`: a distilled student's
+    few-step sampler, its post-hoc EMAs being students too, else the Heun sampler of 32
+    steps); `num_steps` (`--steps`), when given, replaces the steps of either."""
+    kw = dict(nets.net_sampler(net_path))
     if num_steps is not None:
         kw["num_steps"] = int(num_steps)
     return kw
@@ -137,8 +137,7 @@ def main_sweep(workdir: str, sigma_rels: Sequence[float], *, metrics: str = "fid
                          f"(its data section)"
                          f"{' or --ref' if metric in metrics_lib.FD_METRICS else ''}; "
                          f"{workdir} has no config.json with a data section")
-    from edm2_jax.sampling import generate
-    vae = generate.check_vae(workdir, vae_path)  # latent run: --vae, before anything heavy
+    vae = nets.check_vae(workdir, vae_path)  # latent run: --vae, before anything heavy
     # References (Inception / DINOv2 stats, classifier features) once for the whole sweep.
     suite = metrics_lib.Metrics([metric], num_images, ref=ref, data_config=data_config,
                                 ref_split=ref_split, dinov2=dinov2, vae=vae)

@@ -41,7 +41,7 @@ run stops; the same command then generates only the seeds not done yet. The resu
         --out_json=results.jsonl --outdir=out
 
 Latent (img512) networks: their samples are decoded to RGB by the SD VAE (`--vae=PATH`;
-`generate.check_vae`: a latent net without it fails before anything heavy, naming
+`nets.check_vae`: a latent net without it fails before anything heavy, naming
 `--vae`) and measured as uint8 RGB. Reference data from a latent data set (no `--ref`)
 are the VAE's decodes of each stored latent's mean (`images.DecodedSource`):
 reconstructions, not the original pixels; for the paper's figures give `--ref`
@@ -56,7 +56,7 @@ from typing import Any, Sequence
 import jax
 
 from edm2_jax import data as data_lib
-from edm2_jax import paths
+from edm2_jax import nets, paths
 from edm2_jax.evaluation import dinov2 as dinov2_lib
 from edm2_jax.evaluation import fid
 from edm2_jax.evaluation import images
@@ -110,7 +110,7 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int |
     release preset that chose net, guide and guidance (recorded in the results only).
     `subset_seed` picks the random subset of an `--images` folder
     (`images.folder_subset`). `vae_path`: `--vae`, the SD VAE that decodes a latent net's
-    samples (checked first, `generate.check_vae`) and latent reference data. `gen_kw`:
+    samples (checked first, `nets.check_vae`) and latent reference data. `gen_kw`:
     guide_path, guide_ema, guidance, guidance_interval, class_idx and the sampler
     settings of `generate.generate_images` (`progress=False` silences the bars).
     Appends the results as one JSON line to `out_json` (of a net by default
@@ -123,7 +123,7 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int |
     names = [m.strip() for m in metrics.split(",") if m.strip()]
     log = bool(gen_kw.pop("progress", True))
     if net_path:  # before anything heavy: a latent net needs --vae, an RGB net refuses it
-        vae = generate.check_vae(net_path, vae_path, gen_kw.get("guide_path"))
+        vae = nets.check_vae(net_path, vae_path, gen_kw.get("guide_path"))
     else:
         vae = _vae_for_data(vae_path, data_config)
     if seeds is not None:
@@ -200,8 +200,8 @@ def _eval_net(net_path: str, seeds: list[int], names: list[str], *, ema: str | N
     if interval is not None:
         gen_kw["guidance_interval"] = interval = tuple(float(x) for x in interval)
     print(f"Loading the network {net_path}" + (f" (preset {preset})" if preset else ""))
-    net, variables, desc = generate.load_net(net_path, ema)
-    guide = generate.load_guide(guide_path, guide_ema, guidance)
+    net, variables, desc = nets.load_net(net_path, ema)
+    guide = nets.load_guide(guide_path, guide_ema, guidance)
     data_config = metric_kw.get("data_config")
     settings = dict(
         net=desc, guide=guide_path and f"{guide_path} ema={guide_ema}", guidance=guidance,

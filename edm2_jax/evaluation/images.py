@@ -11,7 +11,7 @@ import numpy as np
 import PIL.Image
 
 from edm2_jax import data as data_lib
-from edm2_jax import paths
+from edm2_jax import nets, paths
 from edm2_jax.model import vae as vae_lib
 from edm2_jax.sampling import generate
 
@@ -71,11 +71,11 @@ def net_images(net_path: str, seeds: Sequence[int], batch_size: int = 64,
                guide_ema: str | None = None, guidance: float = 1.0, vae: Any = None,
                **gen_kw) -> Iterator[np.ndarray]:
     """uint8 NHWC batches of the images `net_path` generates for `seeds` (guided by
-    `guide_path` with weight `guidance`; `generate.load_guide`), decoded to RGB by `vae`
-    (an `SDVAE`, for a latent net; `generate.check_vae`); `gen_kw`: the other
+    `guide_path` with weight `guidance`; `nets.load_guide`), decoded to RGB by `vae`
+    (an `SDVAE`, for a latent net; `nets.check_vae`); `gen_kw`: the other
     arguments of `generate.generate_images` (class_idx, sampler settings)."""
-    net, variables, desc = generate.load_net(net_path, ema)
-    guide = generate.load_guide(guide_path, guide_ema, guidance)
+    net, variables, desc = nets.load_net(net_path, ema)
+    guide = nets.load_guide(guide_path, guide_ema, guidance)
     print(f"Generating {len(seeds)} images from {desc}")
     for _, imgs in generate.generate_images(net, variables, list(seeds), batch_size=batch_size,
                                             num_steps=num_steps, guide=guide, guidance=guidance,

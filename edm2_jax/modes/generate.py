@@ -13,6 +13,15 @@ exact settings; to vary one, pass the networks yourself (`--list_presets` names 
     python -m edm2_jax.main --mode=generate --preset=edm2-img512-xxl-guid-interval-fid \
         --models=models/ --vae=sd-vae-ft-mse/ --seeds=0-63 --grid=grid.png
 
+A latent network (SD-VAE latents: an img512 net of the release, or a run on latent data)
+needs `--vae=PATH`, the SD VAE whose decoder turns its samples into RGB; a pixel-space
+net refuses one. Both are checked from the metadata before any weights are read
+(`nets.check_vae`).
+
+Owns `main_generate` (the body of the mode: `nets.load_net`, then
+`sampling.generate.generate_images`) and `sampler_flags`, the sampler of `--net` as
+`nets.net_sampler` decides it unless the flags say otherwise.
+
 Also defines the flags that `--mode=eval` shares (`--net`, `--ema`, `--batch`, `--steps`,
 the schedule, `--preset`, `--models`, `--guidance_interval`), as does `--mode=phema_sweep`
 (`--batch`, `--steps`, `--vae`).
@@ -20,11 +29,16 @@ the schedule, `--preset`, `--models`, `--guidance_interval`), as does `--mode=ph
 from __future__ import annotations
 
 import sys
+import time
 
+import jax
+import numpy as np
 from absl import app, flags
 
+from edm2_jax import nets, paths
 from edm2_jax.modes import common
 from edm2_jax.sampling import generate, guidance, presets
+from edm2_jax.sampling.sampler import save_image_grid
 from edm2_jax.training import sharding
 
 FLAGS = flags.FLAGS
@@ -177,12 +191,13 @@ def network_flags(resolved: presets.ResolvedPreset | None) -> dict:
 def few_step_flags() -> dict | None:
     """The few-step sampler's settings (`generate.generate_images` kwargs) when
     `--sampler` asks for it, or is 'auto' and `--net` is a distilled student
-    (`generate.student_sampler`); None for the Heun sampler. A student's own grid and
+    (`nets.net_sampler`); None for the Heun sampler. A student's own grid and
     steps unless `--steps`, `--teacher_steps`, `--sigma_min`, `--sigma_max`, `--rho` are
     given. Raises ValueError for Heun-only flags (churn, a guidance interval) with it."""
     if FLAGS.sampler == "heun":
         return None
-    student = generate.student_sampler(FLAGS.net) if FLAGS.net else None
+    own = nets.net_sampler(FLAGS.net) if FLAGS.net else {}
+    student = own if own.get("sampler") == "consistency" else None
     if FLAGS.sampler == "auto" and student is None:
         return None
     kw = dict(student or dict(sampler="consistency", num_steps=4, teacher_steps=32,
@@ -212,8 +227,54 @@ def sampler_flags(resolved: presets.ResolvedPreset | None = None) -> dict:
                                    else FLAGS.guidance_interval))
 
 
+def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | None = None,
+                  batch_size: int = 64, class_idx: int | None = None, subdirs: bool = False,
+                  guide_path: str | None = None, guide_ema: str | None = None,
+                  guidance: float = 1.0, grid: str | None = None, vae_path: str | None = None,
+                  **sampler_kw) -> None:
+    """CLI body of `--mode=generate` (see module doc): `net_path` is any network
+    `nets.load_net` reads. `vae_path`: `--vae`, checked first (`nets.check_vae`).
+    `sampler_kw`: `num_steps`, `sigma_min`, `sigma_max`, `rho`, `S_churn`, `S_min`,
+    `S_max`, `S_noise`, `rng` of `generate.generate_images`. The outputs
+    are checked first (`paths.check_output_dir`: writable, not a file, a reachable
+    bucket), before any weights are read or any image sampled."""
+    seed_list = generate.parse_seeds(seeds)
+    if not outdir and not grid:
+        raise ValueError("--mode=generate needs --outdir=DIR and/or --grid=FILE.png")
+    if outdir:
+        paths.check_output_dir(outdir, "--outdir")
+    if grid:
+        paths.check_output_file(grid, "--grid")
+    vae = nets.check_vae(net_path, vae_path, guide_path)
+    net, variables, desc = nets.load_net(net_path, ema)
+    steps = sampler_kw.get("num_steps", 32)
+    how = (f"the few-step sampler, {steps} evaluation(s)"
+           if sampler_kw.get("sampler") == "consistency" else
+           f"the Heun sampler, {steps} steps ({2 * steps - 1} evaluations)")
+    print(f"Generating {len(seed_list)} images from {desc} with {how}"
+          + (f", decoded by the SD VAE {vae.path}" if vae else ""))
+    guide = nets.load_guide(guide_path, guide_ema, guidance)
+    t = time.time()
+    all_imgs = []
+    for _, imgs in generate.generate_images(net, variables, seed_list, outdir=outdir,
+                                            batch_size=batch_size, class_idx=class_idx,
+                                            subdirs=subdirs, guide=guide, guidance=guidance,
+                                            vae=vae, **sampler_kw):
+        if grid:
+            all_imgs.append(imgs)
+    dt = time.time() - t
+    print(f"{len(seed_list)} images in {dt:.1f} s ({len(seed_list) / dt:.2f} img/s)"
+          + (f" -> {outdir}" if outdir else ""))
+    if grid and jax.process_index() == 0:
+        imgs = np.concatenate(all_imgs)
+        cols = int(np.ceil(np.sqrt(len(imgs))))
+        rows = int(np.ceil(len(imgs) / cols))
+        paths.write_through_local(grid, lambda local: save_image_grid(imgs, local, rows, cols))
+        print(f"Grid -> {grid}")
+
+
 def run() -> None:
-    """`--mode=generate` (`generate.main_generate`), from `--net` or `--preset`."""
+    """`--mode=generate` (`main_generate`), from `--net` or `--preset`."""
     sharding.maybe_initialize_distributed()  # one of several hosts: each takes its share
     preset = check_preset()
     if not preset and not FLAGS.net:
@@ -225,7 +286,7 @@ def run() -> None:
         common.check_output_dir(FLAGS.outdir, "--outdir")
         common.check_output_file(FLAGS.grid, "--grid")
     resolved = resolve_preset(preset)
-    generate.main_generate(
+    main_generate(
         seeds=FLAGS.seeds, outdir=FLAGS.outdir, batch_size=FLAGS.batch,
         class_idx=FLAGS.class_idx, subdirs=FLAGS.subdirs, grid=FLAGS.grid,
         vae_path=FLAGS.vae, **network_flags(resolved), **sampler_flags(resolved))

@@ -6,7 +6,7 @@ and our networks into the release's pickles.
            `--src=training-state-<kimg>.pt --config=... --workdir=DIR`: a release
            training state as checkpoint `cur_nimg / batch_size` of a run that
            `--mode=train` with the same config continues (`import_training_state`).
-  export   `--net=PATH [--ema=KEY] --dst=FILE.pkl`: any network `generate.load_net`
+  export   `--net=PATH [--ema=KEY] --dst=FILE.pkl`: any network `nets.load_net`
            reads (network checkpoint, run, snapshot) as the release's network pickle.
 
     python -m edm2_jax.main --mode=convert --src=training-state-0134217.pt \
@@ -22,14 +22,13 @@ import os
 import jax
 from absl import app, flags
 
-from edm2_jax import configs, paths
+from edm2_jax import configs, nets, paths
 from edm2_jax.modes import common
 from edm2_jax.modes import generate as generate_mode  # noqa: F401 (--net, --ema)
 from edm2_jax.release import convert, pickle_io
 from edm2_jax.release import training_state as release_state
 from edm2_jax.release.export import RELEASE_KWARGS, export_network_pickle
 from edm2_jax.run import checkpoints, integrity, layout, network_dir
-from edm2_jax.sampling import generate
 from edm2_jax.training import resume
 from edm2_jax.training.from_release import train_state_from_release
 
@@ -80,11 +79,11 @@ def main_import_state(src: str, workdir: str, config) -> int:
 
 def main_export(net_path: str, dst: str, ema: str | None = None) -> str:
     """CLI body of `--mode=export --net=PATH [--ema=KEY] --dst=FILE.pkl`: any network
-    `generate.load_net` reads (network checkpoint, run, snapshot) as a release pickle."""
+    `nets.load_net` reads (network checkpoint, run, snapshot) as a release pickle."""
     if not dst:
         raise ValueError("--mode=export needs --dst=FILE.pkl")
     pickle_io.import_torch("--mode=export (writing the release's pickles)")  # before any work
-    net, variables, desc = generate.load_net(net_path, ema)
+    net, variables, desc = nets.load_net(net_path, ema)
     config = {k: getattr(net, k) for k in RELEASE_KWARGS}
     # The release's use_fp16 as recorded (a converted release net's); else its default.
     use_fp16 = None

@@ -232,7 +232,7 @@ def check_vae(preset: Preset, vae_path: str | None) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedPreset:
-    """A preset with its networks as local network checkpoints (`generate.load_net`).
+    """A preset with its networks as local network checkpoints (`nets.load_net` reads them).
 
     net_path, guide_path: the converted checkpoints (guide_path None when unguided);
     guidance, guidance_interval: the sampler's settings (`sampler.sample_images`).

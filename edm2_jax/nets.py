@@ -1,0 +1,169 @@
+"""Reading a network: any path this project writes -> the network, its config, its
+encoder and the sampler it is sampled with.
+
+    net, variables, desc = nets.load_net("runs/fmnist", ema="0.100")
+    nets.net_sampler("runs/fmnist-4step")   # {'sampler': 'consistency', 'num_steps': 4, ...}
+
+A path may be a network checkpoint (written by `--mode=convert` or post-hoc EMA), a
+training run directory (its latest checkpoint; `ema='0.100'` picks the power EMA,
+`ema='online'` the raw weights, default the largest sigma_rel), or one EMA snapshot
+directory of a run (`RUN/snapshots/<step>`). Reading those is `run/network_dir.py`'s,
+`run/snapshots.py`'s and `run/checkpoints.py`'s; this module picks which.
+
+Owns `load_net` (the network and its variables), `net_config`, `net_encoder` and
+`net_sampler` (from the metadata only: network.json or the run's config.json),
+`check_vae` (the decoder a net's samples need) and `load_guide` (the guide network of
+`--guide`). `net_sampler` is the one place that decides how a network is sampled: by
+the objective it was trained with (`objectives.from_metadata`). Used by
+`--mode=generate`, `--mode=eval`, the post-hoc EMA sweep, `--mode=export`, the training
+run's periodic evaluation and distillation (its teacher).
+
+May import `paths`, `model`, `run` and `objectives`; never the metrics, the EMA, the
+training loop or anything above them.
+"""
+from __future__ import annotations
+
+import re
+
+from edm2_jax import objectives, paths
+from edm2_jax.model import vae as vae_lib
+from edm2_jax.model.networks import Precond, precond_from_config
+from edm2_jax.run import checkpoints, layout, snapshots
+from edm2_jax.run import network_dir as ckpt_lib
+
+
+def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
+    """Load `(net, variables, description)` from any checkpoint kind (see module doc).
+
+    Raises FileNotFoundError naming what was looked for, KeyError for an unknown EMA.
+    """
+    path = paths.normalize(path)  # local or gs://
+    if ckpt_lib.is_network_checkpoint(path) and layout.is_run(path):
+        raise ValueError(f"{path} is both a training run and a network checkpoint "
+                         f"(network.json + variables/, e.g. from --mode=convert into the run); "
+                         f"move {ckpt_lib.NETWORK_JSON} and {ckpt_lib.VARIABLES}/ to a "
+                         f"directory of their own and pass the one you mean")
+    if ckpt_lib.is_network_checkpoint(path):
+        cfg, variables, meta = ckpt_lib.load_network(path)
+        return precond_from_config(cfg), variables, f"network checkpoint {path}"
+
+    snap = re.fullmatch(rf"(.*)/{layout.SNAPSHOTS}/(\d+)/?", path)
+    if snap:
+        run_dir, step = snap.group(1), int(snap.group(2))
+        tree, meta = snapshots.restore_snapshot(run_dir, step)
+        key = ema or max(tree["power"], key=float)
+        if key not in tree["power"]:
+            raise KeyError(f"snapshot {path} has EMAs {sorted(tree['power'])}, not {key!r}")
+        variables = {"params": tree["power"][key], "buffers": snapshots.run_buffers(run_dir)}
+        return (precond_from_config(layout.network_config(run_dir)), variables,
+                f"EMA {key} of snapshot {step} ({meta['nimg'] / 1000:.1f} kimg) in {run_dir}")
+
+    if layout.is_run(path):
+        state = checkpoints.restore_latest_state(path)
+        if ema == "online":
+            params, what = state["params"], "online weights"
+        else:
+            key = ema or max(state["ema"]["power"], key=float)
+            if key not in state["ema"]["power"]:
+                raise KeyError(f"run {path} tracks EMAs {sorted(state['ema']['power'])}, not "
+                               f"{key!r} (or use --ema=online)")
+            params, what = state["ema"]["power"][key], f"EMA sigma_rel={key}"
+        return (precond_from_config(layout.network_config(path)),
+                {"params": params, "buffers": state["buffers"]},
+                f"{what} of run {path} at step {int(state['step'])}")
+    raise FileNotFoundError(
+        f"{path} is neither a network checkpoint (network.json + variables/), a training run "
+        f"(config.json + checkpoints/), nor an EMA snapshot (RUN/snapshots/<step>)")
+
+
+def _metadata(path: str) -> tuple[dict | None, dict, dict | None]:
+    """`(network config, network.json meta, the run's config.json)` of the network at
+    `path`, from its metadata only (the run's config.json for a run or its snapshot;
+    None where there is none)."""
+    path = paths.normalize(path)
+    if ckpt_lib.is_network_checkpoint(path):
+        cfg, meta = ckpt_lib.read_network_json(path)
+        return cfg, meta, None
+    snap = re.fullmatch(rf"(.*)/{layout.SNAPSHOTS}/(\d+)/?", path)
+    config = layout.read_config(snap.group(1) if snap else path)
+    if config is None or "network" not in config:
+        return None, {}, None
+    return config["network"], {}, config
+
+
+def net_config(path: str) -> dict:
+    """The network config (`Precond` kwargs) of the network at `path` (any kind
+    `load_net` reads), from its metadata only. Raises FileNotFoundError as `load_net`
+    does when `path` is none of those kinds."""
+    cfg, _, _ = _metadata(path)
+    if cfg is None:
+        load_net(path)  # raises, naming what was looked for
+    return cfg
+
+
+def net_sampler(path: str, heun_steps: int = 32) -> dict:
+    """The sampler settings (`sampler.sample_images` / `generate.generate_images` kwargs)
+    of the network at `path` (any kind `load_net` reads), from its metadata only: those
+    of the objective it was trained with (`objectives.from_metadata`). A diffusion
+    network: `{'num_steps': heun_steps}`, the Heun sampler. A distilled student (a
+    distillation run, its snapshot, a network whose meta records `distill`, or a
+    post-hoc EMA of a distillation run, whose source run's config.json records it):
+    its few-step sampler, `sampler='consistency'` with its own `num_steps`,
+    `teacher_steps`, `sigma_min`, `sigma_max`, `rho`, whatever `heun_steps`."""
+    _, meta, config = _metadata(path)
+    if not meta.get("distill") and meta.get("source") and meta.get("phema"):
+        config = layout.read_config(str(meta["source"]))  # post-hoc EMA of a run
+    return objectives.from_metadata(meta, config).sampler_kwargs(heun_steps)
+
+
+def net_encoder(path: str) -> str:
+    """The encoder ('none' or 'sd-vae', `vae.ENCODERS`) of the network at `path` (any
+    kind `load_net` reads), from its metadata only: network.json, or the run's
+    config.json (`vae.encoder_of`). Raises what reading them raises; a path of no known
+    kind gives 'none' (`load_net` then names the problem)."""
+    path = paths.normalize(path)
+    if ckpt_lib.is_network_checkpoint(path):
+        cfg, meta = ckpt_lib.read_network_json(path)
+        return vae_lib.encoder_of(cfg, meta)
+    snap = re.fullmatch(rf"(.*)/{layout.SNAPSHOTS}/(\d+)/?", path)
+    config = layout.read_config(snap.group(1) if snap else path)
+    if config is None or "network" not in config:
+        return "none"
+    return vae_lib.encoder_of(config["network"], data_config=config.get("data"))
+
+
+def check_vae(net_path: str, vae_path: str | None,
+              guide_path: str | None = None) -> vae_lib.SDVAE | None:
+    """The SD VAE that decodes the samples of the network at `net_path`, or None for a
+    pixel-space net. Raises ValueError when a latent net comes without `--vae`, a
+    pixel-space net with one, or the guide's space differs from the net's; the errors
+    of `vae.load_vae` for a bad VAE file. Reads metadata and the VAE only."""
+    encoder = net_encoder(net_path)
+    if guide_path and net_encoder(guide_path) != encoder:
+        raise ValueError(f"--guide={guide_path} works in encoder {net_encoder(guide_path)!r} "
+                         f"space but --net={net_path} in {encoder!r}; guide a net with one "
+                         f"trained on the same data")
+    if encoder == "sd-vae" and not vae_path:
+        raise ValueError(f"{net_path} is a latent network (SD-VAE latents): its samples are "
+                         f"decoded by the SD VAE; pass --vae=PATH (the "
+                         f"diffusion_pytorch_model.safetensors or folder of "
+                         f"{vae_lib.SD_VAE_URL})")
+    if encoder == "none" and vae_path:
+        raise ValueError(f"--vae={vae_path} given, but {net_path} is a pixel-space network "
+                         f"(encoder 'none'): its samples are images already; drop --vae")
+    return vae_lib.load_vae(vae_path) if encoder == "sd-vae" else None
+
+
+def load_guide(guide_path: str | None, guide_ema: str | None, guidance: float
+               ) -> tuple[Precond, dict] | None:
+    """`(net, variables)` of the guide network for `guidance` (`load_net`), or None
+    without `guide_path`. Raises ValueError for guidance != 1 without a guide (it would
+    be ignored)."""
+    if not guide_path:
+        if guidance != 1:
+            raise ValueError(f"--guidance={guidance:g} needs --guide=PATH (an unconditional "
+                             f"net for CFG, a smaller or earlier one for autoguidance)")
+        return None
+    gnet, gvars, gdesc = load_net(guide_path, guide_ema)
+    print(f"Guidance {guidance:g} with guide {gdesc}")
+    return gnet, gvars
