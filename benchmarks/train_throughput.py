@@ -37,6 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from forward import random_variables  # noqa: E402
 
+from edm2_jax import configs  # noqa: E402
 from edm2_jax.ema import power as ema_lib  # noqa: E402
 from edm2_jax.training import optim as optim_lib  # noqa: E402
 from edm2_jax.training import sharding as shard_lib  # noqa: E402
@@ -46,14 +47,16 @@ from edm2_jax.training import step as step_lib  # noqa: E402
 
 
 def load_config(spec: str):
-    """`path/to/config.py[:variant]` -> `get_config(variant)` (big_vision style)."""
+    """`path/to/config.py[:variant]` -> `get_config(variant)` (big_vision style), its
+    `network.dtype` 'auto' resolved for this platform (`configs.resolve_dtype`)."""
     path, _, variant = spec.partition(":")
     if not os.path.isfile(path):
         raise SystemExit(f"--config: no such file {path!r} (e.g. configs/fashion_mnist.py:tiny)")
     mod_spec = importlib.util.spec_from_file_location("bench_config", path)
     mod = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(mod)
-    return mod.get_config(variant) if variant else mod.get_config()
+    config = mod.get_config(variant) if variant else mod.get_config()
+    return configs.resolve_dtype(config, jax.default_backend())
 
 
 def random_train_state(config, net, tx, seed: int = 0) -> dict:

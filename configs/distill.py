@@ -1,5 +1,5 @@
 """Few-step students: multistep consistency distillation of an EDM2 network
-(edm2_jax/training/distill.py, docs/distillation.md).
+(edm2_jax/objectives/distill.py, docs/distillation.md).
 
     # the quick start's run as teacher, a 4-step student (24 kimg, ~8 min on 2 CPU cores)
     python -m edm2_jax.main --config=configs/distill.py --workdir=runs/fmnist-4step \

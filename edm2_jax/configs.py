@@ -106,7 +106,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.backend = ml_collections.ConfigDict(dict(kernels="auto", cpu_conv_grad="relayout",
                                                cpu_barriers=True))
 
-    # Few-step distillation (training/distill.py, docs/distillation.md): with `teacher`
+    # Few-step distillation (objectives/distill.py, docs/distillation.md): with `teacher`
     # set (a run, snapshot, post-hoc EMA or converted network; `teacher_ema` picks a
     # run's EMA, default its largest), the run trains a multistep consistency student
     # of that network for `steps` sampling steps (1 to 8 typically), on the teacher's
@@ -206,6 +206,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
         need(v is not None and v > 0, "distill.rho", "must be positive, e.g. 7")
     need(str(c.network.dtype) in DTYPES, "network.dtype",
          f"one of {', '.join(DTYPES)} (auto: bfloat16 on GPU/TPU, float32 on CPU)")
+    need(float(c.loss.get("sigma_data", 0.5)) == float(c.network.get("sigma_data", 0.5)),
+         "loss.sigma_data", f"the data's standard deviation is one value: set it equal to "
+         f"network.sigma_data={c.network.get('sigma_data', 0.5)!r} (the preconditioning's), "
+         f"or set both")
 
 
 def compute_dtype(dtype: str, platform: str, recorded: str | None = None) -> str:

@@ -1,4 +1,4 @@
-"""Few-step generation: multistep consistency distillation (training/distill.py) and its
+"""Few-step generation: multistep consistency distillation (objectives/distill.py) and its
 sampler (sampling/consistency.py), against closed forms.
 
 Claims tested:
@@ -28,9 +28,9 @@ import pytest
 from jax import enable_x64
 
 from edm2_jax.sampling import consistency
-from edm2_jax.sampling import generate
+from edm2_jax import nets
 from edm2_jax.sampling import sampler as sampling
-from edm2_jax.training import distill
+from edm2_jax.objectives import distill
 from tests.test_train import xla_cache  # noqa: F401  (a fixture: the runs share compiles)
 
 # ---------------------------------------------------------------------------------------
@@ -320,11 +320,11 @@ def test_distillation_from_a_release_pickle_trains_and_resumes_bitwise(distill_r
 def test_student_images_depend_only_on_the_seed_and_generate_finds_its_sampler(
         distill_runs, tmp_path):
     run = str(distill_runs["full"])
-    kw = generate.student_sampler(run)
+    kw = nets.net_sampler(run)
     assert kw == dict(sampler="consistency", num_steps=2, teacher_steps=4, sigma_min=0.002,
                       sigma_max=80.0, rho=7.0)
-    assert generate.student_sampler(distill_runs["teacher"]) is None  # a diffusion net
-    net, variables, _ = generate.load_net(run)
+    assert nets.net_sampler(distill_runs["teacher"]) == {"num_steps": 32}  # a diffusion net
+    net, variables, _ = nets.load_net(run)
     a = np.asarray(sampling.sample_images(net, variables, np.arange(6), **kw))
     b = np.asarray(sampling.sample_images(net, variables, np.array([4, 1]), **kw))
     np.testing.assert_array_equal(a[[4, 1]], b)
@@ -335,7 +335,7 @@ def test_student_images_depend_only_on_the_seed_and_generate_finds_its_sampler(
     # A copy of the run elsewhere is still a student.
     dst = tmp_path / "copy"
     shutil.copytree(run, dst)
-    assert generate.student_sampler(str(dst)) == kw
+    assert nets.net_sampler(str(dst)) == kw
 
 
 @pytest.mark.slow
@@ -344,17 +344,17 @@ def test_post_hoc_ema_of_a_student_is_sampled_as_a_student(distill_runs, tmp_pat
     from edm2_jax.ema import posthoc, sweep
     run = str(distill_runs["full"])
     out, = posthoc.reconstruct(run, [0.07], out_dir=str(tmp_path / "phema"), progress=False)
-    assert generate.student_sampler(out) == generate.student_sampler(run)
-    net, variables, _ = generate.load_net(out)
+    assert nets.net_sampler(out) == nets.net_sampler(run)
+    net, variables, _ = nets.load_net(out)
     imgs = np.asarray(sampling.sample_images(net, variables, np.arange(2),
-                                             **generate.student_sampler(out)))
+                                             **nets.net_sampler(out)))
     assert imgs.shape == (2, 16, 16, 3)
     # `--mode=phema_sweep` measures each post-hoc EMA of a distillation run with the
     # student's few-step sampler, not with 32 Heun steps (63 evaluations of a network
     # trained for 2); a teacher keeps the Heun sampler; --steps replaces either's steps.
-    assert sweep.sampler_kwargs(out) == generate.student_sampler(run)
+    assert sweep.sampler_kwargs(out) == nets.net_sampler(run)
     assert sweep.sampler_kwargs(out)["sampler"] == "consistency"
-    assert sweep.sampler_kwargs(out, 4) == dict(generate.student_sampler(run), num_steps=4)
+    assert sweep.sampler_kwargs(out, 4) == dict(nets.net_sampler(run), num_steps=4)
     assert sweep.sampler_kwargs(distill_runs["teacher"]) == {"num_steps": 32}
     assert sweep.sampler_kwargs(distill_runs["teacher"], 8) == {"num_steps": 8}
 
@@ -479,12 +479,12 @@ def test_a_latent_network_distils_on_latents_and_its_student_stays_latent(tmp_pa
     r = loop.train_and_evaluate(config, str(tmp_path / "student"))
     assert r["finished"] and np.isfinite(r["loss/loss"])
     run = str(tmp_path / "student")
-    assert generate.net_encoder(run) == "sd-vae"
+    assert nets.net_encoder(run) == "sd-vae"
     with pytest.raises(ValueError, match="--vae"):
-        generate.check_vae(run, None)
-    net, variables, _ = generate.load_net(run)
+        nets.check_vae(run, None)
+    net, variables, _ = nets.load_net(run)
     x = sampling.sample_images(net, variables, np.arange(2), raw=True,
-                               **generate.student_sampler(run))
+                               **nets.net_sampler(run))
     assert x.shape == (2, R, R, 4) and np.all(np.isfinite(x))
 
 

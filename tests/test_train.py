@@ -651,6 +651,7 @@ def test_eval_during_training_logs_the_metric_of_the_snapshot_ema(tmp_path, monk
     numbers are those of the snapshot's largest EMA measured afterwards from the snapshot
     on disk (same seeds, same classifier from the cache), and the tracked EMA is the one
     evaluated (the online weights give other numbers)."""
+    from edm2_jax import nets
     from edm2_jax.sampling import generate
     from edm2_jax.evaluation.metrics import Metrics
     from edm2_jax.evaluation.classifier import TrainConfig
@@ -671,7 +672,7 @@ def test_eval_during_training_logs_the_metric_of_the_snapshot_ema(tmp_path, monk
                     classifier_config=TrainConfig(epochs=1, batch_size=8), log=False)
 
     def measure(ema):
-        net, variables, _ = generate.load_net(str(run / "snapshots" / "4"), ema)
+        net, variables, _ = nets.load_net(str(run / "snapshots" / "4"), ema)
         imgs = np.concatenate([b for _, b in generate.generate_images(
             net, variables, list(range(8)), batch_size=8, num_steps=2, progress=False)])
         return suite(imgs)

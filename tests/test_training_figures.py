@@ -40,7 +40,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from edm2_jax.training import loop, preemption
+from edm2_jax.training import loop, preemption, snapshot_outputs
 from edm2_jax.training.progress import NonFiniteLossError, Schedule, StepMetrics, status_line
 from tests.test_train import (FMNIST_CONFIG, REPO, TINY_OVERRIDES, _steps, make_image_folder,
                               tiny_config, xla_cache)  # noqa: F401
@@ -289,14 +289,14 @@ def test_a_signal_during_the_sample_grid_is_acknowledged_at_once_then_saved(
     checkpoint only at step 4): the line acknowledging it, naming the grid, comes before
     the grid's own line; the grid is written, then checkpoint 2, and the run stops
     there."""
-    grid = loop.save_sample_grid
+    grid = snapshot_outputs.save_sample_grid
 
     def grid_with_a_signal(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)
         grid(*args, **kwargs)
         print("<grid returned>")
 
-    monkeypatch.setattr(loop, "save_sample_grid", grid_with_a_signal)
+    monkeypatch.setattr(snapshot_outputs, "save_sample_grid", grid_with_a_signal)
     run = tmp_path / "run"
     cfg = tiny_config(data, snapshot_kimg=0.016, checkpoint_kimg=0.032)
     r = loop.train_and_evaluate(cfg, str(run))

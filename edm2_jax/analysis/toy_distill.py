@@ -3,7 +3,7 @@ students (docs/toy_2d.md, "Distilled into few steps").
 
 Multistep consistency distillation (Heek, Hoogeboom & Salimans 2024, arXiv:2403.06807,
 Alg. 1; `K = 1` is the consistency distillation of Song et al. 2023, arXiv:2303.01469,
-Eq. 7) in EDM's sigma parametrisation, with the pieces of `training.distill` and the
+Eq. 7) in EDM's sigma parametrisation, with the pieces of `objectives.distill` and the
 sampler of `sampling.consistency`. The teacher is the toy's conditional main denoiser
 (`toy.run`'s 'main': same net, training and seed); each student is a copy of it,
 initialised from its weights and trained with Adam (inverse-sqrt decay, forced weight
@@ -50,7 +50,7 @@ from edm2_jax.ema import power as ema_lib
 from edm2_jax.model import mp
 from edm2_jax.sampling import consistency
 from edm2_jax.sampling import sampler as sampling
-from edm2_jax.training import distill
+from edm2_jax.objectives import distill
 
 Array = jax.Array
 

@@ -160,16 +160,21 @@ def edm2_loss(params: Any, buffers: Any, net: Any, images: Array, labels: Array 
     """
     loss, logvar, sigma = edm2_loss_per_element(params, buffers, net, images, labels, rng,
                                                 **kwargs)
-    per_image = jnp.sum(loss, axis=(1, 2, 3))
-    lv = logvar[:, None, None, None]
-    aux = {
+    return jnp.sum(loss, axis=(1, 2, 3)), loss_metrics(loss, logvar, sigma)
+
+
+def loss_metrics(loss: Array, logvar: Array, sigma: Array) -> dict[str, Array]:
+    """The logged means of a batch's Eq. 21 loss: `loss` (per element, the release's
+    `Loss/loss`), `weighted_mse` (`weight * (D - y)^2` per element), `logvar`, `sigma`
+    (mean noise level), `log_sigma`; from the per-element `loss` `[B, H, W, C]`, the
+    per-image `logvar` `[B]` and noise levels `sigma` `[B]`. float32 scalars."""
+    return {
         "loss": jnp.mean(loss),
-        "weighted_mse": jnp.mean(weighted_mse(loss, lv)),
+        "weighted_mse": jnp.mean(weighted_mse(loss, logvar[:, None, None, None])),
         "logvar": jnp.mean(logvar),
         "sigma": jnp.mean(sigma),
         "log_sigma": jnp.mean(jnp.log(sigma)),
     }
-    return per_image, aux
 
 
 def edm2_objective(params: Any, buffers: Any, net: Any, images: Array, labels: Array | None,

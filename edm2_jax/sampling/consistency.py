@@ -1,6 +1,6 @@
 """Few-step sampling of a multistep consistency student (docs/distillation.md).
 
-A student distilled by `training.distill` (multistep consistency distillation, Heek,
+A student distilled by `objectives.distill` (multistep consistency distillation, Heek,
 Hoogeboom & Salimans 2024, arXiv:2403.06807; `K = 1` is the consistency distillation of
 Song et al. 2023, arXiv:2303.01469) is an EDM `Precond` network whose output `x0_hat =
 D_student(x_t; t)` is the clean image that, stepped by DDIM from `t` to the end `s` of

@@ -4,13 +4,16 @@
     from edm2_jax.training import loop
     loop.train_and_evaluate(configs.base_config(), "runs/fmnist")
 
-The loop takes the set-up steps of `setup.py` (data, config check, evaluation, model,
-state), then runs the jitted step of `step.py`, reports on `progress.py`'s schedule,
-and at every snapshot writes the EMAs, a sample grid and the evaluation. What it writes
-is `edm2_jax.run`'s; the resume check is `resume.py`'s, preemption `preemption.py`'s.
+`set_up` takes the set-up steps of `setup.py` (objective, data, the run's config, config
+check, evaluation, model, state); `StepLoop` runs the jitted step of `step.py`, reports
+on `progress.py`'s schedule, and at every snapshot writes the EMAs, a sample grid and
+the evaluation (`snapshot_outputs.py`). Nothing here asks which objective runs. What it
+writes is `edm2_jax.run`'s; the resume check is `resume.py`'s, preemption
+`preemption.py`'s.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -24,13 +27,9 @@ from edm2_jax import configs
 from edm2_jax import data as data_lib
 from edm2_jax import paths
 from edm2_jax.ema import power as ema_lib
-from edm2_jax.model.networks import Precond
 from edm2_jax.run import checkpoints, layout, lock
 from edm2_jax.run.checkpoints import CheckpointSaveError  # noqa: F401 (raised by train_and_evaluate)
 from edm2_jax.run.stats import StatsLogger
-from edm2_jax.sampling import consistency
-from edm2_jax.sampling import sampler as sampling
-from edm2_jax.training import distill as distill_lib
 from edm2_jax.training import preemption
 from edm2_jax.training import probes
 from edm2_jax.training import resume
@@ -39,122 +38,52 @@ from edm2_jax.training.rescue import (default_rate, optim_history, rescue_flags,
 from edm2_jax.training import setup
 from edm2_jax.training import sharding as shard_lib
 from edm2_jax.training import step as step_lib
+from edm2_jax.training.snapshot_outputs import grid_and_eval
 from edm2_jax.training.progress import NonFiniteLossError, Schedule, StepMetrics, status_line
 
 # --------------------------------------------------------------------------------------
-# At each snapshot: sample grid and evaluation
+# Set-up
 
 
-def emas_on_host(state: dict, keys: list[str]) -> dict:
-    """`{key: EMA variables}` as host arrays, each gathered once (a collective on every
-    process, in the same order everywhere) however many consumers want it."""
-    return {k: shard_lib.to_host({"params": state["ema"]["power"][k],
-                                  "buffers": state["buffers"]})
-            for k in dict.fromkeys(keys)}
+@dataclasses.dataclass
+class Run:
+    """What `set_up` makes for the step loop: the run's config as it trains, its model
+    and train state, data, evaluation and checkpoint managers, and `current`, the
+    config as config.json records it."""
+    config: ml_collections.ConfigDict
+    workdir: str
+    is_main: bool
+    model: setup.Model
+    state: dict
+    resumed: bool
+    source: Any
+    eval_key: str | None
+    evaluator: Any
+    managers: checkpoints.TrainCheckpoints
+    current: dict
 
 
-def sampler_settings(config: ml_collections.ConfigDict) -> dict:
-    """The sampler of the run's sample grids: the Heun sampler of `config.sample`, or a
-    distillation run's few-step sampler (`distill.py`)."""
-    if distill_lib.enabled(config):
-        return consistency.sampler_kwargs(config.distill)
-    return dict(num_steps=int(config.sample.num_steps))
-
-
-def save_sample_grid(config: ml_collections.ConfigDict, net: Precond, variables: dict,
-                     path: str) -> None:
-    """A `config.sample` grid of images of `variables` (one class per column) at `path`."""
-    rows, cols = int(config.sample.grid_rows), int(config.sample.grid_cols)
-    seeds = np.arange(rows * cols) + int(config.sample.seed)
-    labels = None
-    if net.label_dim:
-        labels = jax.nn.one_hot(np.arange(rows * cols) % net.label_dim, net.label_dim)
-    imgs = sampling.sample_images(net, variables, sampling.split_seeds(seeds), labels,
-                                  rng=str(config.sample.get("rng", "jax")),
-                                  **sampler_settings(config))
-    while not imgs.is_ready():  # waits in Python: a signal is acknowledged at once
-        time.sleep(0.05)
-    paths.write_through_local(  # PIL writes local files
-        path, lambda local: sampling.save_image_grid(np.asarray(imgs), local, rows, cols))
-
-
-def eval_line(nimg: int, ema_key: str, res: dict) -> str:
-    """The log line of an evaluation's results `res` (`eval/<metric>` -> value)."""
-    return (f"kimg {nimg / 1000:9.3f}  eval (EMA {ema_key}): " + "  ".join(
-        f"{k[5:]} {v:.4g}" for k, v in res.items()
-        if k != "eval/time_s" and not k.startswith("eval/num_"))
-        + f"  [{res['eval/time_s']:.1f} s]")
-
-
-def grid_and_eval(config: ml_collections.ConfigDict, net: Precond, state: dict, workdir: str,
-                  nimg: int, step: int, stop: preemption.StopRequest, sample_key: str,
-                  snapshot_keys: list[str], evaluator: Any, logger: Any, is_main: bool
-                  ) -> None:
-    """At a snapshot: the sample grid of EMA `sample_key` (process 0) and the evaluation
-    (`evaluator`, process 0, when configured), each announced as it starts, through the
-    bar. A signal meanwhile is acknowledged at once (`stop.doing`): the grid or the
-    evaluation in progress finishes, the evaluation not yet begun is skipped."""
-    host = emas_on_host(state, snapshot_keys)  # every process
-    if is_main:
-        t, n = time.time(), int(config.sample.grid_rows) * int(config.sample.grid_cols)
-        steps = sampler_settings(config)["num_steps"]
-        tqdm.write(f"Sample grid: {n} images of EMA sigma_rel={sample_key}, "
-                   f"{steps} steps...")
-        path = layout.samples_path_at(workdir, nimg)
-        with stop.doing("the sample grid"):
-            save_sample_grid(config, net, host[sample_key], path)
-        tqdm.write(f"Sample grid (EMA sigma_rel={sample_key}, {steps} "
-                   f"steps, one class per column): {path} [{time.time() - t:.1f} s]")
-    if evaluator is not None:
-        if stop.signal is not None:
-            tqdm.write(f"kimg {nimg / 1000:9.3f}  evaluation skipped: stopping")
-            return
-        tqdm.write(f"Evaluation (EMA {evaluator.ema_key}): {evaluator.metrics.names} of "
-                   f"{evaluator.num_images} images...")
-        with stop.doing("the evaluation"):
-            res = evaluator(net, host[evaluator.ema_key])
-        if logger:
-            logger.log(dict(kimg=nimg / 1000, step=step, **res))
-        tqdm.write(eval_line(nimg, evaluator.ema_key, res))
-
-
-# --------------------------------------------------------------------------------------
-# The loop
-
-
-def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.StopRequest,
-           process_setup: Any, default_ref_lr: float | None) -> dict:
-    """`train_and_evaluate`'s body, run holding the run's lock and the signal handlers."""
+def set_up(config: ml_collections.ConfigDict, workdir: str, process_setup: Any) -> Run:
+    """The set-up steps of `setup.py`, each failing before anything costly when its part
+    of the config is wrong: the objective; the data (a broken dataset fails before
+    anything is compiled); the run's config; the config check (same run, or a clear
+    error before any step); the evaluation; the model and its state (checked against its
+    checksums); the config recorded only then. Each stage that may take a while says so
+    as it starts."""
     is_main = jax.process_index() == 0
-
-    # Set-up, each step failing before anything costly when its part of the config is
-    # wrong: the compute dtype made concrete; the data (a broken dataset fails before
-    # anything is compiled); the config check (same run, or a clear error before any
-    # step); the evaluation; the model and its state (checked against its checksums);
-    # the config recorded only then. Each stage that may take a while says so as it starts.
-    config = setup.setup_precision(config, workdir)
-    config = setup.setup_teacher(config)
+    start = setup.setup_objective(config)
     print(f"Loading the data ({config.data.source})...", flush=True)
-    source, config = setup.setup_data(config)
+    source = setup.setup_data(config)
+    config = setup.run_config(config, workdir, start, source)
     print(f"Data: {data_lib.describe(source)}", flush=True)
     current = resume.check_config(workdir, config)
-    eval_key, evaluator = setup.setup_eval(config, is_main)
-    batch_size = int(config.batch_size)
+    eval_key, evaluator = setup.setup_eval(config, start.objective, is_main)
     num_devices = None
     if process_setup is not None:
         num_devices = process_setup.num_devices(
-            batch_size, lambda d: step_lib.batch_splits(config, d))
-    model = setup.setup_model(config, num_devices)
-    mesh, net = model.mesh, model.net
-    n_params = sum(int(np.prod(x.shape)) for x in
-                   jax.tree.leaves(model.abstract_state["params"]))
-    print(f"Network: {n_params:,} parameters, {setup.precision(config.network.dtype)}; batch "
-          f"{batch_size} on {mesh.size} device(s) of {jax.process_count()} process(es), mesh "
-          f"{dict(mesh.shape)}, {model.num_accum} micro-batch(es) per step; EMAs "
-          f"sigma_rel={list(config.ema.sigma_rels)}")
-    line = process_setup.log_line() if process_setup is not None else None
-    if line:
-        print(line)
+            int(config.batch_size), lambda d: step_lib.batch_splits(config, d))
+    model = setup.setup_model(config, start, num_devices)
+    print_model(config, model, process_setup)
     resume_step = setup.effective_resume_step(config, workdir)
     managers = checkpoints.TrainCheckpoints(workdir, keep=int(config.keep_checkpoints))
     which = f"checkpoint {resume_step}" if resume_step else "the newest checkpoint"
@@ -166,135 +95,212 @@ def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.Sto
     except BaseException:
         managers.abandon()
         raise
-    step0 = stop.step = int(state["step"])
     # config.json records the run's config and the learning rate of each start
     # (`optim_history`), which a rescue from divergence suggests.
-    current = dict(current, optim_history=optim_history(layout.read_config(workdir), current,
-                                                        step0))
+    current = dict(current, optim_history=optim_history(
+        layout.read_config(workdir), current, int(state["step"])))
     if is_main:
         resume.record_config(workdir, current)
-    sched = Schedule.from_config(config)
+    return Run(config, workdir, is_main, model, state, resumed, source, eval_key, evaluator,
+               managers, current)
 
-    nimg = step0 * batch_size
-    if step0 >= sched.total_steps:
-        print(f"Run in {workdir} is already finished at {nimg / 1000:.3f} kimg "
-              f"(total_kimg={config.total_kimg}). Nothing to do.")
-        managers.close()
-        return {"kimg": nimg / 1000, "finished": True}
-    print(f"{'Resuming' if resumed else 'Starting'} in {workdir} at step {step0}, "
-          f"{nimg / 1000:.3f} kimg", flush=True)
 
-    step_fn = step_lib.jit_train_step(
-        step_lib.make_train_step(config, net, model.tx, model.num_accum), mesh,
-        model.state_sharding)
-    it = data_lib.make_iterator(source, global_batch=batch_size, seed=int(config.seed),
-                                start_nimg=nimg, process_index=jax.process_index(),
-                                process_count=jax.process_count(),
-                                num_workers=int(config.data.num_workers))
-    logger = StatsLogger(workdir, nimg) if is_main else None  # rows past nimg dropped
-    sample_key = ema_lib.ema_key(max(config.ema.sigma_rels))
-    snapshot_keys = [sample_key] + ([eval_key] if eval_key else [])
-    consensus = preemption.StopConsensus(stop, mesh)
-    diag = (probes.Diagnostics(config, net, model.tx, source)
-            if config.get("diagnostics") and config.diagnostics.enabled else None)
-    if diag is not None and step0 == 0:  # the fresh network (every process)
-        res = diag(state)
-        if logger:
-            logger.log(dict(kimg=0.0, step=0, **res))
-    metrics_log = StepMetrics(batch_size, workdir, nimg)
-    last: dict = {}
-    step = step0
-    stopping = consensus.before_start()
-    if not stopping:
-        print("Compiling the training step (the first step; up to ~1 min on CPU)...",
-              flush=True)
-    bar = None  # from the first step on (its ETA leaves the compile out); lines: tqdm.write
+def print_model(config: ml_collections.ConfigDict, model: setup.Model,
+                process_setup: Any) -> None:
+    """The start-up lines of the network, its precision, batch, mesh and EMAs."""
+    n_params = sum(int(np.prod(x.shape)) for x in
+                   jax.tree.leaves(model.abstract_state["params"]))
+    print(f"Network: {n_params:,} parameters, {setup.precision(config.network.dtype)}; batch "
+          f"{int(config.batch_size)} on {model.mesh.size} device(s) of "
+          f"{jax.process_count()} process(es), mesh {dict(model.mesh.shape)}, "
+          f"{model.num_accum} micro-batch(es) per step; EMAs "
+          f"sigma_rel={list(config.ema.sigma_rels)}")
+    line = process_setup.log_line() if process_setup is not None else None
+    if line:
+        print(line)
 
-    def report() -> dict:
-        """The status line after `step`, then the probes (their time left out of img/s)."""
-        stats = metrics_log.status(step)
-        if logger:
-            logger.log(stats)
+
+# --------------------------------------------------------------------------------------
+# The step loop
+
+
+class StepLoop:
+    """The training steps of a `Run`, from its state to `config.total_kimg` or a stop:
+    each step, then what is due after it (status line, snapshot with its sample grid
+    and evaluation, checkpoint). Whether to stop is decided in `poll_stop` alone, the
+    same on every process (`preemption.StopConsensus`)."""
+
+    def __init__(self, run: Run, stop: preemption.StopRequest):
+        config, model = run.config, run.model
+        self.run, self.stop, self.config = run, stop, config
+        self.state, self.batch_size = run.state, int(config.batch_size)
+        self.step0 = self.step = stop.step = int(run.state["step"])
+        self.sched = Schedule.from_config(config)
+        self.sampler = model.start.objective.sampler_kwargs(int(config.sample.num_steps))
+        self.sample_key = ema_lib.ema_key(max(config.ema.sigma_rels))
+        self.snapshot_keys = [self.sample_key] + ([run.eval_key] if run.eval_key else [])
+        self.consensus = preemption.StopConsensus(stop, model.mesh)
+        self.stopping, self.last, self.bar = False, {}, None
+        self.it = self.logger = None
+
+    @property
+    def nimg(self) -> int:
+        return self.step * self.batch_size
+
+    def start(self) -> None:
+        """The compiled step, the data iterator from the run's position, the logs, and
+        the probes of the fresh network (step 0)."""
+        run, config = self.run, self.config
+        self.step_fn = run.model.train_step(config)
+        self.it = data_lib.make_iterator(
+            run.source, global_batch=self.batch_size, seed=int(config.seed),
+            start_nimg=self.nimg, process_index=jax.process_index(),
+            process_count=jax.process_count(), num_workers=int(config.data.num_workers))
+        self.logger = StatsLogger(run.workdir, self.nimg) if run.is_main else None
+        self.diag = (probes.Diagnostics(config, run.model.net, run.model.tx, run.source)
+                     if config.get("diagnostics") and config.diagnostics.enabled else None)
+        if self.diag is not None and self.step == 0:  # the fresh network (every process)
+            self.log(dict(kimg=0.0, step=0, **self.diag(self.state)))
+        self.metrics_log = StepMetrics(self.batch_size, run.workdir, self.nimg)
+
+    def log(self, row: dict) -> None:
+        if self.logger:
+            self.logger.log(row)
+
+    def poll_stop(self, point: str) -> bool:
+        """Whether to stop, asked of every process at `point` ('start', 'step', or
+        'grid': between steps, after a sample grid); once True, it stays True."""
+        if not self.stopping:
+            self.stopping = {"start": self.consensus.before_start,
+                             "step": self.consensus.after_step,
+                             "grid": self.consensus.between_steps}[point]()
+        return self.stopping
+
+    def steps(self) -> None:
+        """Train until `total_kimg` or a stop."""
+        if not self.poll_stop("start"):
+            print("Compiling the training step (the first step; up to ~1 min on CPU)...",
+                  flush=True)
+        mesh = self.run.model.mesh
+        while self.step < self.sched.total_steps and not self.stopping:
+            batch = shard_lib.global_batch(mesh, next(self.it))
+            self.state, metrics = self.step_fn(self.state, batch)
+            self.step += 1
+            self.stop.step = self.step
+            self.poll_stop("step")
+            self.metrics_log.add(metrics, self.step - 1)
+            self.advance_bar()
+            self.after_step()
+
+    def advance_bar(self) -> None:
+        """The progress bar, from the first step on (its ETA leaves the compile out)."""
+        if self.bar is None:
+            self.bar = tqdm(total=self.sched.total_steps, initial=self.step, unit="step",
+                            disable=not self.run.is_main, dynamic_ncols=True, mininterval=2.0)
+        else:
+            self.bar.update(1)
+
+    def after_step(self) -> None:
+        """The status line, snapshot and checkpoint that are due after this step."""
+        done = self.step >= self.sched.total_steps
+        reported = self.sched.status_due(self.step) or done or self.stopping
+        if reported:
+            self.report()
+        if self.sched.snapshot_due(self.step) or done:
+            self.snapshot(done, reported)
+        if self.sched.checkpoint_due(self.step) or done or self.stopping:
+            self.metrics_log.check()
+            self.run.managers.save_state(self.step, self.state)
+
+    def report(self) -> None:
+        """The status line after this step, then the probes (their time left out of img/s)."""
+        self.last = stats = self.metrics_log.status(self.step)
+        self.log(stats)
         tqdm.write(status_line(stats))
-        if diag is not None:  # every process
-            with metrics_log.excluded():
-                res = diag(state)
-            if logger:
-                logger.log(dict(kimg=nimg / 1000, step=step, **res))
-        return stats
+        if self.diag is not None:  # every process
+            with self.metrics_log.excluded():
+                res = self.diag(self.state)
+            self.log(dict(kimg=self.nimg / 1000, step=self.step, **res))
 
+    def snapshot(self, done: bool, reported: bool) -> None:
+        """The EMAs saved, then (unless stopping) the sample grid and the evaluation."""
+        run, config, nimg = self.run, self.config, self.nimg
+        self.metrics_log.check()
+        run.managers.save_snapshot(self.step, nimg, self.state["ema"],
+                                   tuple(config.ema.sigma_rels), self.batch_size,
+                                   buffers=self.state["buffers"])
+        if self.stopping and not done:  # the same decision on every process
+            tqdm.write(f"kimg {nimg / 1000:9.3f}  sample grid and evaluation "
+                       f"skipped: stopping (the snapshot is saved)")
+            return
+        with self.metrics_log.excluded():
+            grid_and_eval(config, run.model.net, self.state, run.workdir, nimg, self.step,
+                          self.stop, self.sample_key, self.snapshot_keys, run.evaluator,
+                          self.logger, run.is_main, self.sampler)
+        # A signal during the grid: saved now (one process; with several, the next
+        # step's collective decides).
+        if self.poll_stop("grid") and not reported:
+            self.report()
+
+    def close(self, failed: bool) -> None:
+        """The bar, the iterator and the logs closed; the checkpoint managers closed
+        (waiting for the asynchronous saves) or, when failing, abandoned (the first
+        error is the one raised)."""
+        if self.bar is not None:
+            self.bar.close()
+        if self.it is not None and hasattr(self.it, "close"):
+            self.it.close()
+        if self.logger:
+            self.logger.close()
+        if failed:
+            self.run.managers.abandon()
+        else:
+            self.run.managers.close()
+
+    def ending(self) -> dict:
+        """The last line, and `train_and_evaluate`'s result."""
+        nimg = self.nimg
+        if self.stopping and self.step < self.sched.total_steps:
+            saved = (f"checkpoint {self.step} saved" if self.step > self.step0
+                     else "no new step to save")
+            stop = self.stop
+            why = (f"signal {stop.signal} (received {stop.where(stop.received_at)})"
+                   if stop.signal else "a signal to another process")
+            print(f"Stopped by {why} at step {self.step}, {nimg / 1000:.3f} kimg; {saved}. "
+                  f"Re-run the same command to resume.", flush=True)
+            return dict(self.last, finished=False, step=self.step)
+        print(f"Training finished at {nimg / 1000:.3f} kimg in "
+              f"{time.time() - self.metrics_log.t_start:.0f} s.")
+        return dict(self.last, finished=True)
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.StopRequest,
+           process_setup: Any, default_ref_lr: float | None) -> dict:
+    """`train_and_evaluate`'s body, run holding the run's lock and the signal handlers."""
+    run = set_up(config, workdir, process_setup)
+    loop = StepLoop(run, stop)
+    if loop.step >= loop.sched.total_steps:
+        print(f"Run in {workdir} is already finished at {loop.nimg / 1000:.3f} kimg "
+              f"(total_kimg={run.config.total_kimg}). Nothing to do.")
+        run.managers.close()
+        return {"kimg": loop.nimg / 1000, "finished": True}
+    print(f"{'Resuming' if run.resumed else 'Starting'} in {workdir} at step {loop.step}, "
+          f"{loop.nimg / 1000:.3f} kimg", flush=True)
     try:
-        while step < sched.total_steps and not stopping:
-            state, metrics = step_fn(state, shard_lib.global_batch(mesh, next(it)))
-            step += 1
-            stop.step = step
-            stopping = consensus.after_step()
-            metrics_log.add(metrics, step - 1)
-            if bar is None:
-                bar = tqdm(total=sched.total_steps, initial=step, unit="step",
-                           disable=not is_main, dynamic_ncols=True, mininterval=2.0)
-            else:
-                bar.update(1)
-            nimg = step * batch_size
-            done = step >= sched.total_steps
-
-            reported = sched.status_due(step) or done or stopping
-            if reported:
-                last = report()
-
-            if sched.snapshot_due(step) or done:
-                metrics_log.check()
-                managers.save_snapshot(step, nimg, state["ema"], tuple(config.ema.sigma_rels),
-                                       batch_size, buffers=state["buffers"])
-                if stopping and not done:  # the same decision on every process
-                    tqdm.write(f"kimg {nimg / 1000:9.3f}  sample grid and evaluation "
-                               f"skipped: stopping (the snapshot is saved)")
-                else:
-                    with metrics_log.excluded():
-                        grid_and_eval(config, net, state, workdir, nimg, step, stop,
-                                      sample_key, snapshot_keys, evaluator, logger, is_main)
-                    # A signal during the grid: saved now (one process; with several,
-                    # the next step's collective decides).
-                    stopping = stopping or consensus.between_steps()
-                    if stopping and not reported:
-                        last = report()
-
-            if sched.checkpoint_due(step) or done or stopping:
-                metrics_log.check()
-                managers.save_state(step, state)
+        loop.start()
+        loop.steps()
     except (NonFiniteLossError, checkpoints.NonFiniteStateError) as e:
-        failed = e
-        if is_main:  # the rescue's --config.resume_step is to be applied (again)
-            layout.write_config(workdir, dict(current, resume_step=0))
-        raise NonFiniteLossError(
-            str(e) + rescue_hint(managers, config, current["optim_history"],
-                                 default_ref_lr)) from None
+        if run.is_main:  # the rescue's --config.resume_step is to be applied (again)
+            layout.write_config(workdir, dict(run.current, resume_step=0))
+        hint = rescue_hint(run.managers, run.config, run.current["optim_history"],
+                           default_ref_lr)
+        loop.close(failed=True)
+        raise NonFiniteLossError(str(e) + hint) from None
     except BaseException:
-        failed = True
+        loop.close(failed=True)
         raise
-    else:
-        failed = None
-    finally:
-        if bar is not None:
-            bar.close()
-        it.close() if hasattr(it, "close") else None
-        if logger:
-            logger.close()
-        if failed is None:
-            managers.close()  # waits for the asynchronous saves
-        else:  # already failing: the first error is the one raised
-            managers.abandon()
-
-    if stopping and step < sched.total_steps:
-        saved = f"checkpoint {step} saved" if step > step0 else "no new step to save"
-        why = (f"signal {stop.signal} (received {stop.where(stop.received_at)})" if stop.signal
-               else "a signal to another process")
-        print(f"Stopped by {why} at step {step}, {nimg / 1000:.3f} kimg; {saved}. Re-run the "
-              f"same command to resume.", flush=True)
-        return dict(last, finished=False, step=step)
-    print(f"Training finished at {nimg / 1000:.3f} kimg in "
-          f"{time.time() - metrics_log.t_start:.0f} s.")
-    return dict(last, finished=True)
+    loop.close(failed=False)
+    return loop.ending()
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,

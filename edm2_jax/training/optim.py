@@ -117,12 +117,31 @@ def _stateless_update(tx: optax.GradientTransformation) -> Callable:
     return update_fn
 
 
+def learning_rate_schedule(optim_cfg: Any, batch_size: int) -> Callable[[Any], Array]:
+    """`nimg -> learning rate` of `optim_cfg` (`learning_rate` with its `ref_lr`, `t_ref`,
+    `rampup_kimg`): the schedule `make_optimizer`'s chain applies, and the training step
+    logs. Raises KeyError naming a missing field."""
+    for key in ("ref_lr", "t_ref", "rampup_kimg"):
+        if _get(optim_cfg, key, None) is None:
+            raise KeyError(f"make_optimizer: optim config needs {key!r} "
+                           "(see configs.base_config().optim)")
+    ref_lr = float(optim_cfg["ref_lr"])
+    t_ref = float(optim_cfg["t_ref"])
+    rampup_kimg = float(optim_cfg["rampup_kimg"])
+
+    def lr_fn(nimg):
+        return learning_rate(nimg, batch_size=batch_size, ref_lr=ref_lr, t_ref=t_ref,
+                             rampup_kimg=rampup_kimg)
+
+    return lr_fn
+
+
 def make_optimizer(optim_cfg: Any, batch_size: int) -> optax.GradientTransformationExtraArgs:
     """The EDM2 optimiser as one optax chain.
 
     Chain: `force_finite()` -> `clip_by_global_norm(grad_clip)` (only if `grad_clip > 0`;
     both in one stateless element, so the state's arrays do not depend on `grad_clip`) ->
-    `scale_by_adam(beta1, beta2, eps)` -> `scale_by_nimg_schedule(learning_rate)`.
+    `scale_by_adam(beta1, beta2, eps)` -> `scale_by_nimg_schedule(learning_rate_schedule)`.
     Force-finite comes first so that a single inf/NaN entry cannot turn the global norm
     (and thus every clipped gradient) non-finite.
 
@@ -137,18 +156,8 @@ def make_optimizer(optim_cfg: Any, batch_size: int) -> optax.GradientTransformat
     Raises:
       KeyError naming a missing required field.
     """
-    for key in ("ref_lr", "t_ref", "rampup_kimg"):
-        if _get(optim_cfg, key, None) is None:
-            raise KeyError(f"make_optimizer: optim config needs {key!r} "
-                           "(see configs.base_config().optim)")
-    ref_lr = float(optim_cfg["ref_lr"])
-    t_ref = float(optim_cfg["t_ref"])
-    rampup_kimg = float(optim_cfg["rampup_kimg"])
+    lr_fn = learning_rate_schedule(optim_cfg, batch_size)
     grad_clip = float(_get(optim_cfg, "grad_clip", 0.0) or 0.0)
-
-    def lr_fn(nimg):
-        return learning_rate(nimg, batch_size=batch_size, ref_lr=ref_lr, t_ref=t_ref,
-                             rampup_kimg=rampup_kimg)
 
     # The clip, when on, is chained *inside* one stateless element: the optimiser state
     # then has the same arrays whatever grad_clip is, so that it may change on resume

@@ -9,12 +9,12 @@ from typing import Any
 
 import numpy as np
 
+from edm2_jax import objectives
 from edm2_jax.ema import power as ema_lib
 from edm2_jax.evaluation import classifier as cls_lib
 from edm2_jax.evaluation.metrics import Metrics
 from edm2_jax.model import vae as vae_lib
-from edm2_jax.sampling import consistency, generate
-from edm2_jax.training import distill
+from edm2_jax.sampling import generate
 
 
 class TrainingEval:
@@ -29,6 +29,9 @@ class TrainingEval:
     `ref_split`, `classifier_epochs`, `classifier_batch_size`, `vae` (the SD VAE that
     decodes a latent run's samples and reference latents to RGB before measuring;
     required when `data.encoder='sd-vae'`, refused otherwise).
+
+    `objective` (`edm2_jax.objectives`, default the config's): its sampler generates the
+    images, a distillation run's student's own few-step one.
 
     Construction prepares the references (and trains the classifier once if it is not
     cached), so a config error or a missing dataset fails before the first step.
@@ -47,7 +50,7 @@ class TrainingEval:
                              f"(ema.sigma_rels={tracked}); pick one of them or 0 (largest)")
         return ema_lib.ema_key(sigma_rel)
 
-    def __init__(self, config: Any, log: bool = True):
+    def __init__(self, config: Any, objective: Any = None, log: bool = True):
         e = config.eval
         self.num_images, self.num_steps = int(e.num_images), int(e.num_steps)
         self.batch_size, self.seed = int(e.batch_size), int(e.seed)
@@ -55,9 +58,9 @@ class TrainingEval:
             raise ValueError(f"eval.num_images={self.num_images}: need at least 4 images")
         self.ema_key = self.ema_key_of(config)
         self.vae = self.vae_of(config)
-        # A distillation run's student is measured with its own few-step sampler.
-        self.sampler = (consistency.sampler_kwargs(config.distill) if distill.enabled(config)
-                        else dict(num_steps=self.num_steps))
+        # The objective's sampler: a distillation run's student's own few-step sampler.
+        objective = objective or objectives.from_config(config)
+        self.sampler = objective.sampler_kwargs(self.num_steps)
         self.num_steps = self.sampler["num_steps"]
         t = time.time()
         if log:

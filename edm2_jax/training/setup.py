@@ -1,45 +1,35 @@
 """The training loop's set-up steps, in the order `loop.train_and_evaluate` takes them,
 each failing before anything costly when its part of the config is wrong:
 
-    config = setup_precision(config, workdir)    # network.dtype 'auto' made concrete
-    config = setup_teacher(config)               # a distillation run: the teacher's network
-    source, config = setup_data(config)          # the data first: a broken dataset fails
-    eval_key, evaluator = setup_eval(config, is_main)   # before anything is compiled
-    model = setup_model(config, num_devices)     # mesh, network, optimiser, shapes
+    start = setup_objective(config)              # the objective, chosen once; its network
+    source = setup_data(config)                  # the data: a broken dataset fails first
+    config = run_config(config, workdir, start, source)   # the config, built once
+    eval_key, evaluator = setup_eval(config, start.objective, is_main)
+    model = setup_model(config, start, num_devices)   # mesh, network, optimiser, shapes
     state, resumed, managers = restore_or_init(config, model, managers, resume_step)
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import ml_collections
+import numpy as np
 import optax
 
 from edm2_jax import configs
 from edm2_jax import data as data_lib
+from edm2_jax import objectives
 from edm2_jax.model.networks import Precond
 from edm2_jax.run import checkpoints, integrity, layout
-from edm2_jax.sampling import generate
-from edm2_jax.training import distill as distill_lib
+from edm2_jax import nets
 from edm2_jax.training import optim as optim_lib
 from edm2_jax.training import sharding as shard_lib
 from edm2_jax.training import step as step_lib
 from edm2_jax.training.periodic_eval import TrainingEval
 from edm2_jax.training.state import init_train_state, make_network
-
-
-def setup_precision(config: ml_collections.ConfigDict, workdir: str
-                    ) -> ml_collections.ConfigDict:
-    """A copy of `config` whose `network.dtype` is concrete (`configs.resolve_dtype`), the
-    one the run trains in and records: 'auto' becomes, for a run resumed in `workdir`,
-    the dtype its config.json records (a run keeps its precision), else this platform's
-    (`jax.default_backend()`: bfloat16 on GPU/TPU, float32 on CPU)."""
-    saved = layout.read_config(workdir) or {}
-    recorded = (saved.get("network") or {}).get("dtype")
-    return configs.resolve_dtype(config, jax.default_backend(), recorded)
 
 
 def precision(dtype: str) -> str:
@@ -51,80 +41,116 @@ def precision(dtype: str) -> str:
     return f"{dtype} compute (float32 params, EMAs, loss)"
 
 
-def setup_teacher(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """For a distillation run (`config.distill.teacher`, `distill.py`): a copy of
-    `config` whose network is the teacher's (its `dtype` the config's), read from the
-    teacher's metadata alone; any other config unchanged. Raises ValueError naming the
-    flag for a teacher path that holds no network, FileNotFoundError where there is
-    nothing."""
-    if not distill_lib.enabled(config):
-        return config
-    distill_lib.check_settings(config.distill)
-    path = str(config.distill.teacher)
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """What a run starts from: its objective (`edm2_jax.objectives`), and the network
+    the objective starts it from, if any (`init_network`: path and EMA, its network
+    config read from its metadata; its weights are read only when a fresh train state
+    is made)."""
+    objective: objectives.Objective
+    init_path: str | None = None
+    init_ema: str = ""
+    init_config: dict | None = None
+
+
+def setup_objective(config: ml_collections.ConfigDict) -> Start:
+    """The run's objective (`objectives.from_config`, checked) and the network config of
+    the network it starts from (from that network's metadata alone). Raises ValueError
+    naming the flag for bad settings, FileNotFoundError (naming the flag) where the
+    network to start from is not there."""
+    objective = objectives.from_config(config)
+    objective.check()
+    init = objective.init_network()
+    if init is None:
+        return Start(objective)
+    path, ema = init
     try:
-        teacher_cfg = generate.net_config(path)
+        init_config = nets.net_config(path)
     except FileNotFoundError as e:
-        raise FileNotFoundError(f"--config.distill.teacher={path}: {e}") from None
-    config = ml_collections.ConfigDict(config.to_dict())
-    dtype = config.network.dtype
-    config.network = ml_collections.ConfigDict(dict(teacher_cfg))
-    config.network.dtype = dtype
-    print(f"Teacher: {path}" + (f" (EMA {config.distill.teacher_ema})"
-                                if str(config.distill.teacher_ema) else "")
-          + f"; student: {config.distill.steps} step(s) on a grid of "
-          f"{config.distill.teacher_steps} Heun steps", flush=True)
-    return config
+        raise FileNotFoundError(f"{objective.init_flag}={path}: {e}") from None
+    line = objective.describe()
+    if line:
+        print(line, flush=True)
+    return Start(objective, path, ema, dict(init_config))
 
 
-def setup_data(config: ml_collections.ConfigDict
-               ) -> tuple[data_lib.Source, ml_collections.ConfigDict]:
-    """The data source, and a copy of `config` whose network matches the data
-    (resolution, channels, label_dim; each change printed). Raises ValueError when the
-    config wants labels the data lack, and the errors of `data.make_source`."""
+def setup_data(config: ml_collections.ConfigDict) -> data_lib.Source:
+    """The data source of `config.data`. Raises ValueError when the config wants labels
+    the data lack, and the errors of `data.make_source`."""
     source = data_lib.make_source(config.data)
-    src_kw = data_lib.network_kwargs(source)
-    config = ml_collections.ConfigDict(config.to_dict())
     if config.data.use_labels and not source.label_dim:
         raise ValueError(f"the config wants labels (data.use_labels=True) but {source.name} has "
                          f"none; set --config.data.use_labels=False for an unconditional model")
-    for k, v in src_kw.items():
+    return source
+
+
+def run_config(config: ml_collections.ConfigDict, workdir: str, start: Start,
+               source: data_lib.Source) -> ml_collections.ConfigDict:
+    """The config the run trains with and records, built once from `config`:
+
+    - `network.dtype` concrete (`configs.resolve_dtype`): 'auto' becomes, for a run
+      resumed in `workdir`, the dtype its config.json records (a run keeps its
+      precision), else this platform's (bfloat16 on GPU/TPU, float32 on CPU);
+    - the network of `start.init_config` (the network the run starts from), in that dtype;
+    - resolution, channels and label_dim from the data (each change printed).
+
+    Raises ValueError where the network the run starts from does not fit the data."""
+    recorded = ((layout.read_config(workdir) or {}).get("network") or {}).get("dtype")
+    config = configs.resolve_dtype(config, jax.default_backend(), recorded)  # a copy
+    if start.init_config is not None:
+        dtype = config.network.dtype
+        config.network = ml_collections.ConfigDict(dict(start.init_config))
+        config.network.dtype = dtype
+    for k, v in data_lib.network_kwargs(source).items():
         if k == "label_dim" and not config.data.use_labels:
             v = 0
-        if config.network.get(k) != v and distill_lib.enabled(config):
-            raise ValueError(f"the teacher {config.distill.teacher} has network.{k}="
-                             f"{config.network.get(k)}, the data {source.name} {v}; distil "
-                             f"it on data of its own kind (--config.data.*)")
-        if config.network.get(k) != v:
-            print(f"network.{k}: {config.network.get(k)} -> {v} (from the data)")
-            config.network[k] = v
-    return source, config
+        if config.network.get(k) == v:
+            continue
+        if start.init_config is not None:
+            raise ValueError(f"the {start.objective.init_role} {start.init_path} has "
+                             f"network.{k}={config.network.get(k)}, the data {source.name} "
+                             f"{v}; train it on data of its own kind (--config.data.*)")
+        print(f"network.{k}: {config.network.get(k)} -> {v} (from the data)")
+        config.network[k] = v
+    return config
 
 
-def setup_eval(config: ml_collections.ConfigDict, is_main: bool
-               ) -> tuple[str | None, TrainingEval | None]:
-    """`(ema_key, evaluator)` of the evaluation at every snapshot (`config.eval`), or
-    `(None, None)` when none is wanted. The key is checked on every process; only
-    process 0 evaluates (`evaluator` None elsewhere). Raises ValueError for a bad eval
-    config."""
+def setup_eval(config: ml_collections.ConfigDict, objective: objectives.Objective,
+               is_main: bool) -> tuple[str | None, TrainingEval | None]:
+    """`(ema_key, evaluator)` of the evaluation at every snapshot (`config.eval`, sampled
+    with the objective's sampler), or `(None, None)` when none is wanted. The key is
+    checked on every process; only process 0 evaluates (`evaluator` None elsewhere).
+    Raises ValueError for a bad eval config."""
     if not str(config.eval.metrics).strip():
         return None, None
     key = TrainingEval.ema_key_of(config)
-    return key, TrainingEval(config) if is_main else None
+    return key, TrainingEval(config, objective) if is_main else None
 
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """What `setup_model` builds: the mesh, the network and optimiser, the micro-batches
+    """What `setup_model` builds: the run's start (objective and initial network), the
+    mesh, the network, the optimiser and its learning-rate schedule, the micro-batches
     per step, and the train state's shapes and shardings."""
+    start: Start
     mesh: jax.sharding.Mesh
     net: Precond
     tx: optax.GradientTransformation
+    lr_fn: Callable
     num_accum: int
     abstract_state: Any
     state_sharding: Any
 
+    def train_step(self, config: ml_collections.ConfigDict) -> Callable:
+        """The jitted training step (`step.make_train_step`) over the mesh."""
+        return step_lib.jit_train_step(
+            step_lib.make_train_step(config, self.net, self.tx, self.num_accum,
+                                     self.start.objective, self.lr_fn),
+            self.mesh, self.state_sharding)
 
-def setup_model(config: ml_collections.ConfigDict, num_devices: int | None = None) -> Model:
+
+def setup_model(config: ml_collections.ConfigDict, start: Start,
+                num_devices: int | None = None) -> Model:
     """The device mesh of `config.mesh` over the first `num_devices` devices (default:
     all) and everything shaped by the config (nothing allocated). Raises ValueError for
     inconsistent batch sizes."""
@@ -134,11 +160,11 @@ def setup_model(config: ml_collections.ConfigDict, num_devices: int | None = Non
     num_accum = step_lib.num_micro_batches(config, mesh.size)
     net = make_network(config)
     tx = optim_lib.make_optimizer(config.optim, int(config.batch_size))
-    abstract_state = jax.eval_shape(lambda r: init_train_state(config, net, tx, r),
-                                    jax.random.PRNGKey(config.seed))
-    if distill_lib.enabled(config):  # the frozen teacher, shaped as the params
-        abstract_state = dict(abstract_state, teacher=abstract_state["params"])
-    return Model(mesh, net, tx, num_accum, abstract_state,
+    lr_fn = optim_lib.learning_rate_schedule(config.optim, int(config.batch_size))
+    abstract_state = jax.eval_shape(
+        lambda r: init_train_state(config, net, tx, r, objective=start.objective),
+        jax.random.PRNGKey(config.seed))
+    return Model(start, mesh, net, tx, lr_fn, num_accum, abstract_state,
                  shard_lib.state_shardings(mesh, abstract_state))
 
 
@@ -171,18 +197,17 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Model,
                   f"restores (to start over anyway, use a new --workdir)", flush=True)
     if state is not None:
         return state, True, managers
-    if distill_lib.enabled(config):
-        print(f"Loading the teacher {config.distill.teacher}...", flush=True)
-        _, teacher, desc = distill_lib.load_teacher(str(config.distill.teacher),
-                                                    str(config.distill.teacher_ema))
-        print(f"Teacher: {desc}", flush=True)
-        init_fn = jax.jit(lambda r, v: distill_lib.init_distill_state(
-            config, model.net, model.tx, r, v), out_shardings=model.state_sharding)
-        state = init_fn(jax.random.PRNGKey(config.seed), teacher)
-    else:
-        init_fn = jax.jit(lambda r: init_train_state(config, model.net, model.tx, r),
-                          out_shardings=model.state_sharding)
-        state = init_fn(jax.random.PRNGKey(config.seed))
+    start, variables = model.start, None
+    if start.init_path is not None:  # the network the objective starts from
+        role = start.objective.init_role
+        print(f"Loading the {role} {start.init_path}...", flush=True)
+        _, variables, desc = nets.load_net(start.init_path, start.init_ema or None)
+        variables = jax.tree.map(np.asarray, dict(variables))
+        print(f"{role.capitalize()}: {desc}", flush=True)
+    init_fn = jax.jit(lambda r, v: init_train_state(config, model.net, model.tx, r, v,
+                                                    objective=start.objective),
+                      out_shardings=model.state_sharding)
+    state = init_fn(jax.random.PRNGKey(config.seed), variables)
     managers.reference_rms = {"params": integrity.rms(state["params"])}
     return state, False, managers
 

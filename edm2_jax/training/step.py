@@ -4,11 +4,11 @@
     step_fn = jit_train_step(train_step, mesh, state_sharding)
     state, metrics = step_fn(state, batch)
 
-One step: force-normalise the online weights (Eq. 66) -> EDM2 loss (a distillation run's:
-`distill.py`, with the state's frozen `teacher`) and gradients
-(accumulated over micro-batches with `lax.scan` when `batch_per_device` is set) -> Adam
-with the inverse-sqrt learning rate at the images seen *before* the step -> power EMAs
-with the post-update weights at the images seen *after* it.
+One step: force-normalise the online weights (Eq. 66) -> the objective's loss (the EDM2
+loss, or another of `edm2_jax.objectives`, with the train-state entries it names) and
+gradients (accumulated over micro-batches with `lax.scan` when `batch_per_device` is set)
+-> Adam with the inverse-sqrt learning rate at the images seen *before* the step -> power
+EMAs with the post-update weights at the images seen *after* it.
 """
 from __future__ import annotations
 
@@ -19,12 +19,10 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from edm2_jax import backends
+from edm2_jax import backends, objectives
 from edm2_jax.ema import power as ema_lib
-from edm2_jax.model import loss as loss_lib
 from edm2_jax.model.mp import force_normalize
 from edm2_jax.model.networks import Precond
-from edm2_jax.training import distill as distill_lib
 from edm2_jax.training import optim as optim_lib
 from edm2_jax.training import sharding as shard_lib
 
@@ -63,17 +61,20 @@ def global_norm(tree) -> jax.Array:
 
 
 def make_train_step(config: ml_collections.ConfigDict, net: Precond,
-                    tx: optax.GradientTransformation, num_accum: int = 1) -> Callable:
+                    tx: optax.GradientTransformation, num_accum: int = 1,
+                    objective: objectives.Objective | None = None,
+                    lr_fn: Callable | None = None) -> Callable:
     """Build `train_step(state, batch) -> (state, metrics)` (not yet jitted).
 
     `batch` = `{'image': f32 [B, H, W, C] in [-1, 1], 'label': f32 [B, L]}` with
     `B = config.batch_size`. Noise levels and noise are drawn for the whole global batch
     from the state's rng, so the result does not depend on device count or on
-    `num_accum` (identical math, different summation order). Metrics are a flat dict of
-    float32 scalars.
+    `num_accum` (identical math, different summation order). `objective`: what the step
+    minimises (default `objectives.from_config(config)`); `lr_fn`: the learning rate at
+    `nimg` that `tx` applies, logged as `lr` (default the schedule of `config.optim`,
+    `optim.learning_rate_schedule`). Metrics are a flat dict of float32 scalars.
     """
     batch_size = int(config.batch_size)
-    lc = config.loss
     sigma_rels = tuple(config.ema.sigma_rels)
     forced_wn = bool(config.optim.get("forced_wn", True))  # False: config D and before
     ema_kw = dict(sigma_rels=sigma_rels, trad_halflife_kimg=float(config.ema.trad_halflife_kimg),
@@ -81,25 +82,16 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
     # Unrolled where the backend runs an unrolled body faster (`backends.Backend`); the
     # sums are the same in the same order either way.
     unroll = num_accum if backends.from_config(config).unroll_micro_batches else 1
+    objective = objective or objectives.from_config(config)
+    lr_fn = lr_fn or optim_lib.learning_rate_schedule(config.optim, batch_size)
 
-    distilling = distill_lib.enabled(config)
-    grid = distill_lib.grid_settings(config.distill) if distilling else {}
+    def loss_fn(params, buffers, images, labels, rnd_normal, noise_unit, dropout_rng, extras):
+        return objective.loss(params, buffers, net, extras, images,
+                              labels if net.label_dim else None, rnd_normal=rnd_normal,
+                              noise_unit=noise_unit, dropout_rng=dropout_rng,
+                              batch_size=batch_size)
 
-    def objective(params, buffers, images, labels, rnd_normal, noise_unit, dropout_rng,
-                  teacher):
-        labels = labels if net.label_dim else None
-        if distilling:  # the student's objective (training/distill.py)
-            return distill_lib.distill_objective(
-                params, buffers, net, teacher, images, labels, rnd_normal=rnd_normal,
-                noise_unit=noise_unit, dropout_rng=dropout_rng, sigma_data=lc.sigma_data,
-                batch_size=batch_size, **grid)
-        return loss_lib.edm2_objective(
-            params, buffers, net, images, labels,
-            P_mean=lc.P_mean, P_std=lc.P_std, sigma_data=lc.sigma_data, train=True,
-            rnd_normal=rnd_normal, noise_unit=noise_unit, dropout_rng=dropout_rng,
-            batch_size=batch_size)
-
-    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def train_step(state, batch):
         images, labels = batch["image"], batch["label"]
@@ -108,11 +100,11 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
         noise_unit = jax.random.normal(k_noise, images.shape, jnp.float32)
         params = force_normalize(state["params"]) if forced_wn else state["params"]
         buffers = state["buffers"]
-        teacher = state.get("teacher")  # a distillation run's frozen teacher, else None
+        extras = {k: state[k] for k in objective.state_keys}  # frozen: no gradient
 
         if num_accum == 1:
             (loss, aux), grads = grad_fn(params, buffers, images, labels, rnd_normal, noise_unit,
-                                         k_drop, teacher)
+                                         k_drop, extras)
         else:
             def split(x):
                 # Micro-batch k takes every num_accum-th image, so each device's shard of
@@ -123,7 +115,7 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
 
             def body(carry, xs):
                 (img, lab, rnd, noi), dk = xs
-                (l, a), g = grad_fn(params, buffers, img, lab, rnd, noi, dk, teacher)
+                (l, a), g = grad_fn(params, buffers, img, lab, rnd, noi, dk, extras)
                 return (jax.tree.map(jnp.add, carry[0], g), carry[1] + l), a
 
             zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
@@ -135,9 +127,7 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
         new_params = optax.apply_updates(params, updates)
         nimg_after = nimg + batch_size
         ema = ema_lib.update_ema(state["ema"], new_params, nimg_after, batch_size, **ema_kw)
-        lr = optim_lib.learning_rate(nimg, batch_size=batch_size, ref_lr=config.optim.ref_lr,
-                                     t_ref=config.optim.t_ref, rampup_kimg=config.optim.rampup_kimg)
-        metrics = {"objective": loss, "lr": jnp.asarray(lr, jnp.float32),
+        metrics = {"objective": loss, "lr": jnp.asarray(lr_fn(nimg), jnp.float32),
                    "grad_norm": global_norm(grads),
                    "update_norm": global_norm(updates),
                    "param_norm": global_norm(new_params),

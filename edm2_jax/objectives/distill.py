@@ -33,13 +33,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
-import numpy as np
 
-from edm2_jax.ema import power as ema_lib
 from edm2_jax.model import loss as loss_lib
 from edm2_jax.model.networks import CONFIG_FIELDS, Precond
-from edm2_jax.sampling import consistency, generate
+from edm2_jax.sampling import consistency
 
 Array = jax.Array
 DenoiseFn = Callable[[Array, Array], Array]  # (x [B,H,W,C], sigma [B]) -> D [B,H,W,C]
@@ -149,20 +146,67 @@ def distill_objective(params: Any, buffers: Any, net: Precond, teacher_params: A
     loss, logvar, t = distill_loss_per_element(params, buffers, net, teacher_params, images,
                                                labels, **kwargs)
     per_image = jnp.sum(loss, axis=(1, 2, 3))
-    aux = {"loss": jnp.mean(loss),
-           "weighted_mse": jnp.mean(loss_lib.weighted_mse(loss, logvar[:, None, None, None])),
-           "logvar": jnp.mean(logvar), "sigma": jnp.mean(t), "log_sigma": jnp.mean(jnp.log(t))}
     n = per_image.shape[0] if batch_size is None else batch_size
-    return jnp.sum(per_image) / n, aux
+    return jnp.sum(per_image) / n, loss_lib.loss_metrics(loss, logvar, t)
 
 
 # --------------------------------------------------------------------------------------
-# The teacher and the student's settings
+# The objective
 
 
-def enabled(config: ml_collections.ConfigDict) -> bool:
-    """Whether `config` is a distillation run (`config.distill.teacher` set)."""
-    return bool(config.get("distill") and str(config.distill.teacher))
+class ConsistencyDistillation:
+    """The `Objective` of a distillation run (`objectives.Objective`): the student starts
+    as the teacher `distill.teacher` (EMA `distill.teacher_ema`), whose weights the train
+    state keeps frozen as `'teacher'`; the loss is `distill_objective`; its networks are
+    sampled with the few-step sampler of its grid (`sampling.consistency`).
+
+    `distill`: the `config.distill` section (or the dict a config.json or network.json
+    records); `sigma_data`: the loss's (`config.loss.sigma_data`)."""
+
+    name = "consistency"
+    state_keys: tuple[str, ...] = ("teacher",)
+    metadata_key = "distill"
+    init_role, init_flag = "teacher", "--config.distill.teacher"
+
+    def __init__(self, distill: Any, sigma_data: float = 0.5):
+        self.distill, self.sigma_data = distill, float(sigma_data)
+
+    def check(self) -> None:
+        """Raise ValueError naming the flag when the student's grid is not one."""
+        g = grid_settings(self.distill)
+        try:
+            consistency.grid_sigmas(g["teacher_steps"], g["sigma_min"], g["sigma_max"], g["rho"])
+            consistency.segment_bounds(g["steps"], g["teacher_steps"])
+        except ValueError as e:
+            raise ValueError(f"--config.distill: {e} (distill.steps={g['steps']}, "
+                             f"distill.teacher_steps={g['teacher_steps']})") from None
+
+    def init_network(self) -> tuple[str, str]:
+        """The teacher: `(distill.teacher, distill.teacher_ema)`."""
+        return str(self.distill["teacher"]), str(self.distill.get("teacher_ema", "") or "")
+
+    def describe(self) -> str:
+        ema = str(self.distill.get("teacher_ema", "") or "")
+        return (f"Teacher: {self.distill['teacher']}" + (f" (EMA {ema})" if ema else "")
+                + f"; student: {self.distill['steps']} step(s) on a grid of "
+                f"{self.distill['teacher_steps']} Heun steps")
+
+    def state_extras(self, params: Any) -> dict:
+        """The teacher's frozen weights: the student's initial `params`."""
+        return {"teacher": params}
+
+    def loss(self, params: Any, buffers: Any, net: Any, extras: dict, images: Array,
+             labels: Array | None, *, rnd_normal: Array, noise_unit: Array,
+             dropout_rng: Array | None, batch_size: int) -> tuple[Array, dict]:
+        """`distill_objective` with the teacher `extras['teacher']` on the grid."""
+        return distill_objective(
+            params, buffers, net, extras["teacher"], images, labels, rnd_normal=rnd_normal,
+            noise_unit=noise_unit, dropout_rng=dropout_rng, sigma_data=self.sigma_data,
+            batch_size=batch_size, **grid_settings(self.distill))
+
+    def sampler_kwargs(self, heun_steps: int) -> dict:
+        """The student's few-step sampler (its own steps, whatever `heun_steps`)."""
+        return consistency.sampler_kwargs(self.distill)
 
 
 def grid_settings(distill: Any) -> dict:
@@ -172,17 +216,6 @@ def grid_settings(distill: Any) -> dict:
             for k in GRID_FIELDS}
 
 
-def check_settings(distill: Any) -> None:
-    """Raise ValueError naming the flag when the student's grid is not one."""
-    g = grid_settings(distill)
-    try:
-        consistency.grid_sigmas(g["teacher_steps"], g["sigma_min"], g["sigma_max"], g["rho"])
-        consistency.segment_bounds(g["steps"], g["teacher_steps"])
-    except ValueError as e:
-        raise ValueError(f"--config.distill: {e} (distill.steps={g['steps']}, "
-                         f"distill.teacher_steps={g['teacher_steps']})") from None
-
-
 def network_config(net: Precond) -> dict:
     """The network config (`CONFIG_FIELDS`, as config.json holds it) of a `Precond`."""
     cfg = {k: getattr(net, k) for k in CONFIG_FIELDS}
@@ -190,29 +223,3 @@ def network_config(net: Precond) -> dict:
     for k in ("channel_mult", "attn_resolutions"):
         cfg[k] = tuple(cfg[k])
     return cfg
-
-
-def load_teacher(path: str, ema: str = "") -> tuple[dict, dict, str]:
-    """`(network config, variables as host arrays, description)` of the teacher at `path`:
-    any network `sampling.generate.load_net` reads (a run, its snapshot, a post-hoc EMA
-    or converted release network). Raises what `load_net` raises."""
-    net, variables, desc = generate.load_net(path, ema or None)
-    return network_config(net), jax.tree.map(np.asarray, dict(variables)), desc
-
-
-def init_distill_state(config: ml_collections.ConfigDict, net: Precond, tx: Any, rng: Array,
-                       teacher: dict) -> dict:
-    """The student's fresh train state (`state.init_train_state`'s structure plus
-    `'teacher'`, the teacher's frozen weights): online weights and every EMA equal to
-    the teacher's `params`, the teacher's `buffers`, a fresh Adam state."""
-    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), teacher["params"])
-    return {
-        "step": jnp.zeros((), jnp.int32),
-        "params": params,
-        "buffers": jax.tree.map(jnp.asarray, teacher.get("buffers", {})),
-        "opt_state": tx.init(params),
-        "ema": ema_lib.init_ema_state(params, tuple(config.ema.sigma_rels),
-                                      float(config.ema.trad_halflife_kimg)),
-        "rng": rng,
-        "teacher": params,
-    }

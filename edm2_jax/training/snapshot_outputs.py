@@ -1,0 +1,85 @@
+"""What a training run makes at each snapshot besides the EMAs: the sample grid of its
+largest EMA (`samples/<nimg>.png`) and the evaluation during training, both sampled with
+the run's objective's sampler; `loop.StepLoop.snapshot` calls `grid_and_eval`."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from tqdm import tqdm
+
+from edm2_jax import paths
+from edm2_jax.model.networks import Precond
+from edm2_jax.run import layout
+from edm2_jax.sampling import sampler as sampling
+from edm2_jax.training import preemption
+from edm2_jax.training import sharding as shard_lib
+
+
+def emas_on_host(state: dict, keys: list[str]) -> dict:
+    """`{key: EMA variables}` as host arrays, each gathered once (a collective on every
+    process, in the same order everywhere) however many consumers want it."""
+    return {k: shard_lib.to_host({"params": state["ema"]["power"][k],
+                                  "buffers": state["buffers"]})
+            for k in dict.fromkeys(keys)}
+
+
+def save_sample_grid(config: ml_collections.ConfigDict, net: Precond, variables: dict,
+                     path: str, sampler: dict) -> None:
+    """A `config.sample` grid of images of `variables` (one class per column) at `path`,
+    sampled with `sampler` (`sample_images` kwargs: the objective's sampler)."""
+    rows, cols = int(config.sample.grid_rows), int(config.sample.grid_cols)
+    seeds = np.arange(rows * cols) + int(config.sample.seed)
+    labels = None
+    if net.label_dim:
+        labels = jax.nn.one_hot(np.arange(rows * cols) % net.label_dim, net.label_dim)
+    imgs = sampling.sample_images(net, variables, sampling.split_seeds(seeds), labels,
+                                  rng=str(config.sample.get("rng", "jax")), **sampler)
+    while not imgs.is_ready():  # waits in Python: a signal is acknowledged at once
+        time.sleep(0.05)
+    paths.write_through_local(  # PIL writes local files
+        path, lambda local: sampling.save_image_grid(np.asarray(imgs), local, rows, cols))
+
+
+def eval_line(nimg: int, ema_key: str, res: dict) -> str:
+    """The log line of an evaluation's results `res` (`eval/<metric>` -> value)."""
+    return (f"kimg {nimg / 1000:9.3f}  eval (EMA {ema_key}): " + "  ".join(
+        f"{k[5:]} {v:.4g}" for k, v in res.items()
+        if k != "eval/time_s" and not k.startswith("eval/num_"))
+        + f"  [{res['eval/time_s']:.1f} s]")
+
+
+def grid_and_eval(config: ml_collections.ConfigDict, net: Precond, state: dict, workdir: str,
+                  nimg: int, step: int, stop: preemption.StopRequest, sample_key: str,
+                  snapshot_keys: list[str], evaluator: Any, logger: Any, is_main: bool,
+                  sampler: dict) -> None:
+    """At a snapshot: the sample grid of EMA `sample_key` (process 0; `sampler`, the
+    objective's) and the evaluation (`evaluator`, process 0, when configured), each
+    announced as it starts, through the bar. A signal meanwhile is acknowledged at once
+    (`stop.doing`): the grid or the evaluation in progress finishes, the evaluation not
+    yet begun is skipped."""
+    host = emas_on_host(state, snapshot_keys)  # every process
+    if is_main:
+        t, n = time.time(), int(config.sample.grid_rows) * int(config.sample.grid_cols)
+        steps = sampler["num_steps"]
+        tqdm.write(f"Sample grid: {n} images of EMA sigma_rel={sample_key}, "
+                   f"{steps} steps...")
+        path = layout.samples_path_at(workdir, nimg)
+        with stop.doing("the sample grid"):
+            save_sample_grid(config, net, host[sample_key], path, sampler)
+        tqdm.write(f"Sample grid (EMA sigma_rel={sample_key}, {steps} "
+                   f"steps, one class per column): {path} [{time.time() - t:.1f} s]")
+    if evaluator is not None:
+        if stop.signal is not None:
+            tqdm.write(f"kimg {nimg / 1000:9.3f}  evaluation skipped: stopping")
+            return
+        tqdm.write(f"Evaluation (EMA {evaluator.ema_key}): {evaluator.metrics.names} of "
+                   f"{evaluator.num_images} images...")
+        with stop.doing("the evaluation"):
+            res = evaluator(net, host[evaluator.ema_key])
+        if logger:
+            logger.log(dict(kimg=nimg / 1000, step=step, **res))
+        tqdm.write(eval_line(nimg, evaluator.ema_key, res))
