@@ -7,8 +7,8 @@ driver. Paths stay strings in the rest of the project; `os.path.join/basename/di
 are fine on URLs, everything that touches storage goes through here.
 
 Differences on object storage (no directories, no rename, no append, no locks):
-  * `write_text_atomic`: locally write-then-fsync-then-rename (as before); on GCS one
-    object write, which is atomic by itself.
+  * `write_text_atomic`: locally a temporary file, fsynced, then renamed over the
+    target; on GCS one object write, which is atomic by itself.
   * `rename`: locally `os.replace`; on GCS a copy then delete (not atomic; used only to
     set aside checkpoints and to start over).
   * appending (stats.jsonl) and run locks: see `run.stats.StatsLogger`, `run.lock.RunLock`.

@@ -21,7 +21,8 @@ EPYC, `benchmarks/README.md`):
   is faster there (`SAMPLING_MODES`).
 - **`EDM2_JAX_MALLOC`**: the host allocator. glibc serves XLA:CPU's per-step temporary
   buffer (all activations: 368 MB for the Fashion-MNIST step) with a fresh `mmap` each
-  step, faulting in ~90,000 pages (545 -> ~445 ms per step once fixed; why, in
+  step, faulting in ~90,000 pages: 544-595 ms per step under glibc, 414-511 ms under
+  tcmalloc (`python benchmarks/train_throughput.py` under each value; figures and why in
   `benchmarks/README.md`). Values: `tcmalloc` (LD_PRELOAD of Debian's
   `libtcmalloc-minimal4`, in the README's quick start; the lowest peak RSS in training),
   `thp` (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, glibc >= 2.35: 1 fault per 2 MiB),

@@ -100,7 +100,7 @@ class Dest:
 
     def commit(self) -> None:
         """Close and rename the complete data set into place (an empty `dest` folder is
-        replaced; an existing `dest` zip is overwritten, as before)."""
+        replaced; an existing `dest` zip is overwritten)."""
         self.close()
         if not self._started:
             return
