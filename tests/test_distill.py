@@ -15,7 +15,6 @@ Claims tested:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from edm2_jax.sampling import consistency
 from edm2_jax import nets
 from edm2_jax.sampling import sampler as sampling
 from edm2_jax.objectives import distill
+from tests.cpu_devices import tree_from_process
 from tests.test_train import xla_cache  # noqa: F401  (a fixture: the runs share compiles)
 
 # ---------------------------------------------------------------------------------------
@@ -424,30 +424,14 @@ def test_distillation_step_does_not_depend_on_devices_or_micro_batches(tmp_path)
     test_train: the batch's gradient sums are the only reductions that change order;
     the teacher's and the target's evaluations are per image). The teacher is carried
     through unchanged."""
-    import subprocess
-    import sys
-    import textwrap
-    from tests.test_train import REPO, STEP_TOL, state_err
+    from tests.test_train import STEP_TOL, state_err
     ref, ref_m = distill_steps()
     assert np.isfinite(ref_m["objective"]) and ref_m["grad_norm"] > 0
     acc, _ = distill_steps(num_accum=2)
     err, where = state_err(acc, ref)
     assert err <= STEP_TOL, (err, where)
-    out = tmp_path / "dev8.npz"
-    code = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(REPO)!r})
-        from tests.test_distill import _distill_step_npz
-        _distill_step_npz({str(out)!r})
-    """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       cwd=REPO, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    with np.load(out) as f:
-        state, _ = jax.tree.unflatten(jax.tree.structure((ref, ref_m)),
-                                      [f[f"arr_{i}"] for i in range(len(f.files))])
+    state, _ = tree_from_process("tests.test_distill:_distill_step_npz",
+                                 tmp_path / "dev8.npz", (ref, ref_m))
     err, where = state_err(state, ref)
     assert err <= STEP_TOL, (err, where)
     for a, b in zip(jax.tree.leaves(state["teacher"]), jax.tree.leaves(ref["teacher"])):

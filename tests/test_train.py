@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import jax
@@ -31,6 +30,7 @@ from edm2_jax.training import state as state_lib
 from edm2_jax.training import step as step_lib
 from edm2_jax.model.mp import force_normalize
 from edm2_jax.model.networks import init_variables
+from tests.cpu_devices import tree_from_process
 from tests.tolerances import EPS32, reorder_tol, scaled_err, tree_err
 # The session's compilation cache, imported from here by the test files of the tiny runs.
 from tests.conftest import xla_cache  # noqa: F401
@@ -326,23 +326,10 @@ def _sharded_step_npz(out: str, num_accum: int) -> None:
 
 
 def _step_on_8_devices(tmp_path, like, num_accum: int = 1):
-    """`(state, metrics)` of `_sharded_step_npz` in a subprocess (XLA_FLAGS must be set
-    before jax is imported), unflattened like `like`."""
-    out = tmp_path / "dev8.npz"
-    code = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(REPO)!r})
-        from tests.test_train import _sharded_step_npz
-        _sharded_step_npz({str(out)!r}, {num_accum})
-    """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       cwd=REPO, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    with np.load(out) as f:
-        leaves = [f[f"arr_{i}"] for i in range(len(f.files))]
-    return jax.tree.unflatten(jax.tree.structure(like), leaves)
+    """`(state, metrics)` of `_sharded_step_npz` in a process with 8 CPU devices,
+    unflattened like `like`."""
+    return tree_from_process("tests.test_train:_sharded_step_npz", tmp_path / "dev8.npz",
+                             like, num_accum)
 
 
 def test_sharded_step_equals_single_device(two_steps, tmp_path):
