@@ -16,9 +16,9 @@ import pytest
 
 from edm2_jax import process
 from edm2_jax.sampling import sampler
+from edm2_jax.sampling.heun import heun_sampler_reference
 from edm2_jax.sampling.sampler import (edm_sampler, edm_sigma_steps, guided_steps,
-                                       heun_sampler_reference, make_denoiser, sample_images,
-                                       split_seeds)
+                                       make_denoiser, sample_images, split_seeds)
 from tests.test_sampling import tiny_net
 from tests.tolerances import EPS32, forward_terms, reorder_tol
 

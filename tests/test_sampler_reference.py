@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edm2_jax.sampling.sampler import (edm_sampler, edm_sigma_steps, heun_sampler_reference,
-                                       make_denoiser, seed_churn_noise, seed_noise)
+from edm2_jax.sampling.heun import heun_sampler_reference
+from edm2_jax.sampling.sampler import (edm_sampler, edm_sigma_steps, make_denoiser,
+                                       seed_churn_noise, seed_noise)
 from tests.test_sampling import tiny_net
 from tests.tolerances import EPS32, forward_terms, reorder_tol
 

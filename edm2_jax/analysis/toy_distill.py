@@ -51,6 +51,7 @@ from edm2_jax.model import mp
 from edm2_jax.sampling import consistency
 from edm2_jax.sampling import sampler as sampling
 from edm2_jax.objectives import distill
+from edm2_jax.sampling import heun
 
 Array = jax.Array
 
@@ -116,7 +117,7 @@ def distill_losses(params: dict[int, Any], buffers: Any, net: ToyDenoiser,
     def D(p):
         return lambda x, sigma: net.apply({"params": p, "buffers": buffers}, x, sigma, labels)
 
-    x_r = distill.heun_step(D(teacher_params), x_t, t, r)
+    x_r = heun.heun_step(D(teacher_params), x_t, t, r)
     sd = net.sigma_data
     weight = (t**2 + sd**2) / (t * sd) ** 2
     losses = []

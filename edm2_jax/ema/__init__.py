@@ -8,6 +8,7 @@
     inputs.py            which snapshots a directory holds, and their network
     streaming.py         snapshot EMAs read tensor by tensor in bounded memory
     reconstruction.py    `reconstruct`, `--mode=phema`
+    outputs.py           the outputs' names and their complete-or-absent writing
     sweep.py             the sigma_rel sweep (a metric per EMA length), `--mode=phema_sweep`
 
 May import `edm2_jax.paths`, `model`, `backends`, `data`, `run`, `release`, `sampling`,

@@ -31,8 +31,9 @@ No module is named after a function it exports, so that `posthoc.reconstruct` an
 from edm2_jax.ema.inputs import (RELEASE_NAME_RE, SnapshotFile, find_snapshots,
                                    import_release_snapshots, input_network,
                                    parse_release_name, release_kimg_to_nimg)
-from edm2_jax.ema.reconstruction import (PROFILE_ERROR_WARN, main_phema, output_name,
-                                        parse_per_tensor, reconstruct)
+from edm2_jax.ema.outputs import output_name
+from edm2_jax.ema.reconstruction import (PROFILE_ERROR_WARN, main_phema, parse_per_tensor,
+                                        reconstruct)
 from edm2_jax.ema.solver import profile_error, profile_inner_products, solve_weights
 from edm2_jax.ema.sweep import main_sweep, run_data_config, sweep
 

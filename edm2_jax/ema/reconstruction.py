@@ -2,7 +2,8 @@
 accumulators, write the outputs.
 
 Owns `reconstruct` (and its CLI body `main_phema`), the per-tensor option
-(`parse_per_tensor`), the output naming (`output_name`) and the accumulators.
+(`parse_per_tensor`) and the accumulators; the outputs' names and their writing are
+`outputs.py`'s.
 
 `reconstruct` finds the inputs (`inputs.find_snapshots`), solves for their weights
 (`solver.solve_weights`), then reads each snapshot once per batch of outputs, tensor by
@@ -27,8 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import json
 import math
 import os
 import re
@@ -47,6 +46,7 @@ from edm2_jax import paths as paths_lib
 from edm2_jax.ema import streaming
 from edm2_jax.ema.inputs import (SnapshotFile, find_snapshots, input_checker,
                                  input_network)
+from edm2_jax.ema.outputs import output_paths, outputs_to_write, save_output
 from edm2_jax.ema.solver import gammas, profile_error, solve_weights
 
 Array = jax.Array
@@ -54,8 +54,6 @@ Array = jax.Array
 # Reconstructions whose profile misses the wanted one by more than this (relative L2)
 # get a warning: the snapshots cannot express that sigma_rel at that time.
 PROFILE_ERROR_WARN = 0.2
-# Suffix of an output being written (`save_output`); a re-run deletes it and writes again.
-UNFINISHED = ".unfinished"
 
 
 def parse_per_tensor(spec: str | Sequence | None) -> list[tuple[str, float]]:
@@ -122,51 +120,6 @@ def _axpy(acc: tuple, x: Array, w: Array, offset: Array) -> tuple:
         for k, a in enumerate(acc))
 
 
-def output_name(nimg: float, sigma_rel: float, per_tensor: Sequence = ()) -> str:
-    """`phema-<kimg:07d>-<sigma_rel:.3f>` (the release's naming), plus
-    `-pt<hash of per_tensor>` for per-tensor reconstructions."""
-    name = f"phema-{int(nimg // 1000):07d}-{sigma_rel:.3f}"
-    if per_tensor:
-        h = hashlib.sha1(json.dumps([list(p) for p in per_tensor]).encode()).hexdigest()[:8]
-        name += f"-pt{h}"
-    return name
-
-
-def unfinished_path(path: str) -> str:
-    """Where output `path` is written until complete (a local disk: then renamed)."""
-    return path + UNFINISHED
-
-
-def remove_unfinished(path: str) -> None:
-    """Delete what an interrupted run left of output `path` (saying so): its
-    `unfinished_path`, or `path` itself without network.json (written last; on object
-    storage outputs are written in place). Raises FileExistsError when `path` holds
-    anything else."""
-    for p in (unfinished_path(path), path):
-        if not paths_lib.exists(p):
-            continue
-        names = set(paths_lib.listdir(p))
-        if p == path and not names <= {ckpt_lib.VARIABLES, ckpt_lib.NETWORK_JSON + ".tmp"}:
-            raise FileExistsError(f"{path} exists and is not a network checkpoint (it holds "
-                                  f"{sorted(names)[:4]}); remove it or choose another "
-                                  f"out_dir (--outdir)")
-        print(f"Removing {p}: the unfinished output of an interrupted run (it is written "
-              f"again)")
-        paths_lib.Path(p).rmtree()
-
-
-def save_output(path: str, variables: dict, net_config: dict, meta: dict) -> None:
-    """Write output `path` so that it exists only once complete: on a local disk under
-    `unfinished_path`, renamed when written; on object storage (no renaming of
-    directories) in place, with network.json written last (`remove_unfinished`)."""
-    if paths_lib.is_url(path):
-        ckpt_lib.save_network(path, variables, net_config, meta, low_memory=True)
-        return
-    tmp = unfinished_path(path)
-    ckpt_lib.save_network(tmp, variables, net_config, meta, low_memory=True)
-    os.replace(tmp, path)
-
-
 def _checked_reader(reader, checker, tree_path: tuple, layout) -> Callable:
     """`reader` (`get_leaf(n)`), each tensor checked against the snapshot's checksums and
     for NaN/inf as it is read (`integrity.LeafChecker`; raises IntegrityError, also for
@@ -221,7 +174,7 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
       exist_ok: an output that already exists is kept (and returned, saying so) if its
         meta lists the same inputs, else FileExistsError; False: any existing output
         raises before anything is read. What an interrupted run left unfinished is
-        deleted and written again (`remove_unfinished`): each output appears under its
+        deleted and written again (`outputs.remove_unfinished`): each output appears under its
         name only once complete (`save_output`).
       progress: tqdm bars.
     Returns: the output paths, in the order of `sigma_rels`.
@@ -241,8 +194,8 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
 
     # Name the outputs; keep those an earlier run completed.
     out_dir = paths_lib.normalize(out_dir or os.path.join(workdir, "phema"))
-    paths = _output_paths(out_dir, sol.out_nimg, sigma_rels, per_tensor)
-    todo = _outputs_to_write(paths, sol.labels, exist_ok)
+    paths = output_paths(out_dir, sol.out_nimg, sigma_rels, per_tensor)
+    todo = outputs_to_write(paths, sol.labels, exist_ok)
 
     # Stream the snapshots into a batch of outputs at a time, then write them.
     for b0 in range(0, len(todo), batch_outputs):
@@ -340,37 +293,6 @@ def _solve(files: list[SnapshotFile], sigma_rels: list[float],
     labels = [f"{files[inputs[i][0]].label}:{in_sigma[i]:.3f}" for i in used]
     return _Solution(sigma_rels, per_tensor, inputs, in_nimg, in_sigma, out_nimg, X, err,
                      used, labels)
-
-
-def _output_paths(out_dir: str, out_nimg: float, sigma_rels: list[float],
-                  per_tensor: list[tuple[str, float]]) -> list[str]:
-    """`out_dir/<output_name>` per wanted width. Raises: ValueError when two names clash."""
-    names = [output_name(out_nimg, s, per_tensor) for s in sigma_rels]
-    if len(set(names)) != len(names):
-        raise ValueError(f"sigma_rels {sigma_rels} give clashing output names {names}; pass "
-                         f"values that differ in the first 3 decimals")
-    return [os.path.join(out_dir, n) for n in names]
-
-
-def _outputs_to_write(paths: list[str], labels: list[str], exist_ok: bool) -> list[int]:
-    """Indices of the `paths` to write, deleting what an interrupted run left of them
-    (`remove_unfinished`); a complete output from the same inputs is kept (`exist_ok`).
-    Raises: FileExistsError for an existing output without `exist_ok`, or one from
-    other inputs."""
-    todo = []
-    for k, p in enumerate(paths):
-        if not ckpt_lib.is_network_checkpoint(p):
-            remove_unfinished(p)
-            todo.append(k)
-        elif not exist_ok:
-            raise FileExistsError(f"{p} already exists; remove it, choose another out_dir "
-                                  f"(--outdir), or pass exist_ok=True to keep it")
-        elif ckpt_lib.read_network_json(p)[1].get("inputs") != labels:
-            raise FileExistsError(f"{p} exists but was made from other snapshots; remove "
-                                  f"it or choose another out_dir (--outdir)")
-        else:
-            print(f"Kept {p}: complete, from the same snapshots (written by an earlier run)")
-    return todo
 
 
 def _accumulate(kind: str, workdir: str, files: list[SnapshotFile], sol: _Solution,

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from edm2_jax.model import loss as loss_lib
 from edm2_jax.model.networks import CONFIG_FIELDS, Precond
 from edm2_jax.sampling import consistency
+from edm2_jax.sampling.heun import heun_step
 
 Array = jax.Array
 DenoiseFn = Callable[[Array, Array], Array]  # (x [B,H,W,C], sigma [B]) -> D [B,H,W,C]
@@ -56,18 +57,6 @@ def grid_index(rnd_normal: Array, teacher_steps: int) -> Array:
 
 def _bcast(v: Array, x: Array) -> Array:
     return v.reshape(v.shape + (1,) * (x.ndim - v.ndim))
-
-
-def heun_step(D: DenoiseFn, x_t: Array, t: Array, r: Array) -> Array:
-    """One step of the EDM sampler (Karras et al. 2022, Alg. 1) from `t` to `r < t` per
-    image (`[B]`): Heun's method on `dx/dsigma = (x - D(x; sigma)) / sigma`, Euler where
-    `r = 0` (its correction would divide by 0). Two evaluations of `D`."""
-    d_t = (x_t - D(x_t, t)) / _bcast(t, x_t)
-    x_e = x_t + _bcast(r - t, x_t) * d_t
-    r_safe = jnp.where(r > 0, r, 1.0)
-    d_r = (x_e - D(x_e, r_safe)) / _bcast(r_safe, x_t)
-    x_h = x_t + _bcast(r - t, x_t) * (0.5 * d_t + 0.5 * d_r)
-    return jnp.where(_bcast(r > 0, x_t), x_h, x_e)
 
 
 def consistency_target(student_sg: DenoiseFn, x_t: Array, x_r: Array, t: Array, r: Array,

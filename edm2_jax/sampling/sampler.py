@@ -30,11 +30,10 @@ from edm2_jax.sampling import consistency
 from edm2_jax.sampling.schedule import edm_sigma_steps  # noqa: F401 (re-exported)
 from edm2_jax.sampling.guidance import (Denoiser, check_guidance_interval,  # noqa: F401
                                         guided_steps, make_denoiser)
+from edm2_jax.sampling.seeds import (random_labels, seed_array, seed_churn_noise,  # noqa: F401
+                                     seed_keys, seed_noise, split_seeds)
 
 Array = jax.Array
-
-# Sub-streams of a seed's key, so that adding a new random draw never changes old ones.
-_NOISE_STREAM, _LABEL_STREAM, _CHURN_STREAM = 0, 1, 2
 
 
 # ---------------------------------------------------------------------------------------
@@ -61,7 +60,7 @@ def edm_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
     (`guided_steps`), one loop for each of the up to three ranges unguided / guided /
     unguided, and the unguided ones call `denoise(..., guided=False)` (the main net alone:
     the guide is not evaluated there). A predictor and a corrector differ only in what they
-    select: the arithmetic is Algorithm 1's as `heun_sampler_reference` writes it.
+    select: the arithmetic is Algorithm 1's as `heun.heun_sampler_reference` writes it.
 
     Args:
       denoise: `denoise(x [B,H,W,C] f32, sigma scalar f32, labels) -> D [B,H,W,C]`,
@@ -122,53 +121,6 @@ def edm_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
     return carry[0]
 
 
-def heun_sampler_reference(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
-                           num_steps: int = 32, sigma_min: float = 0.002,
-                           sigma_max: float = 80.0, rho: float = 7.0, S_churn: float = 0.0,
-                           S_min: float = 0.0, S_max: float = float("inf"),
-                           S_noise: float = 1.0,
-                           churn_noise: Callable[[Array], Array] | None = None,
-                           rng: Array | None = None,
-                           guidance_interval: tuple[float, float] | None = None) -> Array:
-    """The EDM sampler as Karras et al. 2022 write it (Algorithm 2; Algorithm 1 at
-    `S_churn = 0`): the plain reference that `edm_sampler` is tested equal to.
-
-    For `i = 0 .. N-1` on `t = edm_sigma_steps(...)` (float32), from `x_0 = noise * t_0`:
-      gamma_i = min(S_churn / N, sqrt(2) - 1) if S_min <= t_i <= S_max else 0
-      t_hat = (1 + gamma_i) t_i;  x_hat = x_i + sqrt(t_hat^2 - t_i^2) S_noise eps_i
-      d = (x_hat - D(x_hat; t_hat)) / t_hat;  x_{i+1} = x_hat + (t_{i+1} - t_hat) d
-      if t_{i+1} != 0:  d' = (x_{i+1} - D(x_{i+1}; t_{i+1})) / t_{i+1}
-                        x_{i+1} = x_hat + (t_{i+1} - t_hat) (d / 2 + d' / 2)
-    with `D` guided on the steps `guided_steps(guidance_interval, t)` (both evaluations of
-    a step) and the main net alone on the others. A Python loop: traced under `jax.jit` it
-    holds `2 N - 1` copies of the network, which is why `edm_sampler` runs the same
-    arithmetic as one `fori_loop`. Arguments, return value (`x_N` `[B, H, W, C]` float32)
-    and errors are those of `edm_sampler`.
-    """
-    t_host = edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)
-    a, b = guided_steps(_sampler_interval(denoise, guidance_interval), t_host)
-    t32 = t_host.astype(np.float32)
-    t = jnp.asarray(t32)
-    churn = _churn_source(S_churn, churn_noise, rng, noise.shape)
-    x_next = jnp.asarray(noise, jnp.float32) * t[0]
-    for i in range(num_steps):
-        x_cur, t_cur, t_next, guided = x_next, t[i], t[i + 1], a <= i < b
-        # Churn: raise the noise level to t_hat (gamma_i = 0 leaves x and t as they are).
-        x_hat, t_hat = x_cur, t_cur
-        if churn is not None and np.float32(S_min) <= t32[i] <= np.float32(S_max):
-            gamma_i = jnp.float32(_churn_gamma(S_churn, num_steps))
-            x_hat, t_hat = _raise_noise(x_cur, t_cur, gamma_i, churn(i).astype(jnp.float32),
-                                        S_noise)
-        # Euler step from t_hat to t_{i+1}.
-        d_cur = (x_hat - _denoised(denoise, x_hat, t_hat, labels, guided)) / t_hat
-        x_next = x_hat + (t_next - t_hat) * d_cur
-        # Second-order correction, unless the step ends at t_N = 0.
-        if i < num_steps - 1:
-            d_prime = (x_next - _denoised(denoise, x_next, t_next, labels, guided)) / t_next
-            x_next = x_hat + (t_next - t_hat) * (0.5 * d_cur + 0.5 * d_prime)
-    return x_next
-
-
 def _sampler_interval(denoise: Denoiser,
                       guidance_interval: tuple[float, float] | None) -> Any:
     """The sampler's guidance interval: the one given, else the denoiser's own
@@ -221,69 +173,6 @@ def _denoised(denoise: Denoiser, x: Array, sigma: Array, labels: Array | None,
     alone, `denoise(..., guided=False)`."""
     out = denoise(x, sigma, labels) if guided else denoise(x, sigma, labels, guided=False)
     return out.astype(jnp.float32)
-
-
-# ---------------------------------------------------------------------------------------
-# Per-seed randomness.
-
-def split_seeds(seeds: Sequence[int] | np.ndarray) -> np.ndarray | Array:
-    """`seeds` as a uint32 array split over this process's devices (a 1-D mesh) when
-    there are several and they divide the count, so that `sample_images` runs data-parallel
-    over them (e.g. the 2 CPU devices of `edm2_jax/process.py`); else a NumPy array. Images
-    are per seed either way, up to float32 summation order."""
-    seeds = np.asarray(seeds).astype(np.uint32)
-    n_dev = jax.local_device_count()
-    if n_dev == 1 or seeds.ndim != 1 or seeds.shape[0] % n_dev:
-        return seeds
-    mesh = jax.sharding.Mesh(np.asarray(jax.local_devices()), ("data",))
-    return jax.device_put(seeds, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
-
-
-def _seed_array(seeds: Sequence[int] | Array) -> Array:
-    """Seeds as a `[B]` uint32 array (taken mod 2^32); ValueError unless 1-D integers."""
-    if isinstance(seeds, jax.Array):  # possibly traced
-        if seeds.ndim != 1 or not jnp.issubdtype(seeds.dtype, jnp.integer):
-            raise ValueError(f"seeds must be a 1-D integer array, got {seeds.dtype} {seeds.shape}")
-        return seeds.astype(jnp.uint32)
-    seeds = np.asarray(seeds if isinstance(seeds, np.ndarray) else list(seeds))
-    if seeds.ndim != 1 or not np.issubdtype(seeds.dtype, np.integer):
-        raise ValueError(f"seeds must be a 1-D sequence of ints, got {seeds!r}")
-    return jnp.asarray((seeds.astype(np.int64) % 2**32).astype(np.uint32))
-
-
-def seed_keys(seeds: Sequence[int] | Array) -> Array:
-    """One legacy PRNG key per seed, `PRNGKey(seed mod 2^32)`: `[B] ints -> [B, 2] uint32`."""
-    return jax.vmap(jax.random.PRNGKey)(_seed_array(seeds))
-
-
-def seed_noise(seeds: Sequence[int] | Array, shape: Sequence[int]) -> Array:
-    """Initial unit Gaussian noise per seed: `[B] ints, (H, W, C) -> [B, H, W, C]` float32."""
-    keys = seed_keys(seeds)
-    return jax.vmap(lambda k: jax.random.normal(
-        jax.random.fold_in(k, _NOISE_STREAM), tuple(shape), jnp.float32))(keys)
-
-
-def seed_churn_noise(seeds: Sequence[int] | Array,
-                     shape: Sequence[int]) -> Callable[[Array], Array]:
-    """Churn noise per seed for `edm_sampler(churn_noise=...)`: returns `i -> [B, *shape]`,
-    the unit noise of step `i` drawn from each seed's own key."""
-    keys = seed_keys(seeds)
-
-    def churn_noise(i):
-        return jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(
-            jax.random.fold_in(k, _CHURN_STREAM), i), tuple(shape), jnp.float32))(keys)
-
-    return churn_noise
-
-
-def random_labels(seeds: Sequence[int] | Array, label_dim: int) -> Array:
-    """Uniformly random class per seed as one-hot: `[B] ints -> [B, label_dim]` float32."""
-    if label_dim < 1:
-        raise ValueError(f"label_dim must be >= 1, got {label_dim}")
-    keys = seed_keys(seeds)
-    idx = jax.vmap(lambda k: jax.random.randint(
-        jax.random.fold_in(k, _LABEL_STREAM), (), 0, label_dim))(keys)
-    return jax.nn.one_hot(idx, label_dim, dtype=jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------
@@ -382,7 +271,7 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
             sigma_max, rho, S_churn, S_min, S_max)
         if labels is None:
             labels = release_labels
-    seeds = _seed_array(seeds)
+    seeds = seed_array(seeds)
     labels = _label_array(net, labels, seeds)
     sampler_kwargs = _sampler_kwargs(sampler, num_steps, teacher_steps, sigma_min, sigma_max,
                                      rho, S_churn, S_min, S_max, S_noise)
@@ -394,7 +283,7 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
         guide_net = guide_variables = None
     elif guide_net is None or guide_variables is None:
         raise ValueError(f"guidance={guidance} needs guide_net and guide_variables")
-    return _sample(net, variables, guide_net, guide_variables, _seed_array(seeds), labels,
+    return _sample(net, variables, guide_net, guide_variables, seed_array(seeds), labels,
                    float(guidance), sampler_kwargs, noise, churn_table, bool(raw), interval)
 
 
