@@ -44,12 +44,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 import math
 import os
-import pickle
 import re
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from edm2_jax.evaluation import inception
+from edm2_jax.model import torch_weights
 
 WEIGHTS_ENV = "EDM2_DINOV2_WEIGHTS"
 WEIGHTS_URL = "https://dl.fbaipublicfiles.com/dinov2/dinov2_vitl14/dinov2_vitl14_pretrain.pth"
@@ -319,81 +316,21 @@ def features_uint8(net: DINOv2, images) -> jax.Array:
 # ----------------------------------------------------------------------------------------
 # Weights.
 
-class _StateDictUnpickler(inception._ArchiveUnpickler):
-    """`data.pkl` of a `torch.save`d state dict: dicts of tensors (as numpy arrays) only."""
-
-    def find_class(self, module, name):
-        if (module, name) == ("torch._utils", "_rebuild_parameter"):
-            return lambda data, requires_grad, backward_hooks: data
-        try:
-            return super().find_class(module, name)
-        except pickle.UnpicklingError:
-            raise pickle.UnpicklingError(f"{module}.{name}: only a state dict of tensors is "
-                                         f"read") from None
-
-
 def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of a weights file as `{name: float32 ndarray}` in torch layout.
-
-    `.safetensors`: read with `safetensors.numpy` (`pip install safetensors`). Otherwise a
-    `torch.save` zip archive, read without torch (nothing in it runs); a legacy non-zip
-    torch file is read with `torch.load(weights_only=True)` if torch is installed. A
-    wrapping `{'model': state_dict}` / `{'state_dict': ...}` is unwrapped.
-    Raises FileNotFoundError, ImportError naming the package to install, or ValueError for
-    a file that is corrupt or holds no state dict of tensors (naming the file and where
-    to download a good one).
-    """
+    """All tensors of a DINOv2 weights file as `{name: float32 ndarray}` in torch layout
+    (`model.torch_weights.read_state_dict`: `.safetensors`, a `torch.save` zip archive
+    read without torch, or a legacy torch file read with torch), the chunked block layout
+    renamed to the plain one. Raises FileNotFoundError, ImportError naming the package to
+    install, or ValueError for a file that is corrupt or holds no state dict of tensors
+    (naming the file and where to download a good one)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"DINOv2 weights file {path} not found; download "
                                 f"{WEIGHTS_URL} and pass its path with --dinov2=PATH")
-    if path.suffix == ".safetensors":
-        try:
-            from safetensors.numpy import load_file
-        except ImportError as e:
-            raise ImportError(f"reading {path} needs safetensors: pip install safetensors") from e
-        try:
-            sd = load_file(str(path))
-        except Exception as e:  # noqa: BLE001 - the reader raises its own error types
-            raise _corrupt(path, "a readable .safetensors file", e) from None
-    elif zipfile.is_zipfile(path):
-        try:
-            with zipfile.ZipFile(path) as zf:
-                pkl = [n for n in zf.namelist() if n.endswith("data.pkl")]
-                if len(pkl) != 1:
-                    raise ValueError(f"expected one data.pkl, found {pkl}")
-                prefix = pkl[0][: -len("/data.pkl")]
-                sd = _StateDictUnpickler(io.BytesIO(zf.read(pkl[0])), zf, prefix).load()
-        except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, OSError, KeyError,
-                ValueError, TypeError) as e:
-            raise _corrupt(path, "a torch.save archive of a state dict", e) from None
-    else:
-        with open(path, "rb") as f:
-            legacy = f.read(2) == b"\x80\x02"  # torch's legacy format: pickle protocol 2
-        try:
-            import torch
-        except ImportError as e:
-            if not legacy:
-                raise _corrupt(path, "a torch zip archive, .safetensors or legacy torch "
-                                     "file", e) from None
-            raise ImportError(f"{path} is a legacy (non-zip) torch file; reading it needs "
-                              f"torch (pip install torch)") from e
-        try:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any reader failure means "not weights"
-            raise _corrupt(path, "a torch weights file", e) from None
-        if not isinstance(sd, dict):
-            raise ValueError(f"{path} holds a {type(sd).__name__}, not a state dict")
-        sd = {k: v.float().numpy() if hasattr(v, "numpy") else v for k, v in sd.items()}
-    for key in ("model", "state_dict", "teacher"):
-        if isinstance(sd, dict) and isinstance(sd.get(key), dict):
-            sd = sd[key]
-    if not isinstance(sd, dict):
-        raise ValueError(f"{path} holds a {type(sd).__name__}, not a state dict")
+    sd = torch_weights.read_state_dict(path, _corrupt)
     # DINOv2's chunked block layout (block_chunks > 0) numbers blocks globally inside
     # each chunk: blocks.<chunk>.<i>.* is block i.
-    return {re.sub(r"^blocks\.\d+\.(\d+)\.", r"blocks.\1.", k): np.asarray(v, np.float32)
-            for k, v in sd.items() if isinstance(v, np.ndarray) or hasattr(v, "__array__")}
+    return {re.sub(r"^blocks\.\d+\.(\d+)\.", r"blocks.\1.", k): v for k, v in sd.items()}
 
 
 def _corrupt(path: Path, expected: str, e: BaseException) -> ValueError:

