@@ -228,7 +228,7 @@ def compute_dtype(dtype: str, platform: str, recorded: str | None = None) -> str
 def resolve_dtype(c: ml_collections.ConfigDict, platform: str, recorded: str | None = None
                   ) -> ml_collections.ConfigDict:
     """A copy of `c` whose `network.dtype` is concrete (`compute_dtype`): the config a run
-    trains with and records, made once at start-up (`training.setup.setup_precision`,
+    trains with and records, made once at start-up (`training.setup.run_config`,
     `modes.release.import_training_state`) with `platform = jax.default_backend()`."""
     c = ml_collections.ConfigDict(c.to_dict())
     c.network.dtype = compute_dtype(c.network.dtype, platform, recorded)
