@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import warnings
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
@@ -93,9 +94,9 @@ def read_state_dict(path: str | os.PathLike, corrupt: CorruptError,
 
     `.safetensors`: `safetensors.numpy`. A `torch.save` zip archive: read without torch.
     A legacy (non-zip) torch file, which starts with pickle protocol 2: `torch.load(...,
-    weights_only=True)` if torch is installed. A wrapping `{'model': ...}`,
-    `{'state_dict': ...}` or `{'teacher': ...}` is unwrapped; entries that are no arrays
-    are left out. Raises ImportError naming the package to install (`torch_hint` added:
+    weights_only=True)` if torch is installed; any other file is refused without torch.
+    A wrapping `{'model': ...}`, `{'state_dict': ...}` or `{'teacher': ...}` is
+    unwrapped; entries that are no arrays are left out. Raises ImportError naming the package to install (`torch_hint` added:
     e.g. a torch-free file of the same weights), or `corrupt(path, expected, error)` for a
     file that is none of these or holds no state dict of tensors.
     """
@@ -137,17 +138,19 @@ def _read_zip(path: Path, corrupt: CorruptError) -> object:
 
 def _read_legacy(path: Path, corrupt: CorruptError, torch_hint: str) -> object:
     with open(path, "rb") as f:
-        legacy = f.read(2) == b"\x80\x02"  # torch's legacy format: pickle protocol 2
+        magic = f.read(2)
+    if magic != b"\x80\x02":  # torch's legacy format is pickle protocol 2; else a zip
+        raise corrupt(path, "a torch zip archive, .safetensors or legacy torch file",
+                      ValueError(f"it starts with {magic!r}"))
     try:
         import torch
     except ImportError as e:
-        if not legacy:
-            raise corrupt(path, "a torch zip archive, .safetensors or legacy torch file",
-                          e) from None
         raise ImportError(f"{path} is a legacy (non-zip) torch file; reading it needs torch "
                           f"(pip install torch){torch_hint}") from e
     try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # the error below is the one line a user gets
+            warnings.simplefilter("ignore")
+            sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any reader failure means "not weights"
         raise corrupt(path, "a torch weights file", e) from None
     if isinstance(sd, dict):
