@@ -102,7 +102,7 @@ def net_config(path: str) -> dict:
 
 
 def net_sampler(path: str, heun_steps: int = 32) -> dict:
-    """The sampler settings (`sampler.sample_images` / `generate.generate_images` kwargs)
+    """The sampler settings (`sampler.sample_images` / `seed_images.generate_images` kwargs)
     of the network at `path` (any kind `load_net` reads), from its metadata only: those
     of the objective it was trained with (`objectives.from_metadata`). A diffusion
     network: `{'num_steps': heun_steps}`, the Heun sampler. A distilled student (a

@@ -23,7 +23,7 @@ import pytest
 from edm2_jax.evaluation import commands as eval_commands
 from edm2_jax.evaluation import fid
 from edm2_jax.evaluation import metrics as metrics_lib
-from edm2_jax.sampling import generate
+from edm2_jax.sampling import seed_images
 from edm2_jax.training import loop
 from tests.test_train import make_image_folder, tiny_config, xla_cache  # noqa: F401
 
@@ -50,8 +50,8 @@ def counted(tmp_path, monkeypatch):
 
 
 def _failing_after(batches: int):
-    """`generate.generate_images` raising RuntimeError after `batches` batches."""
-    real = generate.generate_images
+    """`seed_images.generate_images` raising RuntimeError after `batches` batches."""
+    real = seed_images.generate_images
 
     def wrapped(*args, **kw):
         for i, batch in enumerate(real(*args, **kw)):
@@ -79,7 +79,7 @@ def test_eval_of_a_run_writes_beside_the_run_not_in_the_cwd(tmp_path, monkeypatc
               data_config=dict(source="folder", path=str(data), use_labels=True),
               num_steps=2, batch_size=4, progress=False)
     with monkeypatch.context() as m:
-        m.setattr(generate, "generate_images", _failing_after(1))
+        m.setattr(seed_images, "generate_images", _failing_after(1))
         with pytest.raises(RuntimeError, match="killed"):
             eval_commands.main_eval(**kw)
     state = run / "eval.jsonl.partial.p0.npz"

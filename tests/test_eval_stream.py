@@ -53,7 +53,7 @@ from edm2_jax.evaluation.metrics import GeneratedFeatures
 from edm2_jax.model.networks import init_variables, precond_from_config
 from edm2_jax.modes import generate as generate_mode
 from edm2_jax.run import network_dir as checkpoint
-from edm2_jax.sampling import generate
+from edm2_jax.sampling import seed_images
 from tests.tolerances import forward_terms, reorder_tol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,7 +61,7 @@ NET = dict(img_resolution=8, img_channels=1, label_dim=0, model_channels=8, chan
            num_blocks=1, attn_resolutions=())
 NUM, BATCH, STEPS = 16, 4, 4
 CLASSIFIER = cls_lib.TrainConfig(epochs=1, batch_size=8)
-_GENERATE_IMAGES = generate.generate_images  # the real one, under the tests' wrappers
+_GENERATE_IMAGES = seed_images.generate_images  # the real one, under the tests' wrappers
 
 
 def _tiny_net(path, key: int) -> str:
@@ -173,7 +173,7 @@ def _assert_figures(got: dict, want: dict, what: str) -> None:
 def test_seeds_spec_is_what_parse_seeds_reads():
     for seeds in ([0], list(range(50000)), [1, 5, 7, 8, 9], [3, 2, 1], [4, 5, 9, 10, 11, 0]):
         spec = stream.seeds_spec(seeds)
-        assert generate.parse_seeds(spec) == seeds
+        assert seed_images.parse_seeds(spec) == seeds
     assert stream.seeds_spec(range(50000)) == "0-49999"
     assert stream.seeds_spec([1, 5, 7, 8, 9]) == "1,5,7-9"
 
@@ -293,7 +293,7 @@ def test_guidance_interval_preset_and_outdir_reach_the_stream(setup, tmp_path, m
 
 
 def _counting(fail_after: int | None = None, seen: list | None = None):
-    """A wrapper of `generate.generate_images` recording the seeds it yields, raising
+    """A wrapper of `seed_images.generate_images` recording the seeds it yields, raising
     RuntimeError after `fail_after` batches."""
     real = _GENERATE_IMAGES
 
@@ -317,7 +317,7 @@ def test_resume_after_an_exception_generates_only_the_rest(setup, tmp_path, monk
     whole = eval_commands.main_eval(out_json=str(tmp_path / "whole.json"), **kw)
     out = str(tmp_path / "r.json")
     seen: list = []
-    monkeypatch.setattr(generate, "generate_images", _counting(2, seen))
+    monkeypatch.setattr(seed_images, "generate_images", _counting(2, seen))
     with pytest.raises(RuntimeError, match="killed"):
         eval_commands.main_eval(out_json=out, **kw)
     state = out + ".partial.p0.npz"
@@ -326,7 +326,7 @@ def test_resume_after_an_exception_generates_only_the_rest(setup, tmp_path, monk
     assert not os.path.exists(out)
     capsys.readouterr()
     seen.clear()
-    monkeypatch.setattr(generate, "generate_images", _counting(None, seen))
+    monkeypatch.setattr(seed_images, "generate_images", _counting(None, seen))
     resumed = eval_commands.main_eval(out_json=out, **kw)
     assert seen == list(range(8, 16))  # no seed twice, none skipped
     assert f"Resuming from {state}: 8 of 16 images done" in capsys.readouterr().out
@@ -341,7 +341,7 @@ def test_resume_after_an_exception_generates_only_the_rest(setup, tmp_path, monk
     folder = data_lib.make_source(data)
     clf, _ = cls_lib.get_classifier(folder, folder, config=CLASSIFIER, log=False)
     net, variables, _ = nets.load_net(net_path)
-    images = np.concatenate([b for _, b in generate.generate_images(
+    images = np.concatenate([b for _, b in seed_images.generate_images(
         net, variables, list(range(NUM)), batch_size=BATCH, num_steps=STEPS, progress=False)])
     gen, ref = clf.features(images), clf.features(cls_lib.source_arrays(folder)[0])
     tol = fd_tolerance(gen, *fid.FeatureStats.from_features(ref).mean_cov(),
@@ -365,14 +365,14 @@ def test_partial_state_of_other_settings_is_not_used(setup, tmp_path, monkeypatc
     cwd.mkdir()
     monkeypatch.chdir(cwd)
     kw = _eval_kw(data, metrics="cls", net_path=str(net), num_images=8)
-    monkeypatch.setattr(generate, "generate_images", _counting(1, []))
+    monkeypatch.setattr(seed_images, "generate_images", _counting(1, []))
     with pytest.raises(RuntimeError):
         eval_commands.main_eval(**kw)
     state = net / "eval.jsonl.partial.p0.npz"
     assert state.is_file() and not (net / "eval.jsonl").exists()
     capsys.readouterr()
     seen: list = []
-    monkeypatch.setattr(generate, "generate_images", _counting(None, seen))
+    monkeypatch.setattr(seed_images, "generate_images", _counting(None, seen))
     res = eval_commands.main_eval(**dict(kw, num_steps=3))
     assert (f"Partial state {state} is of other settings (num_steps differ); not used"
             in capsys.readouterr().out)
@@ -466,7 +466,7 @@ def test_resume_after_sigkill_gives_the_uninterrupted_figures(setup, streamed, t
         p.wait()
     monkeypatch.setenv("EDM2_JAX_CACHE", str(root / "cache"))
     seen: list = []
-    monkeypatch.setattr(generate, "generate_images", _counting(None, seen))
+    monkeypatch.setattr(seed_images, "generate_images", _counting(None, seen))
     resumed = eval_commands.main_eval(net_path=net_path, out_json=out, **_eval_kw(data))
     assert seen == list(range(2 * BATCH, NUM))
     want = {k: (streamed[k], 0.0) for k in (f"fid{NUM}", "fd_cls")}
@@ -533,14 +533,14 @@ def _main(args: dict) -> None:
     if args.get("save_every"):
         stream.SAVE_EVERY_IMAGES = args["save_every"]
     if args.get("hang_after") is not None:
-        real = generate.generate_images
+        real = seed_images.generate_images
 
         def hanging(*a, **kw):
             for i, batch in enumerate(real(*a, **kw)):
                 if i == args["hang_after"]:
                     time.sleep(3600)  # killed here
                 yield batch
-        generate.generate_images = hanging
+        seed_images.generate_images = hanging
     eval_commands.main_eval(net_path=args["net_path"], out_json=args["out_json"],
                             outdir=args.get("outdir"), **_eval_kw(args["data"]))
 

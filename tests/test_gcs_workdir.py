@@ -160,7 +160,7 @@ def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  
     from edm2_jax import paths
     from edm2_jax import nets
     from edm2_jax.modes import generate as generate_mode
-    from edm2_jax.sampling import generate
+    from edm2_jax.sampling import seed_images
     from edm2_jax.ema import posthoc as phema
     from edm2_jax.run import checkpoints, layout, network_dir, records, snapshots, stats
     from edm2_jax.training import loop
@@ -224,8 +224,8 @@ def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  
     # The same net read from the bucket and from a local copy gives the same images.
     local = tmp_path / "phema_local"
     fs.get(outs[0][5:], str(local), recursive=True)
-    a = next(generate.generate_images(*nets.load_net(outs[0])[:2], [0, 1], batch_size=2,
+    a = next(seed_images.generate_images(*nets.load_net(outs[0])[:2], [0, 1], batch_size=2,
                                       num_steps=2, progress=False))[1]
-    c = next(generate.generate_images(*nets.load_net(str(local))[:2], [0, 1],
+    c = next(seed_images.generate_images(*nets.load_net(str(local))[:2], [0, 1],
                                       batch_size=2, num_steps=2, progress=False))[1]
     np.testing.assert_array_equal(a, c)

@@ -12,7 +12,7 @@ import pytest
 from edm2_jax import nets
 from edm2_jax.modes import generate as generate_mode
 from edm2_jax.run import network_dir as checkpoint
-from edm2_jax.sampling import generate
+from edm2_jax.sampling import seed_images
 from edm2_jax.model.networks import init_variables, precond_from_config
 
 NET = dict(img_resolution=8, img_channels=1, label_dim=3, model_channels=8, channel_mult=(1,),
@@ -20,11 +20,11 @@ NET = dict(img_resolution=8, img_channels=1, label_dim=3, model_channels=8, chan
 
 
 def test_parse_seeds():
-    assert generate.parse_seeds("0-3") == [0, 1, 2, 3]
-    assert generate.parse_seeds("1,5,7-9") == [1, 5, 7, 8, 9]
+    assert seed_images.parse_seeds("0-3") == [0, 1, 2, 3]
+    assert seed_images.parse_seeds("1,5,7-9") == [1, 5, 7, 8, 9]
     for bad in ("a-b", "5-2", ""):
         with pytest.raises(ValueError):
-            generate.parse_seeds(bad)
+            seed_images.parse_seeds(bad)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def netdir(tmp_path_factory):
 
 def _images(netdir, batch, seeds):
     net, v, _ = nets.load_net(netdir)
-    out = list(generate.generate_images(net, v, seeds, batch_size=batch, class_idx=1,
+    out = list(seed_images.generate_images(net, v, seeds, batch_size=batch, class_idx=1,
                                         num_steps=3, progress=False))
     return np.concatenate([imgs for _, imgs in out])
 

@@ -639,7 +639,7 @@ def test_eval_during_training_logs_the_metric_of_the_snapshot_ema(tmp_path, monk
     on disk (same seeds, same classifier from the cache), and the tracked EMA is the one
     evaluated (the online weights give other numbers)."""
     from edm2_jax import nets
-    from edm2_jax.sampling import generate
+    from edm2_jax.sampling import seed_images
     from edm2_jax.evaluation.metrics import Metrics
     from edm2_jax.evaluation.classifier import TrainConfig
     monkeypatch.setenv("EDM2_JAX_CACHE", str(tmp_path / "cache"))
@@ -660,7 +660,7 @@ def test_eval_during_training_logs_the_metric_of_the_snapshot_ema(tmp_path, monk
 
     def measure(ema):
         net, variables, _ = nets.load_net(str(run / "snapshots" / "4"), ema)
-        imgs = np.concatenate([b for _, b in generate.generate_images(
+        imgs = np.concatenate([b for _, b in seed_images.generate_images(
             net, variables, list(range(8)), batch_size=8, num_steps=2, progress=False)])
         return suite(imgs)
 

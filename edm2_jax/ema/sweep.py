@@ -98,7 +98,7 @@ def _plot(rows: list[dict], metric_name: str, path: str) -> None:
 
 
 def sampler_kwargs(net_path: str, num_steps: int | None = None) -> dict:
-    """The sampler settings (`generate.generate_images` kwargs) the sweep generates the
+    """The sampler settings (`seed_images.generate_images` kwargs) the sweep generates the
     network at `net_path` with: its own (`nets.net_sampler`: a distilled student's
     few-step sampler, its post-hoc EMAs being students too, else the Heun sampler of 32
     steps); `num_steps` (`--steps`), when given, replaces the steps of either."""

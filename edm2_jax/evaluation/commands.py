@@ -64,7 +64,7 @@ from edm2_jax.evaluation import metrics as metrics_lib
 from edm2_jax.evaluation import stream
 from edm2_jax.model import vae as vae_lib
 from edm2_jax.run import layout
-from edm2_jax.sampling import generate
+from edm2_jax.sampling import seed_images
 
 
 def _is_latent_data(data_config: Any) -> bool:
@@ -112,7 +112,7 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int |
     (`images.folder_subset`). `vae_path`: `--vae`, the SD VAE that decodes a latent net's
     samples (checked first, `nets.check_vae`) and latent reference data. `gen_kw`:
     guide_path, guide_ema, guidance, guidance_interval, class_idx and the sampler
-    settings of `generate.generate_images` (`progress=False` silences the bars).
+    settings of `seed_images.generate_images` (`progress=False` silences the bars).
     Appends the results as one JSON line to `out_json` (of a net by default
     `layout.eval_results_path(net_path)`, beside it; with the net also preset, seeds as a
     range string, num_steps, guidance, guidance_interval, net and guide paths,
@@ -127,7 +127,7 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int |
     else:
         vae = _vae_for_data(vae_path, data_config)
     if seeds is not None:
-        seeds = generate.parse_seeds(seeds) if isinstance(seeds, str) else list(seeds)
+        seeds = seed_images.parse_seeds(seeds) if isinstance(seeds, str) else list(seeds)
         if not net_path:
             raise ValueError("--seeds chooses the seeds a --net generates; for --images the "
                              "random subset is chosen by --subset_seed")
@@ -233,7 +233,7 @@ def _eval_net(net_path: str, seeds: list[int], names: list[str], *, ema: str | N
           + (f", decoded by the SD VAE {vae.path}" if vae else "")
           + (f" -> {outdir}" if outdir else "")
           + " (the first batch includes compiling the sampler and the feature networks)")
-    batches = generate.generate_images(net, variables, todo, outdir=outdir,
+    batches = seed_images.generate_images(net, variables, todo, outdir=outdir,
                                        batch_size=batch_size, guide=guide, guidance=guidance,
                                        num_steps=num_steps, all_processes=False, vae=vae,
                                        progress=log, **gen_kw)

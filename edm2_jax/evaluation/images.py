@@ -13,7 +13,7 @@ import PIL.Image
 from edm2_jax import data as data_lib
 from edm2_jax import nets, paths
 from edm2_jax.model import vae as vae_lib
-from edm2_jax.sampling import generate
+from edm2_jax.sampling import seed_images
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 
@@ -73,11 +73,11 @@ def net_images(net_path: str, seeds: Sequence[int], batch_size: int = 64,
     """uint8 NHWC batches of the images `net_path` generates for `seeds` (guided by
     `guide_path` with weight `guidance`; `nets.load_guide`), decoded to RGB by `vae`
     (an `SDVAE`, for a latent net; `nets.check_vae`); `gen_kw`: the other
-    arguments of `generate.generate_images` (class_idx, sampler settings)."""
+    arguments of `seed_images.generate_images` (class_idx, sampler settings)."""
     net, variables, desc = nets.load_net(net_path, ema)
     guide = nets.load_guide(guide_path, guide_ema, guidance)
     print(f"Generating {len(seeds)} images from {desc}")
-    for _, imgs in generate.generate_images(net, variables, list(seeds), batch_size=batch_size,
+    for _, imgs in seed_images.generate_images(net, variables, list(seeds), batch_size=batch_size,
                                             num_steps=num_steps, guide=guide, guidance=guidance,
                                             vae=vae, **gen_kw):
         yield imgs

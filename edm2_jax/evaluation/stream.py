@@ -3,7 +3,7 @@ latent net: the SD VAE) -> features (Inception-v3, DINOv2, the classifier), batc
 batch, so that FID-50k never holds 50,000 images (`metrics.GeneratedFeatures`: float64
 feature statistics, the classifier's features).
 
-Seeds: the seed list is cut into batches as `generate.generate_images` cuts it (the batch
+Seeds: the seed list is cut into batches as `seed_images.generate_images` cuts it (the batch
 size rounded up to a multiple of the local devices) and each process of a multi-host job
 takes every `process_count`-th batch (`process_share`); within a batch the seeds are
 split over the local devices. At the end the processes' statistics are summed
@@ -46,7 +46,7 @@ STATE_VERSION = 1         # bump when the partial state's arrays change meaning
 
 
 def seeds_spec(seeds: Sequence[int]) -> str:
-    """The compact text of a seed list, as `generate.parse_seeds` reads it: runs of
+    """The compact text of a seed list, as `seed_images.parse_seeds` reads it: runs of
     consecutive seeds as ranges, `[0, ..., 49999]` -> `'0-49999'`, `[1, 5, 7, 8, 9]` ->
     `'1,5,7-9'`."""
     parts: list[str] = []
@@ -64,7 +64,7 @@ def seeds_spec(seeds: Sequence[int]) -> str:
 def process_share(seeds: Sequence[int], batch_size: int, process_index: int | None = None,
                   process_count: int | None = None) -> list[int]:
     """The seeds one process generates: the list cut into batches of `batch_size` rounded
-    up to a multiple of the local device count (as `generate.generate_images` cuts it),
+    up to a multiple of the local device count (as `seed_images.generate_images` cuts it),
     every `process_count`-th batch from the `process_index`-th (default: this process of
     this job)."""
     pi = jax.process_index() if process_index is None else process_index
@@ -148,7 +148,7 @@ def remove_partial(path: str) -> None:
 
 def stream_features(gen: GeneratedFeatures, batches, state_path: str, settings: dict,
                     total: int) -> dict:
-    """Add the `(seeds, uint8 images)` batches of `batches` (`generate.generate_images`
+    """Add the `(seeds, uint8 images)` batches of `batches` (`seed_images.generate_images`
     of the seeds not yet in `gen`) to `gen`, saving the partial state to `state_path`
     every `SAVE_EVERY_IMAGES` images or `SAVE_EVERY_S` seconds, at the end, and when the
     stream stops on an exception (re-raised). `total`: this process's share. Returns

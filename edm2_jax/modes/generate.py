@@ -19,7 +19,7 @@ net refuses one. Both are checked from the metadata before any weights are read
 (`nets.check_vae`).
 
 Owns `main_generate` (the body of the mode: `nets.load_net`, then
-`sampling.generate.generate_images`) and `sampler_flags`, the sampler of `--net` as
+`sampling.seed_images.generate_images`) and `sampler_flags`, the sampler of `--net` as
 `nets.net_sampler` decides it unless the flags say otherwise.
 
 Also defines the flags that `--mode=eval` shares (`--net`, `--ema`, `--batch`, `--steps`,
@@ -37,7 +37,7 @@ from absl import app, flags
 
 from edm2_jax import nets, paths
 from edm2_jax.modes import common
-from edm2_jax.sampling import generate, guidance, presets
+from edm2_jax.sampling import seed_images, guidance, presets
 from edm2_jax.sampling.sampler import save_image_grid
 from edm2_jax.training import sharding
 
@@ -189,7 +189,7 @@ def network_flags(resolved: presets.ResolvedPreset | None) -> dict:
 
 
 def few_step_flags() -> dict | None:
-    """The few-step sampler's settings (`generate.generate_images` kwargs) when
+    """The few-step sampler's settings (`seed_images.generate_images` kwargs) when
     `--sampler` asks for it, or is 'auto' and `--net` is a distilled student
     (`nets.net_sampler`); None for the Heun sampler. A student's own grid and
     steps unless `--steps`, `--teacher_steps`, `--sigma_min`, `--sigma_max`, `--rho` are
@@ -214,7 +214,7 @@ def few_step_flags() -> dict | None:
 
 
 def sampler_flags(resolved: presets.ResolvedPreset | None = None) -> dict:
-    """The sampler's settings from the flags (`generate.generate_images` kwargs): a
+    """The sampler's settings from the flags (`seed_images.generate_images` kwargs): a
     few-step student's (`few_step_flags`), else the EDM sampler's, with the guidance
     interval of `resolved` when a preset is given."""
     few = few_step_flags() if resolved is None else None
@@ -235,10 +235,10 @@ def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | N
     """CLI body of `--mode=generate` (see module doc): `net_path` is any network
     `nets.load_net` reads. `vae_path`: `--vae`, checked first (`nets.check_vae`).
     `sampler_kw`: `num_steps`, `sigma_min`, `sigma_max`, `rho`, `S_churn`, `S_min`,
-    `S_max`, `S_noise`, `rng` of `generate.generate_images`. The outputs
+    `S_max`, `S_noise`, `rng` of `seed_images.generate_images`. The outputs
     are checked first (`paths.check_output_dir`: writable, not a file, a reachable
     bucket), before any weights are read or any image sampled."""
-    seed_list = generate.parse_seeds(seeds)
+    seed_list = seed_images.parse_seeds(seeds)
     if not outdir and not grid:
         raise ValueError("--mode=generate needs --outdir=DIR and/or --grid=FILE.png")
     if outdir:
@@ -256,7 +256,7 @@ def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | N
     guide = nets.load_guide(guide_path, guide_ema, guidance)
     t = time.time()
     all_imgs = []
-    for _, imgs in generate.generate_images(net, variables, seed_list, outdir=outdir,
+    for _, imgs in seed_images.generate_images(net, variables, seed_list, outdir=outdir,
                                             batch_size=batch_size, class_idx=class_idx,
                                             subdirs=subdirs, guide=guide, guidance=guidance,
                                             vae=vae, **sampler_kw):
@@ -280,7 +280,7 @@ def run() -> None:
     if not preset and not FLAGS.net:
         raise app.UsageError("--mode=generate needs --net=PATH (or --preset=NAME --models=DIR)")
     if preset:  # what main_generate checks first, before the conversion
-        generate.parse_seeds(FLAGS.seeds)
+        seed_images.parse_seeds(FLAGS.seeds)
         if not FLAGS.outdir and not FLAGS.grid:
             raise ValueError("--mode=generate needs --outdir=DIR and/or --grid=FILE.png")
         common.check_output_dir(FLAGS.outdir, "--outdir")

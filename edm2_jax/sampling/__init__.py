@@ -1,7 +1,9 @@
-"""Sampling: the EDM sampler (Heun steps, churn; `sampler.py`), classifier-free guidance,
-autoguidance and the guidance interval (`guidance.py`), the release's named presets
-(`presets.py`), and the generation of images for a seed range from a network
-(`generate.py`; reading the network is `nets.py`'s, the body of `--mode=generate`
+"""Sampling: the EDM sampler (Heun steps, churn; `sampler.py`; Heun's step and the
+reference sampler as Algorithms 1-2 write it, `heun.py`; per-seed randomness,
+`seeds.py`), the few-step sampler of a distilled student (`consistency.py`),
+classifier-free guidance, autoguidance and the guidance interval (`guidance.py`), the
+release's named presets (`presets.py`), and the images of a seed range from a network
+(`seed_images.py`; reading the network is `nets.py`'s, the body of `--mode=generate`
 `modes/generate.py`'s).
 
 May import `paths`, `model`, `backends`, `data`, `run` and `release`; never the metrics,

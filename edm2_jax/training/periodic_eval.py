@@ -14,7 +14,7 @@ from edm2_jax.ema import power as ema_lib
 from edm2_jax.evaluation import classifier as cls_lib
 from edm2_jax.evaluation.metrics import Metrics
 from edm2_jax.model import vae as vae_lib
-from edm2_jax.sampling import generate
+from edm2_jax.sampling import seed_images
 
 
 class TrainingEval:
@@ -99,7 +99,7 @@ class TrainingEval:
         `{'eval/<metric>': float, ...}` including `eval/time_s` (generation and metrics)."""
         t = time.time()
         seeds = list(range(self.seed, self.seed + self.num_images))
-        imgs = np.concatenate([b for _, b in generate.generate_images(
+        imgs = np.concatenate([b for _, b in seed_images.generate_images(
             net, variables, seeds, batch_size=self.batch_size, **self.sampler,
             progress=False, all_processes=False, vae=self.vae)])
         res = self.metrics(imgs)
