@@ -362,6 +362,29 @@ def test_post_hoc_ema_of_a_student_is_sampled_as_a_student(distill_runs, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.ci
+def test_a_distillation_run_resumes_without_its_teacher(distill_runs, tmp_path):
+    """The teacher is frozen in the train state: a run stopped after 2 steps resumes with
+    its teacher's folder gone, to the arrays of the run that never stopped."""
+    import ml_collections
+    from tests.test_train import _restore
+    from edm2_jax.training import loop
+    teacher = tmp_path / "teacher"
+    shutil.copytree(distill_runs["teacher"], teacher)
+    config = ml_collections.ConfigDict(distill_runs["config"].to_dict())
+    config.distill.teacher = str(teacher)
+    run = tmp_path / "run"
+    loop.train_and_evaluate(ml_collections.ConfigDict(dict(config.to_dict(),
+                                                           total_kimg=0.016)), str(run))
+    shutil.rmtree(teacher)
+    assert loop.train_and_evaluate(config, str(run))["finished"]
+    (sa, a), (sb, b) = _restore(run), _restore(distill_runs["full"])
+    assert sa == sb == 4
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.array_equal(x, y)
+
+
+@pytest.mark.slow
+@pytest.mark.ci
 def test_teacher_errors_are_named_before_anything_is_built(distill_runs, tmp_path):
     """A missing teacher, or data of another kind than the teacher's, fail at set-up with
     the flag named, before the step compiles; the output directory holds no state."""
@@ -372,6 +395,7 @@ def test_teacher_errors_are_named_before_anything_is_built(distill_runs, tmp_pat
     config.distill.teacher = str(missing)
     with pytest.raises(FileNotFoundError, match="--config.distill.teacher="):
         loop.train_and_evaluate(config, str(tmp_path / "a"))
+    assert not (tmp_path / "a").exists()  # no workdir, no train.lock left behind
     # The teacher is 16x16x3; Fashion-MNIST-like data of 8x8 grey images are not its kind.
     from tests.test_train import make_image_folder
     config.distill.teacher = distill_runs["teacher"]

@@ -63,15 +63,15 @@ class Run:
     current: dict
 
 
-def set_up(config: ml_collections.ConfigDict, workdir: str, process_setup: Any) -> Run:
-    """The set-up steps of `setup.py`, each failing before anything costly when its part
-    of the config is wrong: the objective; the data (a broken dataset fails before
+def set_up(config: ml_collections.ConfigDict, workdir: str, start: setup.Start,
+           process_setup: Any) -> Run:
+    """The set-up steps of `setup.py` after the objective (`start`), each failing before
+    anything costly when its part of the config is wrong: the data (a broken dataset fails before
     anything is compiled); the run's config; the config check (same run, or a clear
     error before any step); the evaluation; the model and its state (checked against its
     checksums); the config recorded only then. Each stage that may take a while says so
     as it starts."""
     is_main = jax.process_index() == 0
-    start = setup.setup_objective(config)
     print(f"Loading the data ({config.data.source})...", flush=True)
     source = setup.setup_data(config)
     config = setup.run_config(config, workdir, start, source)
@@ -274,10 +274,11 @@ class StepLoop:
         return dict(self.last, finished=True)
 
 
-def _train(config: ml_collections.ConfigDict, workdir: str, stop: preemption.StopRequest,
-           process_setup: Any, default_ref_lr: float | None) -> dict:
+def _train(config: ml_collections.ConfigDict, workdir: str, start: setup.Start,
+           stop: preemption.StopRequest, process_setup: Any,
+           default_ref_lr: float | None) -> dict:
     """`train_and_evaluate`'s body, run holding the run's lock and the signal handlers."""
-    run = set_up(config, workdir, process_setup)
+    run = set_up(config, workdir, start, process_setup)
     loop = StepLoop(run, stop)
     if loop.step >= loop.sched.total_steps:
         print(f"Run in {workdir} is already finished at {loop.nimg / 1000:.3f} kimg "
@@ -357,6 +358,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # notifier), which ours must replace.
     shard_lib.maybe_initialize_distributed()
     workdir = paths.normalize(workdir)  # a local path or a gs:// URL (paths.py)
+    # The objective and the network it starts from, before the workdir is made: a teacher
+    # that is not there leaves nothing behind.
+    start = setup.setup_objective(config, workdir)
     paths.makedirs(workdir)
     with lock.RunLock(workdir), preemption.StopRequest() as stop:
-        return _train(config, workdir, stop, process_setup, default_ref_lr)
+        return _train(config, workdir, start, stop, process_setup, default_ref_lr)

@@ -1,7 +1,7 @@
 """The training loop's set-up steps, in the order `loop.train_and_evaluate` takes them,
 each failing before anything costly when its part of the config is wrong:
 
-    start = setup_objective(config)              # the objective, chosen once; its network
+    start = setup_objective(config, workdir)     # the objective, chosen once; its network
     source = setup_data(config)                  # the data: a broken dataset fails first
     config = run_config(config, workdir, start, source)   # the config, built once
     eval_key, evaluator = setup_eval(config, start.objective, is_main)
@@ -53,21 +53,27 @@ class Start:
     init_config: dict | None = None
 
 
-def setup_objective(config: ml_collections.ConfigDict) -> Start:
+def setup_objective(config: ml_collections.ConfigDict, workdir: str) -> Start:
     """The run's objective (`objectives.from_config`, checked) and the network config of
-    the network it starts from (from that network's metadata alone). Raises ValueError
-    naming the flag for bad settings, FileNotFoundError (naming the flag) where the
-    network to start from is not there."""
+    the network it starts from: for a run resumed in `workdir` (checkpoints and its
+    config.json there), the one config.json records, so that a resume needs nothing but
+    the run; else the network's own, from its metadata alone. Raises ValueError naming
+    the flag for bad settings, FileNotFoundError (naming the flag) where the network to
+    start from is not there."""
     objective = objectives.from_config(config)
     objective.check()
     init = objective.init_network()
     if init is None:
         return Start(objective)
     path, ema = init
-    try:
-        init_config = nets.net_config(path)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"{objective.init_flag}={path}: {e}") from None
+    recorded = (layout.read_config(workdir) or {}).get("network")
+    if recorded and layout.step_dirs(os.path.join(workdir, layout.CHECKPOINTS)):
+        init_config = recorded  # a resume: the weights are in the train state
+    else:
+        try:
+            init_config = nets.net_config(path)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{objective.init_flag}={path}: {e}") from None
     line = objective.describe()
     if line:
         print(line, flush=True)
