@@ -254,7 +254,28 @@ def generate_read_only(tmp_path, tmpfs, netdir):
             ["--outdir", "read-only", "writable disk"], d)
 
 
+def bad_ref(kind):
+    """An `--ref` .npz whose statistics are no mean and covariance: refused as it is read,
+    before the network is loaded or any image generated."""
+    def setup(tmp_path, tmpfs, netdir):
+        import numpy as np
+        d = 2048
+        sigma = {"not_psd": -np.eye(d), "asymmetric": np.eye(d) + np.triu(np.ones((d, d)), 1),
+                 "nan": np.full((d, d), np.nan)}[kind]
+        bad = tmp_path / "ref.npz"
+        np.savez(bad, mu=np.zeros(d), sigma=sigma)
+        words = {"not_psd": "not positive semi-definite", "asymmetric": "not symmetric",
+                 "nan": "NaN or Inf"}[kind]
+        return (["--mode=eval", f"--net={netdir}", "--metrics=fid", f"--ref={bad}",
+                 "--num_images=10", f"--out_json={tmp_path}/eval.json"], {},
+                [str(bad), words], tmp_path)
+    return setup
+
+
 CASES = {
+    "eval_ref_not_psd": bad_ref("not_psd"),
+    "eval_ref_asymmetric": bad_ref("asymmetric"),
+    "eval_ref_nan": bad_ref("nan"),
     "train_read_only_workdir": read_only_run("train"),
     "phema_read_only_workdir": read_only_run("phema"),
     "train_full_disk_fresh": full_disk_fresh,

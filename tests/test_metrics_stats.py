@@ -103,6 +103,39 @@ def test_frechet_distance_of_identical_stats_is_zero_even_rank_deficient():
 # KID.
 
 
+def test_reference_statistics_that_are_no_covariance_are_refused_when_read(tmp_path):
+    """`--ref` statistics are checked as they are read: finite, sigma symmetric and
+    positive semi-definite within float tolerance (an .npz with sigma = -I gave an FID of
+    -1550 before); a covariance rounded through float32 passes."""
+    from edm2_jax.evaluation import fid
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((50, 8))
+    good = np.cov(x, rowvar=False).astype(np.float32).astype(np.float64)  # float32 rounding
+    np.savez(tmp_path / "good.npz", mu=x.mean(0), sigma=good)
+    mu, sigma = fid.load_ref_stats(tmp_path / "good.npz")
+    np.testing.assert_array_equal(sigma, good)
+    low_rank = np.outer(x[0], x[0])  # PSD with 7 zero eigenvalues (rounding may be < 0)
+    np.savez(tmp_path / "rank1.npz", mu=x[0], sigma=low_rank)
+    fid.load_ref_stats(tmp_path / "rank1.npz")
+    for name, sigma, words in [("neg", -np.eye(8), "not positive semi-definite"),
+                               ("asym", np.eye(8) + np.triu(np.ones((8, 8)), 1) * 0.1,
+                                "not symmetric"),
+                               ("nan", np.where(np.eye(8) > 0, np.nan, 0.0), "NaN or Inf")]:
+        np.savez(tmp_path / f"{name}.npz", mu=np.zeros(8), sigma=sigma)
+        with pytest.raises(ValueError, match=words):
+            fid.load_ref_stats(tmp_path / f"{name}.npz")
+
+
+def test_a_negative_frechet_distance_is_an_error_never_a_result():
+    """FD >= 0 for covariances; statistics that are none (here sigma = -I, which the
+    readers refuse) give an error rather than a negative figure; rounding below 0 is 0."""
+    d = 4
+    with pytest.raises(ValueError, match="not covariances"):
+        stats.frechet_distance(np.zeros(d), -np.eye(d), np.zeros(d), np.eye(d) * 1e-3)
+    a = np.diag([1.0, 2.0, 3.0, 4.0])
+    assert stats.frechet_distance(np.ones(d), a, np.ones(d), a) >= 0.0
+
+
 def test_kid_equals_hand_computed_mmd():
     # D = 1, k(x, y) = (x y + 1)^3; a = {0, 1}, b = {1, 2}, m = 2 (every subset is the set):
     # within a: k(0,1) = 1; within b: k(1,2) = 27; cross: (1 + 1 + 8 + 27) * 2 / 4 = 18.5.

@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from edm2_jax.evaluation import inception
-from edm2_jax.evaluation.stats import FeatureStats, frechet_distance
+from edm2_jax.evaluation.stats import FeatureStats, check_covariance, frechet_distance
 
 __all__ = ["FeatureStats", "compute_fid", "fid_from_stats", "frechet_distance",
            "load_ref_stats", "save_ref_stats", "stats_from_images", "stats_from_source",
@@ -172,6 +172,10 @@ def _mu_sigma(entry, where: str) -> tuple[np.ndarray, np.ndarray]:
     if mu.ndim != 1 or sigma.shape != (mu.size, mu.size):
         raise ValueError(f"{where}: mu must be [D] and sigma [D, D], got {mu.shape}, "
                          f"{sigma.shape}")
+    if not (np.all(np.isfinite(mu)) and np.all(np.isfinite(sigma))):
+        raise ValueError(f"{where}: mu or sigma holds NaN or Inf; re-download or recompute "
+                         f"the reference statistics")
+    check_covariance(sigma, where)
     return mu, sigma
 
 

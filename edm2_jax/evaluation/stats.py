@@ -146,6 +146,26 @@ class FeatureStats:
         return cls().append(x)
 
 
+# Relative tolerance of the covariance checks: a covariance accumulated in float32 and
+# rounded to float64 is symmetric and PSD to about 1e-7 of its scale; 1e-5 leaves room.
+COV_RTOL = 1e-5
+
+
+def check_covariance(sigma: np.ndarray, where: str) -> None:
+    """Raise ValueError naming `where` unless `sigma` `[D, D]` is a covariance: symmetric
+    and positive semi-definite within `COV_RTOL` of its largest eigenvalue magnitude."""
+    sigma = np.asarray(sigma, np.float64)
+    scale = float(np.max(np.abs(sigma), initial=0.0))
+    if np.max(np.abs(sigma - sigma.T), initial=0.0) > COV_RTOL * max(scale, 1e-300):
+        raise ValueError(f"{where}: sigma is not symmetric, so not a covariance; re-download "
+                         f"or recompute the reference statistics")
+    eig = np.linalg.eigvalsh((sigma + sigma.T) / 2)
+    if eig.size and eig[0] < -COV_RTOL * max(float(np.max(np.abs(eig))), 1e-300):
+        raise ValueError(f"{where}: sigma is not positive semi-definite (smallest eigenvalue "
+                         f"{eig[0]:.4g}), so not a covariance; re-download or recompute the "
+                         f"reference statistics")
+
+
 def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
     """Frechet (2-Wasserstein) distance between N(mu1, sigma1) and N(mu2, sigma2):
     `|mu1 - mu2|^2 + tr(sigma1 + sigma2 - 2 (sigma1 sigma2)^(1/2))` (Heusel et al. 2017,
@@ -156,7 +176,8 @@ def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
     `scipy.linalg.sqrtm` and only its real part is used (rounding gives tiny imaginary
     parts); if it is not finite (singular product) both covariances get `1e-6 I` added,
     as in the reference FID code.
-    Raises ValueError on mismatched shapes or non-finite inputs.
+    Raises ValueError on mismatched shapes or non-finite inputs, and for a distance below
+    zero beyond rounding (then 0 within rounding is returned as 0).
     """
     mu1, mu2 = np.asarray(mu1, np.float64), np.asarray(mu2, np.float64)
     sigma1, sigma2 = np.asarray(sigma1, np.float64), np.asarray(sigma2, np.float64)
@@ -174,7 +195,13 @@ def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
             covmean = scipy.linalg.sqrtm((sigma1 + offset) @ (sigma2 + offset))
     diff = mu1 - mu2
     fd = diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2 * np.trace(np.real(covmean))
-    return float(fd)
+    # The distance is >= 0; a negative one beyond rounding means inputs that are no
+    # covariances, never a result.
+    scale = diff @ diff + abs(np.trace(sigma1)) + abs(np.trace(sigma2))
+    if fd < -COV_RTOL * max(scale, 1e-300):
+        raise ValueError(f"frechet_distance is {fd:.4g} < 0: the statistics are not "
+                         f"covariances (symmetric, positive semi-definite)")
+    return float(max(fd, 0.0))
 
 
 def _cubic_kernel(x: np.ndarray, y: np.ndarray, d: int) -> np.ndarray:
