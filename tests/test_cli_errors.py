@@ -272,7 +272,22 @@ def bad_ref(kind):
     return setup
 
 
+def zero_steps(mode):
+    """`--steps=0` is refused before any network is read or anything computed (eval
+    trained its classifier first; generate printed 'Generating ... (-1 evaluations)')."""
+    def setup(tmp_path, tmpfs, netdir):
+        args = {"generate": ["--mode=generate", f"--net={netdir}", "--seeds=0-1",
+                             f"--outdir={tmp_path}/out"],
+                "eval": ["--mode=eval", f"--net={netdir}", "--metrics=cls", "--num_images=4",
+                         f"--out_json={tmp_path}/eval.json"]}[mode]
+        return ([*args, "--steps=0"], {}, ["--steps=0", "num_steps must be an integer >= 2"],
+                tmp_path)
+    return setup
+
+
 CASES = {
+    "generate_steps_zero": zero_steps("generate"),
+    "eval_steps_zero": zero_steps("eval"),
     "eval_ref_not_psd": bad_ref("not_psd"),
     "eval_ref_asymmetric": bad_ref("asymmetric"),
     "eval_ref_nan": bad_ref("nan"),

@@ -37,7 +37,8 @@ from absl import app, flags
 
 from edm2_jax import nets, paths
 from edm2_jax.modes import common
-from edm2_jax.sampling import seed_images, guidance, presets
+from edm2_jax.sampling import consistency, seed_images, guidance, presets
+from edm2_jax.sampling.schedule import edm_sigma_steps
 from edm2_jax.sampling.sampler import save_image_grid
 from edm2_jax.training import sharding
 
@@ -216,15 +217,30 @@ def few_step_flags() -> dict | None:
 def sampler_flags(resolved: presets.ResolvedPreset | None = None) -> dict:
     """The sampler's settings from the flags (`seed_images.generate_images` kwargs): a
     few-step student's (`few_step_flags`), else the EDM sampler's, with the guidance
-    interval of `resolved` when a preset is given."""
+    interval of `resolved` when a preset is given. Checked here, before any network is
+    read or anything computed: raises ValueError naming the flags for a schedule that
+    is none (e.g. `--steps=0`)."""
     few = few_step_flags() if resolved is None else None
-    if few is not None:
-        return few
-    return dict(num_steps=FLAGS.steps, sigma_min=FLAGS.sigma_min, sigma_max=FLAGS.sigma_max,
-                rho=FLAGS.rho, S_churn=FLAGS.S_churn, S_min=FLAGS.S_min, S_max=FLAGS.S_max,
-                S_noise=FLAGS.S_noise, rng=FLAGS.rng,
-                guidance_interval=(resolved.guidance_interval if resolved
-                                   else FLAGS.guidance_interval))
+    kw = few if few is not None else dict(
+        num_steps=FLAGS.steps, sigma_min=FLAGS.sigma_min, sigma_max=FLAGS.sigma_max,
+        rho=FLAGS.rho, S_churn=FLAGS.S_churn, S_min=FLAGS.S_min, S_max=FLAGS.S_max,
+        S_noise=FLAGS.S_noise, rng=FLAGS.rng,
+        guidance_interval=(resolved.guidance_interval if resolved
+                           else FLAGS.guidance_interval))
+    try:
+        if kw.get("sampler") == "consistency":
+            consistency.grid_sigmas(kw["teacher_steps"], kw["sigma_min"], kw["sigma_max"],
+                                    kw["rho"])
+            consistency.segment_bounds(kw["num_steps"], kw["teacher_steps"])
+        else:
+            edm_sigma_steps(kw["num_steps"], kw["sigma_min"], kw["sigma_max"], kw["rho"])
+    except ValueError as e:
+        raise ValueError(f"--steps={kw['num_steps']} --sigma_min={kw['sigma_min']} "
+                         f"--sigma_max={kw['sigma_max']} --rho={kw['rho']}"
+                         + (f" --teacher_steps={kw['teacher_steps']}"
+                            if "teacher_steps" in kw else "")
+                         + f": {e}") from None
+    return kw
 
 
 def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | None = None,
