@@ -323,6 +323,19 @@ def test_sweep_finds_the_held_out_ema(tiny_run, tmp_path, capsys):
         assert png_path is None
 
 
+def test_sweep_says_a_poor_reconstruction_in_one_line(tiny_run, tmp_path, capsys):
+    """An EMA the snapshots cannot express (0.25 from the first snapshot's 0.05 and 0.10
+    alone) is swept with one `warning:` line naming its profile error, not Python's
+    warning format with a source line."""
+    phema.sweep(tiny_run["workdir"], [0.25], lambda path: 0.0, at_kimg=0.4,  # the first
+                out_dir=str(tmp_path), metric_name="zero")
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "relative error" in line]
+    assert len(said) == 1 and said[0].startswith("warning: post-hoc EMA sigma_rel 0.25"), err
+    assert "save snapshots more often" in said[0]
+    assert "UserWarning" not in err and "warnings.warn" not in err
+
+
 def test_main_phema_prints_outputs(tiny_run, tmp_path, capsys):
     paths = phema.main_phema(tiny_run["workdir"], [0.08], at_kimg=1.6, out_dir=str(tmp_path))
     out = capsys.readouterr().out

@@ -11,6 +11,8 @@ from __future__ import annotations
 import csv
 import io
 import os
+import sys
+import warnings
 from typing import Callable, Sequence
 
 import numpy as np
@@ -43,8 +45,12 @@ def sweep(workdir: str, sigma_rels: Sequence[float], metric_fn: Callable[[str], 
 
     Returns `(csv_path, png_path)`.
     """
-    paths = reconstruct(workdir, sigma_rels, at_kimg=at_kimg, out_dir=out_dir,
-                        per_tensor=per_tensor, exist_ok=True)
+    with warnings.catch_warnings(record=True) as caught:  # one line each, no source line
+        warnings.simplefilter("always")
+        paths = reconstruct(workdir, sigma_rels, at_kimg=at_kimg, out_dir=out_dir,
+                            per_tensor=per_tensor, exist_ok=True)
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr, flush=True)
     rows = []
     for s, p in zip(sigma_rels, paths):
         value = float(metric_fn(p))
