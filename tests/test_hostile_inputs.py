@@ -309,3 +309,55 @@ def test_cli_following_the_advice_after_ref_lr_1e30_trains(tiny_run, tmp_path, x
     losses = [json.loads(x).get("loss/loss") for x in
               (workdir / "stats.jsonl").read_text().splitlines()]
     assert losses and all(math.isfinite(v) for v in losses if v is not None), losses
+
+
+def _png_claiming(path: Path, width: int, height: int) -> Path:
+    """A small PNG file whose header claims `width x height` RGB pixels (a decompression
+    bomb's header; its one row of data is all the file holds)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
+                     + chunk(b"IDAT", zlib.compress(b"\x00" * (1 + 3 * 16)))
+                     + chunk(b"IEND", b""))
+    return path
+
+
+def test_decompression_bomb_in_dataset_tool_convert_is_one_line(tmp_path):
+    """A PNG claiming 30000x30000 pixels given to `dataset_tool convert` is refused in one
+    `error:` line naming it (PIL's DecompressionBombError was a 28-line traceback), and
+    nothing is written."""
+    src = tmp_path / "src"
+    src.mkdir()
+    _png_claiming(src / "bomb.png", 30000, 30000)
+    out = tmp_path / "out.zip"
+    r = subprocess.run([sys.executable, "-m", "edm2_jax.data.dataset_tool", "convert",
+                        f"--source={src}", f"--dest={out}"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    lines = _error_lines(r.stderr)
+    assert r.returncode != 0 and len(lines) == 1 and "bomb.png" in lines[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and not out.exists()
+
+
+def test_images_over_the_largest_training_resolution_are_refused_when_opened(tmp_path):
+    """A folder of 30000x30000 PNGs as training data is refused when the data set is
+    opened (it set img_resolution 30000 into config.json, compiled, then died allocating
+    107 GiB), naming the image and the limit; nothing is written to the workdir."""
+    from edm2_jax import data as data_lib
+    from edm2_jax.data.image_folder import MAX_RESOLUTION
+    folder = tmp_path / "huge"
+    folder.mkdir()
+    for i in range(2):
+        _png_claiming(folder / f"{i}.png", 30000, 30000)
+    config = tiny_config(folder, **{"data.use_labels": False})
+    with pytest.raises(ValueError, match=rf"30000x30000, larger than the {MAX_RESOLUTION}"):
+        data_lib.make_source(config.data)
+    workdir = tmp_path / "run"
+    with pytest.raises(ValueError, match="larger than"):
+        loop.train_and_evaluate(config, str(workdir))
+    assert not (workdir / "config.json").exists()

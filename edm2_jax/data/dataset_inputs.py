@@ -74,7 +74,7 @@ def _decode(data: bytes | str, name: str) -> np.ndarray:
     try:
         with PIL.Image.open(io.BytesIO(data) if isinstance(data, bytes) else data) as im:
             return np.array(im.convert("RGB"))
-    except (OSError, ValueError, SyntaxError) as e:
+    except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError) as e:
         raise DatasetToolError(f"cannot read image {name} ({e}); remove or replace it") from None
 
 

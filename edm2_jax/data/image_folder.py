@@ -32,6 +32,9 @@ import PIL.Image
 from edm2_jax.data.base import NO_LABEL, Source
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
+# The largest side of a training image: larger ones are refused when the data set is
+# opened, before anything is written or compiled (a 30000x30000 PNG would need 107 GiB).
+MAX_RESOLUTION = 4096
 # PIL mode -> channels of the uint8 array we return (P, 1 and CMYK are converted on decode).
 _MODE_CHANNELS = {"L": 1, "1": 1, "RGB": 3, "P": 3, "CMYK": 3, "RGBA": 4}
 _CONVERT = {"1": "L", "P": "RGB", "CMYK": "RGB"}
@@ -179,6 +182,11 @@ class ImageFolder(Source):
         if w0 != h0:
             raise ValueError(f"image {first} is {w0}x{h0} (WxH); images must be square: "
                              f"re-export with dataset_tool.py --transform=center-crop")
+        if w0 > MAX_RESOLUTION:
+            raise ValueError(f"image {first} is {w0}x{h0}, larger than the {MAX_RESOLUTION} "
+                             f"pixels a side that a training image may have (the release's "
+                             f"largest nets train at 512, on latents 64); resize the data set "
+                             f"(dataset_tool.py convert --resolution=512x512)")
         for fname, (w, h, mode) in zip(self.fnames, headers):
             if (w, h) != (w0, h0) or _MODE_CHANNELS.get(mode) != _MODE_CHANNELS[mode0]:
                 raise ValueError(
