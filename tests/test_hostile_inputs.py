@@ -113,14 +113,20 @@ def test_missing_config_file_is_one_line_with_or_without_overrides(tmp_path, ove
 # A truncated snapshot or checkpoint
 
 
-def test_truncated_snapshot_is_refused_by_phema_and_generate_naming_the_fix(tiny_run, tmp_path):
-    """The largest array file of snapshot 4 cut to 1000 bytes: `--mode=phema` and
-    `--mode=generate --net=RUN/snapshots/4` each end with one `error:` line naming the
-    snapshot, that it is unreadable, and the fix a checksum mismatch names (move it
-    aside); nothing is written and the run is unchanged."""
+@pytest.mark.parametrize("cut", ["largest_array_file", "manifest"])
+def test_truncated_snapshot_is_refused_by_phema_and_generate_naming_the_fix(tiny_run, tmp_path,
+                                                                            cut):
+    """The largest array file of snapshot 4 cut to 1000 bytes, or its OCDBT manifest cut
+    to 10: `--mode=phema` and `--mode=generate --net=RUN/snapshots/4` each end with one
+    `error:` line naming the snapshot, that it is unreadable, and the fix a checksum
+    mismatch names (move it aside); nothing is written and the run is unchanged."""
     from edm2_jax.run.snapshots import snapshot_fix
     run = _copy(tiny_run, tmp_path)
-    _truncate(_largest_array_file(run / "snapshots" / "4" / "ema"))
+    ema = run / "snapshots" / "4" / "ema"
+    if cut == "manifest":
+        _truncate(ema / "manifest.ocdbt", 10)
+    else:
+        _truncate(_largest_array_file(ema))
     before = _sums(run)
     fix = snapshot_fix(str(run), 4)
     for argv in (["--mode=phema", f"--workdir={run}", "--sigma_rel=0.07",

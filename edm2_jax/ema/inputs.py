@@ -40,7 +40,7 @@ import functools
 import glob
 import os
 import re
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
 
@@ -217,6 +217,19 @@ def input_checker(kind: str, workdir: str, f: SnapshotFile):
     if kind == "pickles":  # no checksums recorded: finiteness only
         return integrity.LeafChecker(None, f.directory, "Re-download or re-copy the file.")
     return ckpt_lib.network_checker(os.path.dirname(f.directory))
+
+
+def read_or_refuse(read: Callable[[], Any], checker, name: str,
+                   passed_on: tuple[type[BaseException], ...] = ()) -> Any:
+    """`read()` of a snapshot file's metadata or arrays; whatever a damaged file makes the
+    readers raise (TensorStore's DATA_LOSS, Orbax's errors), except `passed_on`, becomes
+    the file's one IntegrityError (`checker.unreadable`: the snapshot, `name`, the fix)."""
+    try:
+        return read()
+    except passed_on:
+        raise
+    except Exception as e:  # noqa: BLE001 - TensorStore/Orbax raise many types
+        raise checker.unreadable(name, e) from None
 
 
 def import_release_snapshots(src_dir: str, out_dir: str) -> list[str]:

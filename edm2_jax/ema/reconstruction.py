@@ -45,7 +45,7 @@ from edm2_jax.ema import power as ema_lib
 from edm2_jax import paths as paths_lib
 from edm2_jax.ema import streaming
 from edm2_jax.ema.inputs import (SnapshotFile, find_snapshots, input_checker,
-                                 input_network)
+                                 input_network, read_or_refuse)
 from edm2_jax.ema.outputs import output_paths, outputs_to_write, save_output
 from edm2_jax.ema.solver import gammas, profile_error, solve_weights
 
@@ -318,8 +318,9 @@ def _accumulate(kind: str, workdir: str, files: list[SnapshotFile], sol: _Soluti
         for i in rows:
             tree_path = f.tree_paths[sol.inputs[i][1]]
             if acc is None:  # the layout from the first EMA read
-                layout = streaming.flat_layout(streaming.ema_tree(f, tree_path),
-                                               sol.per_tensor)
+                tree = read_or_refuse(lambda: streaming.ema_tree(f, tree_path),
+                                      input_checker(kind, workdir, f), "/".join(tree_path))
+                layout = streaming.flat_layout(tree, sol.per_tensor)
                 acc = _Accumulators(len(batch), layout.size, device)
             # Weights of this input in the batch's outputs per tensor group g (0: each
             # output's own sigma_rel, g > 0: per_tensor[g - 1]'s).
@@ -339,15 +340,18 @@ def _add_input(acc: _Accumulators, layout: streaming.FlatLayout, kind: str, work
     """Add the EMA at `tree_path` of snapshot file `f`, read chunk by chunk and checked
     (`_checked_reader`), with weights `w[g]` per tensor group into `acc`. Returns the bytes
     read. Raises: ValueError when its tensors are not those of `layout`."""
+    checker = input_checker(kind, workdir, f)
     try:
-        reader = streaming.make_reader(f, tree_path, layout, context, tree_keys)
+        reader = read_or_refuse(lambda: streaming.make_reader(
+            f, tree_path, layout, context, tree_keys), checker, "/".join(tree_path),
+            passed_on=(streaming.StructureError,))
     except streaming.StructureError as e:
         raise ValueError(
             f"{f.label}: the EMA at {'/'.join(tree_path)} has other tensors "
             f"than the first snapshot ({e}); all snapshots must come from the "
             f"same network") from None
     w = [acc.weights(wg) for wg in w]
-    checked = _checked_reader(reader, input_checker(kind, workdir, f), tree_path, layout)
+    checked = _checked_reader(reader, checker, tree_path, layout)
     nbytes = 0
     for offset, g, chunk in layout.chunks(checked):
         acc.add(offset, chunk, w[g])
