@@ -37,9 +37,8 @@ from absl import app, flags
 
 from edm2_jax import nets, paths
 from edm2_jax.modes import common
-from edm2_jax.sampling import consistency, seed_images, guidance, presets
-from edm2_jax.sampling.schedule import edm_sigma_steps
-from edm2_jax.sampling.sampler import save_image_grid
+from edm2_jax.sampling import guidance, presets, seed_images
+from edm2_jax.sampling.sampler import check_schedule, save_image_grid
 from edm2_jax.training import sharding
 
 FLAGS = flags.FLAGS
@@ -228,12 +227,8 @@ def sampler_flags(resolved: presets.ResolvedPreset | None = None) -> dict:
         guidance_interval=(resolved.guidance_interval if resolved
                            else FLAGS.guidance_interval))
     try:
-        if kw.get("sampler") == "consistency":
-            consistency.grid_sigmas(kw["teacher_steps"], kw["sigma_min"], kw["sigma_max"],
-                                    kw["rho"])
-            consistency.segment_bounds(kw["num_steps"], kw["teacher_steps"])
-        else:
-            edm_sigma_steps(kw["num_steps"], kw["sigma_min"], kw["sigma_max"], kw["rho"])
+        check_schedule(kw.get("sampler", "heun"), kw["num_steps"], kw.get("teacher_steps"),
+                       kw["sigma_min"], kw["sigma_max"], kw["rho"])
     except ValueError as e:
         raise ValueError(f"--steps={kw['num_steps']} --sigma_min={kw['sigma_min']} "
                          f"--sigma_max={kw['sigma_max']} --rho={kw['rho']}"

@@ -88,7 +88,8 @@ def from_config(config: Any) -> Objective:
 def from_metadata(meta: dict, config: dict | None = None) -> Objective:
     """The objective a network was trained with, from its network.json meta (which
     records `metadata_key` sections) or its run's config.json (`config`)."""
-    return from_config({**(config or {}), **{k: v for k, v in meta.items() if k == "distill"}})
+    recorded = {"distill": meta["distill"]} if "distill" in meta else {}
+    return from_config({**(config or {}), **recorded})
 
 
 def _loss_field(config: Any, key: str, default: float) -> float:

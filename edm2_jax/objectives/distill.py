@@ -38,6 +38,7 @@ from edm2_jax.model import loss as loss_lib
 from edm2_jax.model.networks import CONFIG_FIELDS, Precond
 from edm2_jax.sampling import consistency
 from edm2_jax.sampling.heun import heun_step
+from edm2_jax.sampling.sampler import check_schedule
 
 Array = jax.Array
 DenoiseFn = Callable[[Array, Array], Array]  # (x [B,H,W,C], sigma [B]) -> D [B,H,W,C]
@@ -164,8 +165,8 @@ class ConsistencyDistillation:
         """Raise ValueError naming the flag when the student's grid is not one."""
         g = grid_settings(self.distill)
         try:
-            consistency.grid_sigmas(g["teacher_steps"], g["sigma_min"], g["sigma_max"], g["rho"])
-            consistency.segment_bounds(g["steps"], g["teacher_steps"])
+            check_schedule("consistency", g["steps"], g["teacher_steps"], g["sigma_min"],
+                           g["sigma_max"], g["rho"])
         except ValueError as e:
             raise ValueError(f"--config.distill: {e} (distill.steps={g['steps']}, "
                              f"distill.teacher_steps={g['teacher_steps']})") from None

@@ -342,18 +342,30 @@ def _label_array(net: Any, labels: Array | int | None, seeds: Array) -> Array | 
     return labels
 
 
+def check_schedule(sampler: str, num_steps: int, teacher_steps: int | None,
+                   sigma_min: float, sigma_max: float, rho: float) -> None:
+    """Raise ValueError unless the settings make a schedule: the Heun sampler's
+    (`edm_sigma_steps`), or for `sampler='consistency'` a student's `num_steps` segments
+    of the teacher's grid of `teacher_steps` (`consistency.segment_bounds`,
+    `grid_sigmas`). Host arithmetic only: settings are checked before any work."""
+    if sampler == "consistency":
+        consistency.segment_bounds(num_steps, teacher_steps)
+        consistency.grid_sigmas(teacher_steps, sigma_min, sigma_max, rho)
+    else:
+        edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)
+
+
 def _sampler_kwargs(sampler: str, num_steps: int, teacher_steps: int, sigma_min: float,
                     sigma_max: float, rho: float, S_churn: float, S_min: float, S_max: float,
                     S_noise: float) -> tuple:
     """The sampler's settings as a hashable tuple of `(name, value)` for `_sample`, the
-    schedule validated outside of jit. Raises: ValueError on a bad schedule."""
+    schedule validated outside of jit (`check_schedule`). Raises: ValueError on a bad
+    schedule."""
+    check_schedule(sampler, num_steps, teacher_steps, sigma_min, sigma_max, rho)
     if sampler == "consistency":
-        consistency.segment_bounds(num_steps, teacher_steps)
-        consistency.grid_sigmas(teacher_steps, sigma_min, sigma_max, rho)
         return tuple(dict(sampler=sampler, num_steps=int(num_steps),
                           teacher_steps=int(teacher_steps), sigma_min=float(sigma_min),
                           sigma_max=float(sigma_max), rho=float(rho)).items())
-    edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)
     return tuple(dict(num_steps=int(num_steps), sigma_min=float(sigma_min),
                       sigma_max=float(sigma_max), rho=float(rho), S_churn=float(S_churn),
                       S_min=float(S_min), S_max=float(S_max), S_noise=float(S_noise)).items())

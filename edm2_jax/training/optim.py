@@ -136,7 +136,9 @@ def learning_rate_schedule(optim_cfg: Any, batch_size: int) -> Callable[[Any], A
     return lr_fn
 
 
-def make_optimizer(optim_cfg: Any, batch_size: int) -> optax.GradientTransformationExtraArgs:
+def make_optimizer(optim_cfg: Any, batch_size: int,
+                   lr_fn: Callable[[Any], Array] | None = None
+                   ) -> optax.GradientTransformationExtraArgs:
     """The EDM2 optimiser as one optax chain.
 
     Chain: `force_finite()` -> `clip_by_global_norm(grad_clip)` (only if `grad_clip > 0`;
@@ -149,6 +151,8 @@ def make_optimizer(optim_cfg: Any, batch_size: int) -> optax.GradientTransformat
       optim_cfg: mapping / ConfigDict with `ref_lr`, `t_ref` (batches), `rampup_kimg`, and
         optionally `beta1` (0.9), `beta2` (0.99), `eps` (1e-8), `grad_clip` (0 = off).
       batch_size: global batch size (images per step), for `t = nimg / batch_size`.
+      lr_fn: the schedule to apply (default `learning_rate_schedule(optim_cfg,
+        batch_size)`): the training set-up passes the one the step logs.
     Returns:
       `optax.GradientTransformationExtraArgs`; use
       `updates, opt_state = tx.update(grads, opt_state, params, nimg=nimg)`, then
@@ -156,7 +160,7 @@ def make_optimizer(optim_cfg: Any, batch_size: int) -> optax.GradientTransformat
     Raises:
       KeyError naming a missing required field.
     """
-    lr_fn = learning_rate_schedule(optim_cfg, batch_size)
+    lr_fn = lr_fn or learning_rate_schedule(optim_cfg, batch_size)
     grad_clip = float(_get(optim_cfg, "grad_clip", 0.0) or 0.0)
 
     # The clip, when on, is chained *inside* one stateless element: the optimiser state

@@ -165,8 +165,8 @@ def setup_model(config: ml_collections.ConfigDict, start: Start,
     mesh = shard_lib.mesh_from_config(config, num_devices)
     num_accum = step_lib.num_micro_batches(config, mesh.size)
     net = make_network(config)
-    tx = optim_lib.make_optimizer(config.optim, int(config.batch_size))
     lr_fn = optim_lib.learning_rate_schedule(config.optim, int(config.batch_size))
+    tx = optim_lib.make_optimizer(config.optim, int(config.batch_size), lr_fn)
     abstract_state = jax.eval_shape(
         lambda r: init_train_state(config, net, tx, r, objective=start.objective),
         jax.random.PRNGKey(config.seed))
