@@ -63,8 +63,10 @@ side; with five programs at once (img64-s and img512-s, two step variants) the s
 306 s, and measuring img64-s against the release took another 90 s (benchmarks/README.md).
 Autotuning is about 60% of a cold compile. Our workers use the persistent compilation
 cache (`edm2_jax.process.enable_compilation_cache`), so a second call on the same machine
-skips the compiles (the img64-s step in 8 s); `--presets` measures a subset and
-`--budget_s` stops starting new presets after that many seconds.
+skips the compiles (the img64-s step in 6-8 s), and a preset whose convolutions were
+autotuned before compiles in less time (img512-s after img64-s: 42 s, the cache's
+per-fusion autotuning results); `--presets` measures a subset and `--budget_s` stops
+starting new presets after that many seconds.
 """
 from __future__ import annotations
 

@@ -51,9 +51,10 @@ def batch_splits(config: ml_collections.ConfigDict, num_devices: int) -> bool:
 
 def global_norm(tree) -> jax.Array:
     """The L2 norm of all leaves of `tree` taken together (float32 scalar), as one
-    reduction over their concatenation: one kernel where a norm per leaf and their sum
-    (`optax.tree.norm`) launch one per leaf, 200-300 for an EDM2 U-Net. The same value
-    up to float32 summation order."""
+    reduction over their concatenation, where a norm per leaf and their sum
+    (`optax.tree.norm`) take one per leaf, 200-300 for an EDM2 U-Net. The same value up
+    to float32 summation order. Which of the two the step logs is the backend's choice
+    (`backends.Backend.norms_in_one_reduction`)."""
     leaves = [jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree)]
     if not leaves:
         return jnp.zeros((), jnp.float32)
@@ -80,8 +81,10 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
     ema_kw = dict(sigma_rels=sigma_rels, trad_halflife_kimg=float(config.ema.trad_halflife_kimg),
                   trad_rampup_ratio=config.ema.trad_rampup_ratio)
     # Unrolled where the backend runs an unrolled body faster (`backends.Backend`); the
-    # sums are the same in the same order either way.
-    unroll = num_accum if backends.from_config(config).unroll_micro_batches else 1
+    # sums are the same in the same order either way. Likewise the logged norms' form.
+    backend = backends.from_config(config)
+    unroll = num_accum if backend.unroll_micro_batches else 1
+    norm = global_norm if backend.norms_in_one_reduction else optax.tree.norm
     objective = objective or objectives.from_config(config)
     lr_fn = lr_fn or optim_lib.learning_rate_schedule(config.optim, batch_size)
 
@@ -128,9 +131,9 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
         nimg_after = nimg + batch_size
         ema = ema_lib.update_ema(state["ema"], new_params, nimg_after, batch_size, **ema_kw)
         metrics = {"objective": loss, "lr": jnp.asarray(lr_fn(nimg), jnp.float32),
-                   "grad_norm": global_norm(grads),
-                   "update_norm": global_norm(updates),
-                   "param_norm": global_norm(new_params),
+                   "grad_norm": norm(grads),
+                   "update_norm": norm(updates),
+                   "param_norm": norm(new_params),
                    **{f"loss/{k}": v for k, v in aux.items()}}
         new_state = dict(state, step=state["step"] + 1, params=new_params, opt_state=opt_state,
                          ema=ema, rng=rng)
