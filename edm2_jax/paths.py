@@ -201,6 +201,23 @@ def disk_space(path) -> str:
             f"{human_bytes(usage.total)})")
 
 
+def disk_free(path: str) -> str:
+    """`mount point (X GiB free of Y GiB)` of the disk holding `path` (a URL: itself)."""
+    if is_url(path):
+        return path
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    mount = p
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    try:
+        u = shutil.disk_usage(p)
+        return f"{mount} ({u.free / 2**30:.2f} GiB free of {u.total / 2**30:.2f} GiB)"
+    except OSError:
+        return mount
+
+
 def write_problem(path, err: OSError) -> str:
     """Why writing at the local `path` failed with `err`, as a phrase: a read-only file
     system, a full disk (named, with its free space), no permission, or `err` itself."""

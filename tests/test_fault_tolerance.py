@@ -129,6 +129,53 @@ def test_disk_full_while_saving_is_an_error_and_keeps_earlier_checkpoints(
     assert _equal(_restore(run, 4)[1], full_run["final"])
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_failed_asynchronous_save_is_reported_at_the_next_step(full_run, tmp_path,
+                                                                  monkeypatch):
+    """8 steps, checkpoints every 2; every Orbax file write fails with ENOSPC from the
+    save of checkpoint 4 on, and step 5's batch comes 1 s late (the failed save is over
+    by then): the run stops after step 5, not at the next save (step 6), with
+    CheckpointSaveError naming step 4, the disk and its free space; checkpoint 2 is
+    intact and restores."""
+    from orbax.checkpoint._src.path import async_path
+    run, full = tmp_path / "run", {"on": False}
+    write_bytes, write_text = async_path.write_bytes, async_path.write_text
+
+    def failing(write):
+        async def maybe_full(path, *args, **kwargs):
+            if full["on"]:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return await write(path, *args, **kwargs)
+        return maybe_full
+
+    make_iterator, drawn = loop.data_lib.make_iterator, []
+
+    def iterator(*args, **kwargs):
+        for i, batch in enumerate(make_iterator(*args, **kwargs)):
+            drawn.append(i)
+            if i == 3:  # step 4's batch: checkpoint 2 complete, then the disk fills
+                deadline = time.time() + 60
+                while _steps(run) != [2] and time.time() < deadline:
+                    time.sleep(0.01)
+                full["on"] = True
+            if i == 4:
+                time.sleep(1.0)
+            yield batch
+
+    monkeypatch.setattr(async_path, "write_bytes", failing(write_bytes))
+    monkeypatch.setattr(async_path, "write_text", failing(write_text))
+    monkeypatch.setattr(loop.data_lib, "make_iterator", iterator)
+    config = tiny_config(full_run["data"], total_kimg=0.064, snapshot_kimg=0.064)
+    with pytest.raises(loop.CheckpointSaveError,
+                       match=r"saving the checkpoint of step 4 .*No space left on device.*"
+                             r"\[2\] are intact.*disk .* GiB free of .* free disk space"):
+        loop.train_and_evaluate(config, str(run))
+    assert drawn == [0, 1, 2, 3, 4]  # stopped after step 5
+    monkeypatch.undo()
+    assert _steps(run) == [2]
+    assert _equal(_restore(run, 2)[1], full_run["mid"])
+
+
 def _cli_popen(workdir: Path, overrides: dict, cache: str) -> subprocess.Popen:
     flags = [f"--config.{k}={v}" for k, v in overrides.items()]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
@@ -166,8 +213,9 @@ def test_sigterm_checkpoints_within_one_step_and_exits_0(full_run, tmp_path, xla
     stopped = int(m.group(1))
     assert received <= stopped <= received + 1 < 1000
     assert _steps(run) == [stopped]
+    # One row per status point (every 2 steps) up to the stop, none for the stop itself.
     stats = [json.loads(x) for x in (run / "stats.jsonl").read_text().splitlines()]
-    assert stats[-1]["step"] == stopped
+    assert [r["step"] for r in stats] == list(range(2, stopped + 1, 2))
     # The rerun (one more step) resumes from that checkpoint.
     more = {**overrides, "total_kimg": (stopped + 1) * 8 / 1000}
     proc = _cli_popen(run, more, xla_cache)

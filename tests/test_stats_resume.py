@@ -4,7 +4,11 @@ The claims:
 - A run resumed from a checkpoint older than its last status line (the newer
   checkpoint lost) replaces the rows past that checkpoint in `stats.jsonl`: one row per
   step, the rows up to the checkpoint kept as they were, the rows after it equal to
-  those of an uninterrupted run; TensorBoard shows one value per step too (purge_step).
+  those of an uninterrupted run; the TensorBoard event files hold one value per step
+  too (their events past the checkpoint are dropped, not hidden).
+- A run stopped by a signal between two status points writes no row for the stop, and
+  once resumed logs the rows of an uninterrupted run (the checkpoint keeps the running
+  sums of the status interval), in stats.jsonl and in TensorBoard.
 - The rewrite is crash-safe: a kill before its rename leaves the old file whole.
 """
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import struct
 from pathlib import Path
 
@@ -31,10 +36,10 @@ def _rows(run: Path) -> list[dict]:
 
 
 def _tensorboard_scalars(tb: Path) -> dict:
-    """`{tag: [(step, value), ...]}` as TensorBoard shows the event files in `tb`: read
-    in file-name order, a SessionLog START at step `s` hides the events at steps >= s
-    read before it (its `purge_orphaned_data` rule)."""
-    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    """`{tag: [(step, value), ...]}` of every event in the raw event files in `tb`, in
+    file-name order: nothing hidden (no purge rule applied), so a step written twice
+    appears twice."""
+    from tensorboardX.proto.event_pb2 import Event
     seen: dict = {}
     for path in sorted(tb.iterdir()):
         data, pos = path.read_bytes(), 0
@@ -42,11 +47,47 @@ def _tensorboard_scalars(tb: Path) -> dict:
             (n,) = struct.unpack("<Q", data[pos:pos + 8])
             event = Event.FromString(data[pos + 12:pos + 12 + n])
             pos += 12 + n + 4
-            if event.session_log.status == SessionLog.START:
-                seen = {t: [(s, v) for s, v in sv if s < event.step] for t, sv in seen.items()}
             for value in event.summary.value:
                 seen.setdefault(value.tag, []).append((event.step, value.simple_value))
     return seen
+
+
+def _without_timing(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def test_a_stop_between_status_points_logs_what_an_uninterrupted_run_logs(
+        tmp_path, xla_cache, monkeypatch):
+    """6 steps, a status line every 3, checkpoints every 2: SIGINT during step 5 stops the
+    run after step 5 (a checkpoint, no status line); the resumed run's row at step 6 is
+    the uninterrupted run's (the mean of steps 4-6), in stats.jsonl and TensorBoard."""
+    data = make_image_folder(tmp_path / "data")
+    config = tiny_config(data, total_kimg=0.048, status_kimg=0.024, snapshot_kimg=0.048)
+    full, run = tmp_path / "full", tmp_path / "run"
+    loop.train_and_evaluate(config, str(full))
+    reference = _rows(full)
+    assert [r["step"] for r in reference] == [3, 6]
+
+    make_iterator = loop.data_lib.make_iterator
+
+    def signalling_iterator(*args, **kwargs):
+        for i, batch in enumerate(make_iterator(*args, **kwargs)):
+            if i == 4:
+                os.kill(os.getpid(), signal.SIGINT)
+            yield batch
+
+    with monkeypatch.context() as m:
+        m.setattr(loop.data_lib, "make_iterator", signalling_iterator)
+        r = loop.train_and_evaluate(config, str(run))
+    assert not r["finished"] and r["step"] == 5
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [2, 4, 5]
+    assert [x["step"] for x in _rows(run)] == [3]  # no row for the stop
+
+    r = loop.train_and_evaluate(config, str(run))
+    assert r["finished"] and r["step"] == 6
+    assert _without_timing(_rows(run)) == _without_timing(reference)
+    assert _tensorboard_scalars(run / "tb")["loss/loss"] == \
+        _tensorboard_scalars(full / "tb")["loss/loss"]
 
 
 def test_resume_from_an_older_checkpoint_keeps_one_row_per_step(tmp_path, xla_cache):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import errno
 import functools
 import os
-import shutil
 import sys
 import threading
 
@@ -48,30 +47,15 @@ class NoCheckpointError(RuntimeError):
     """The run has checkpoints, but none restores: it is not restarted silently."""
 
 
-def _disk(path: str) -> str:
-    """`mount point (X GiB free of Y GiB)` of the disk holding `path` (a URL: itself)."""
-    if paths.is_url(path):
-        return path
-    p = os.path.abspath(path)
-    while not os.path.exists(p):
-        p = os.path.dirname(p)
-    mount = p
-    while not os.path.ismount(mount):
-        mount = os.path.dirname(mount)
-    try:
-        u = shutil.disk_usage(p)
-        return f"{mount} ({u.free / 2**30:.2f} GiB free of {u.total / 2**30:.2f} GiB)"
-    except OSError:
-        return mount
-
-
 class TrainCheckpoints:
     """The two Orbax managers of a run: state checkpoints and EMA snapshots, each saved
     with its integrity record (`integrity.digest_tree`: a checksum per array, finiteness,
     the parameters' RMS) and checked against it on restore.
 
     `reference_rms`: the parameters' RMS at the run's start (`is_healthy`), carried in
-    every checkpoint's record; set by `restore_latest` or by the caller for a new run."""
+    every checkpoint's record; set by `restore_latest` or by the caller for a new run.
+    `restored`: the record of the checkpoint `restore_latest` restored (None: none), with
+    the entries its caller gave `save_state(extra=)`."""
 
     @records.quiet_missing_step_metadata()
     def __init__(self, workdir: str, keep: int = 3):
@@ -79,6 +63,7 @@ class TrainCheckpoints:
         self.last_step: int | None = None  # the step of the latest save (for error messages)
         self.in_flight: dict = {"checkpoint": None, "snapshot": None}  # async saves
         self.reference_rms: dict | None = None
+        self.restored: dict | None = None
         self.unrecorded: dict = {"checkpoint": None, "snapshot": None}  # (step, record)
         self.state_mngr = ocp.CheckpointManager(
             os.path.join(workdir, CHECKPOINTS), item_handlers=ocp.StandardCheckpointHandler(),
@@ -114,6 +99,15 @@ class TrainCheckpoints:
             raise self._save_error(e, self.in_flight[kind], kind) from None
         self.in_flight[kind] = None
 
+    def poll(self) -> None:
+        """Raise CheckpointSaveError, naming the step and the disk, as soon as an
+        asynchronous save has failed (call between steps); never waits for one."""
+        for kind, mngr in (("checkpoint", self.state_mngr), ("snapshot", self.snap_mngr)):
+            thread = getattr(mngr, "_finalize_thread", None)  # Orbax's saving thread
+            if self.in_flight[kind] is not None and thread is not None and thread.map(
+                    lambda t: t is None or not t.is_alive()):
+                self._wait(kind)
+
     def _record(self, tree: dict, what: str, step: int, rms_of: str) -> dict:
         """`tree`'s integrity record; raises NonFiniteStateError when it holds NaN/inf or
         the RMS of `tree[rms_of]` has grown beyond `HEALTHY_RMS_FACTOR` times the run's
@@ -133,20 +127,21 @@ class TrainCheckpoints:
                 f"RMS {ref:.3g}; it was not saved.")
         return record
 
-    def save_state(self, step: int, state: dict) -> None:
+    def save_state(self, step: int, state: dict, extra: dict | None = None) -> None:
         """Save the train state as checkpoint `step` (asynchronously; nothing if it exists),
         after the snapshots saved so far are complete: a checkpoint must not land before
         the EMA snapshots of its steps, or a run killed in between would resume past them
-        and never write them. Raises CheckpointSaveError naming the cause, the step whose
-        save failed and the fix, and NonFiniteStateError (nothing saved) when the state
-        holds NaN/inf."""
+        and never write them. `extra`: JSON entries kept in the step's record (both
+        copies), given back by `restore_latest` in `restored`. Raises CheckpointSaveError
+        naming the cause, the step whose save failed and the fix, and
+        NonFiniteStateError (nothing saved) when the state holds NaN/inf."""
         self.last_step = step
         self._wait("snapshot")
         self._wait("checkpoint")
         if step in (self.state_mngr.all_steps() or []):
             return
         record = self._record(state, "train state", step, "params")
-        record["reference_rms"] = self.reference_rms or record["rms"]
+        record.update(extra or {}, reference_rms=self.reference_rms or record["rms"])
         self.unrecorded["checkpoint"] = (step, record)
         try:
             self.state_mngr.save(step, args=ocp.args.StandardSave(state),
@@ -227,6 +222,7 @@ class TrainCheckpoints:
                 self._set_aside(s, "corrupt", f"checkpoint {s}'s metadata names other arrays "
                                 f"or shapes than checkpoint {step}")
             self.reference_rms = (record or {}).get("reference_rms") or actual["rms"]
+            self.restored = record
             return state
         if mismatched:
             step, saved = mismatched[0]
@@ -321,9 +317,9 @@ class TrainCheckpoints:
             done = "?"
         code = getattr(cause, "errno", None)
         if code in (errno.ENOSPC, errno.EDQUOT):
-            hint = f"the disk {_disk(self.workdir)} is full: free disk space"
+            hint = f"the disk {paths.disk_free(self.workdir)} is full: free disk space"
         else:
-            hint = f"fix that (disk {_disk(self.workdir)})"
+            hint = f"fix that (disk {paths.disk_free(self.workdir)})"
         return CheckpointSaveError(
             code or errno.EIO,
             f"saving the {kind} of step {step} in {self.workdir} failed: "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 
 from edm2_jax import paths
 from edm2_jax.run.layout import STATS_JSONL, TB
@@ -43,6 +44,46 @@ def rows_up_to(text: str, nimg: int) -> str:
     return "".join(kept)
 
 
+def _records(data: bytes) -> list[bytes]:
+    """The framed TFRecords of an event file's bytes (length, its CRC, the record, its
+    CRC), each whole; a last record cut short by a killed run is left out."""
+    out, pos = [], 0
+    while pos + 12 <= len(data):
+        (n,) = struct.unpack("<Q", data[pos:pos + 8])
+        if pos + 16 + n > len(data):
+            break
+        out.append(data[pos:pos + 16 + n])
+        pos += 16 + n
+    return out
+
+
+def drop_events_after(tb_dir: str, nimg: int) -> None:
+    """Rewrite the TensorBoard event files in `tb_dir` without their events at steps
+    past `nimg` (a resumed run writes those steps again; `nimg` 0: all): each file whose events all
+    stay is left as it is, the others replaced whole (a kill leaves the old file or the
+    new one, and the next start drops the same events)."""
+    from tensorboardX.proto.event_pb2 import Event
+    for name in paths.listdir(tb_dir):
+        path = os.path.join(tb_dir, name)
+        if "tfevents" not in name or name.endswith(".tmp"):
+            continue
+        data = paths.Path(path).read_bytes()
+        framed = _records(data)
+        events = [Event.FromString(r[12:-4]) for r in framed]
+        kept = [r for r, e in zip(framed, events)  # at 0, all but the file's header
+                if (e.step <= nimg if nimg else not e.HasField("summary"))]
+        if len(kept) == len(framed) and sum(map(len, framed)) == len(data):
+            continue
+        if paths.is_url(path):
+            paths.Path(path).write_bytes(b"".join(kept))
+        else:
+            with open(path + ".tmp", "wb") as f:
+                f.write(b"".join(kept))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(path + ".tmp", path)
+
+
 class StatsLogger:
     """Appends status dicts to `stats.jsonl` and TensorBoard scalars in `tb/`
     (tensorboardX, no TensorFlow needed), from a run that starts at `start_nimg`.
@@ -50,9 +91,9 @@ class StatsLogger:
     Each step keeps one value: the rows of a run that went past `start_nimg` before it
     was stopped (its later checkpoints lost or set aside, or `resume_step` older) are
     dropped from `stats.jsonl` (rewritten by `paths.write_text_atomic`, so a crash
-    leaves the old file or the new one) and hidden from TensorBoard (`purge_step`, as
-    TensorBoard documents it); the rows at or before `start_nimg` are kept. A fresh
-    start (`start_nimg` 0) keeps none.
+    leaves the old file or the new one) and their events from the TensorBoard event
+    files (`drop_events_after`), so that neither holds a step twice; the rows at or
+    before `start_nimg` are kept. A fresh start (`start_nimg` 0) keeps none.
 
     On a URL workdir (`gs://`, objects cannot be appended to): `stats.jsonl` is
     rewritten whole at every `log` (its earlier lines read once at the start), and the
@@ -70,17 +111,16 @@ class StatsLogger:
         kept = rows_up_to(old, start_nimg)
         if kept != old:
             paths.write_text_atomic(self.path, kept)
-        # TensorBoard hides the events at steps >= purge_step written before it.
-        purge_step = start_nimg + 1 if start_nimg else 0
+        drop_events_after(self.tb_dir, start_nimg)
         if self.url:
             import tempfile
             self.lines = kept
             self.local_tb = tempfile.mkdtemp(prefix="edm2_jax_tb_")
             self.f = None
-            self.tb = SummaryWriter(self.local_tb, purge_step=purge_step)
+            self.tb = SummaryWriter(self.local_tb)
         else:
             self.f = open(self.path, "a")
-            self.tb = SummaryWriter(self.tb_dir, purge_step=purge_step)
+            self.tb = SummaryWriter(self.tb_dir)
 
     def log(self, stats: dict) -> None:
         """Append `stats` (with `kimg`, the TensorBoard step being `kimg` * 1000)."""

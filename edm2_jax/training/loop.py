@@ -41,6 +41,9 @@ from edm2_jax.training import step as step_lib
 from edm2_jax.training.snapshot_outputs import grid_and_eval
 from edm2_jax.training.progress import NonFiniteLossError, Schedule, StepMetrics, status_line
 
+# The checkpoint record's entry that keeps the running sums of the status interval.
+STATUS_INTERVAL = "status_interval"
+
 # --------------------------------------------------------------------------------------
 # Set-up
 
@@ -161,7 +164,9 @@ class StepLoop:
                      if config.get("diagnostics") and config.diagnostics.enabled else None)
         if self.diag is not None and self.step == 0:  # the fresh network (every process)
             self.log(dict(kimg=0.0, step=0, **self.diag(self.state)))
-        self.metrics_log = StepMetrics(self.batch_size, run.workdir, self.nimg)
+        # A resumed run carries on the status interval its checkpoint kept.
+        self.metrics_log = StepMetrics(self.batch_size, run.workdir, self.nimg, interval=(
+            run.managers.restored or {}).get(STATUS_INTERVAL) if run.resumed else None)
 
     def log(self, row: dict) -> None:
         if self.logger:
@@ -189,6 +194,7 @@ class StepLoop:
             self.stop.step = self.step
             self.poll_stop("step")
             self.metrics_log.add(metrics, self.step - 1)
+            self.run.managers.poll()  # a failed asynchronous save, reported at once
             self.advance_bar()
             self.after_step()
 
@@ -201,16 +207,18 @@ class StepLoop:
             self.bar.update(1)
 
     def after_step(self) -> None:
-        """The status line, snapshot and checkpoint that are due after this step."""
+        """The status line, snapshot and checkpoint that are due after this step. A stop
+        writes no status line: the checkpoint keeps the running sums of the status
+        interval, so the log has one row per status point, as an uninterrupted run's."""
         done = self.step >= self.sched.total_steps
-        reported = self.sched.status_due(self.step) or done or self.stopping
-        if reported:
+        if self.sched.status_due(self.step) or done:
             self.report()
         if self.sched.snapshot_due(self.step) or done:
-            self.snapshot(done, reported)
+            self.snapshot(done)
         if self.sched.checkpoint_due(self.step) or done or self.stopping:
             self.metrics_log.check()
-            self.run.managers.save_state(self.step, self.state)
+            self.run.managers.save_state(self.step, self.state, extra={
+                STATUS_INTERVAL: self.metrics_log.interval()})
 
     def report(self) -> None:
         """The status line after this step, then the probes (their time left out of img/s)."""
@@ -222,7 +230,7 @@ class StepLoop:
                 res = self.diag(self.state)
             self.log(dict(kimg=self.nimg / 1000, step=self.step, **res))
 
-    def snapshot(self, done: bool, reported: bool) -> None:
+    def snapshot(self, done: bool) -> None:
         """The EMAs saved, then (unless stopping) the sample grid and the evaluation."""
         run, config, nimg = self.run, self.config, self.nimg
         self.metrics_log.check()
@@ -239,8 +247,7 @@ class StepLoop:
                           self.logger, run.is_main, self.sampler)
         # A signal during the grid: saved now (one process; with several, the next
         # step's collective decides).
-        if self.poll_stop("grid") and not reported:
-            self.report()
+        self.poll_stop("grid")
 
     def close(self, failed: bool) -> None:
         """The bar, the iterator and the logs closed; the checkpoint managers closed

@@ -71,16 +71,22 @@ class StepMetrics:
     """The steps' metrics, kept on the device until they are needed (at most two steps
     in flight, so that progress and timings are honest), and the timings of the status
     lines. A status line's figures are the means over every step since the previous
-    status line, whatever was saved in between (`check` at a save moves the metrics to
-    the host without ending the interval); its speed (sec/kimg, img/s) counts training
-    time only: the time spent within `excluded()` (sample grids, evaluations, probes)
-    is left out. `check` and `status` raise NonFiniteLossError on a NaN/inf loss."""
+    status line, whatever was saved or stopped in between: `check` at a save moves the
+    metrics to the host, adding them to the interval's running sums (float64, in step
+    order) without ending the interval; `interval()` is what a checkpoint keeps of them
+    and `interval=` (a resumed run) carries them on, so that a run stopped anywhere logs
+    the figures of an uninterrupted one. Its speed (sec/kimg, img/s) counts the training
+    time of this process only: the time spent within `excluded()` (sample grids,
+    evaluations, probes) is left out. `check` and `status` raise NonFiniteLossError on a
+    NaN/inf loss."""
 
     def __init__(self, batch_size: int, workdir: str, nimg: int,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, interval: dict | None = None):
         self.batch_size, self.workdir, self.clock = batch_size, workdir, clock
         self.pending: list = []  # on the device
-        self.checked: list = []  # on the host, finite, since the last status line
+        interval = interval or {}
+        self.sums: dict = dict(interval.get("sums", {}))  # since the last status line
+        self.count: int = int(interval.get("count", 0))
         self.t_start = self.t_status = clock()
         self.excluded_s = 0.0  # time within `excluded()` since the last status line
         self.nimg_status = nimg
@@ -124,16 +130,25 @@ class StepMetrics:
                     f"(kimg {m['_step'] * self.batch_size / 1000:.3f}); stopping. The "
                     f"checkpoints in {self.workdir}/checkpoints are kept (lower "
                     f"optim.ref_lr or set optim.grad_clip, then resume).")
-        self.checked.extend(host)
+            for k, v in m.items():
+                if k != "_step":
+                    self.sums[k] = self.sums.get(k, 0.0) + float(v)
+            self.count += 1
+
+    def interval(self) -> dict:
+        """The running sums of the current status interval (JSON: `{count, sums}`), after
+        `check`: what a checkpoint keeps so that a resumed run's next status line is the
+        uninterrupted run's."""
+        return {"count": self.count, "sums": dict(self.sums)}
 
     def means(self) -> dict | None:
         """The means of the metrics since the last status line (None if there are none);
         starts a new interval."""
         self.check()
-        host, self.checked = self.checked, []
-        if not host:
+        sums, count, self.sums, self.count = self.sums, self.count, {}, 0
+        if not count:
             return None
-        return {k: float(np.mean([m[k] for m in host])) for k in host[0] if k != "_step"}
+        return {k: v / count for k, v in sums.items()}
 
     def status(self, step: int) -> dict:
         """The status line's stats at `step`: metric means, speed over the training time
