@@ -9,6 +9,7 @@ Modes (`--mode`; each with its flags in `edm2_jax/modes/`):
   phema        post-hoc EMA: `--workdir=RUN --sigma_rel=0.05,0.1` network checkpoints.
   phema_sweep  reconstruct each `--sigma_rel`, evaluate, plot, name the best.
   generate     images for `--seeds` from `--net` into `--outdir` and/or a `--grid` PNG.
+  plan         `--tpu=v5p-64`: compile `--config` for a TPU slice here; HBM, flops, fit.
 Config fields are overridden with `--config.field=value`, e.g. `--config.total_kimg=100`.
 
 Sets up the process first (`process.py`: XLA flags, host allocator, CPU devices, the
@@ -50,7 +51,7 @@ if __name__ == "__main__":
 
 from absl import app, flags  # noqa: E402
 
-from edm2_jax.modes import common, evaluate, generate, phema, release, train  # noqa: E402
+from edm2_jax.modes import common, evaluate, generate, phema, plan, release, train  # noqa: E402
 
 MODES = {
     "train": lambda: train.run(process_setup=process.TrainingSetup()),
@@ -61,11 +62,12 @@ MODES = {
     "ref": evaluate.run_ref,
     "phema": phema.run_phema,
     "phema_sweep": phema.run_sweep,
+    "plan": plan.run,
 }
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("mode", "train", list(MODES), "What to do.")
-for _mode in (common, train, generate, evaluate, phema, release):  # all listed by --help
+for _mode in (common, train, generate, evaluate, phema, release, plan):  # all listed by --help
     flags.adopt_module_key_flags(_mode)
 
 

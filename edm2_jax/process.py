@@ -42,6 +42,11 @@ EPYC, `benchmarks/README.md`):
   (the YNN flag is then left out); `off`. Not applied when `XLA_FLAGS` set a device
   count. A batch the devices do not divide trains on fewer of them (`usable_devices`,
   asked by the training loop through `TrainingSetup`).
+- **`JAX_PLATFORMS`**: set to `cpu` where libtpu is installed but this host has no TPU
+  chip and no GPU (`platform_env`), when the user has not set it: JAX would otherwise
+  start libtpu's backend, which prints its failure to find a TPU (host bounds, worker
+  hostnames, an `E0000` line) on every command before falling back to the CPU it picks
+  anyway. `--mode=plan` compiles for TPUs through libtpu all the same.
 - **`EDM2_JAX_COMPILATION_CACHE`** (read once JAX is imported, `enable_compilation_cache`):
   the persistent XLA cache directory, default `~/.cache/edm2_jax/xla`; `off` = none.
 
@@ -87,6 +92,7 @@ def setup_entry_point(argv: list[str] | None = None) -> None:
             add_default_xla_flags()
         if warning := ynn_with_devices_warning():
             print(warning, file=sys.stderr, flush=True)
+        os.environ.update(platform_env())
         reexec(argv)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -183,6 +189,48 @@ def enable_compilation_cache() -> None:
     if path != "off" and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
+
+
+# PCI ids of the TPU chips and the device files of GPUs, as JAX looks for them
+# (jax/_src/hardware_utils.py); read here because JAX must not be imported yet.
+GOOGLE_PCI_VENDOR = "0x1ae0"
+TPU_PCI_DEVICES = ("0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076")
+GPU_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+
+
+def has_tpu_chip(pci_root: str = "/sys/bus/pci/devices") -> bool:
+    """Whether a TPU chip is attached to this host (a Google PCI device of a TPU id)."""
+    def read(path):
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+    try:
+        names = os.listdir(pci_root)
+    except OSError:
+        return False
+    return any(read(os.path.join(pci_root, n, "vendor")) == GOOGLE_PCI_VENDOR
+               and read(os.path.join(pci_root, n, "device")) in TPU_PCI_DEVICES for n in names)
+
+
+def platform_env(environ: dict | None = None, libtpu: bool | None = None,
+                 tpu_chip: bool | None = None, gpu: bool | None = None) -> dict[str, str]:
+    """`{'JAX_PLATFORMS': 'cpu'}` where libtpu is installed (`libtpu`; default: the
+    `libtpu` package is importable) but this host has neither a TPU chip (`tpu_chip`,
+    default `has_tpu_chip()`) nor a GPU (`gpu`, default: a device file of one), and
+    `environ` (default `os.environ`) sets no `JAX_PLATFORMS`; else `{}` (module doc)."""
+    env = os.environ if environ is None else environ
+    if "JAX_PLATFORMS" in env:
+        return {}
+    if libtpu is None:
+        import importlib.util
+        libtpu = importlib.util.find_spec("libtpu") is not None
+    if not libtpu:
+        return {}
+    tpu_chip = has_tpu_chip() if tpu_chip is None else tpu_chip
+    gpu = any(os.path.exists(d) for d in GPU_DEVICE_FILES) if gpu is None else gpu
+    return {} if tpu_chip or gpu else {"JAX_PLATFORMS": "cpu"}
 
 
 # --------------------------------------------------------------------------------------

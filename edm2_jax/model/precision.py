@@ -19,12 +19,15 @@ place:
 `audit(jaxpr, dtype)` lists every convolution and matmul of a traced program
 (`jax.make_jaxpr` of a training step or a sampler) that breaks the policy; the test
 suite runs it on the bfloat16 training step and sampler (tests/test_precision.py).
+`audit_hlo(text, dtype)` does the same on a compiled program's HLO (`compiled.as_text()`,
+e.g. XLA's TPU program: tests/test_tpu_compile.py), where the compiler has the last word.
 
 May import: jax (this module is part of `edm2_jax.model`).
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Iterator
 
 import jax.numpy as jnp
@@ -73,8 +76,9 @@ class Matmul:
         return "transpose(" in self.name_stack
 
     def __str__(self) -> str:
-        op = "conv" if self.primitive == "conv_general_dilated" else "dot"
-        ins = " x ".join(f"{d}{list(s)}" for d, s in zip(self.operand_dtypes, self.shapes))
+        op = "conv" if self.primitive in ("conv_general_dilated", "convolution") else "dot"
+        ins = (" x ".join(f"{d}{list(s)}" for d, s in zip(self.operand_dtypes, self.shapes))
+               if self.shapes else " x ".join(self.operand_dtypes))
         return f"{op} {ins} -> {self.result_dtype} at {self.name_stack}"
 
 
@@ -138,3 +142,35 @@ def summary(jaxpr: Any) -> dict[str, int]:
                f"->{m.result_dtype}" + (" (float32 path)" if m.float32_path else ""))
         counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items()))
+
+
+HLO_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
+_HLO_VALUE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (\w+)\[", re.M)
+_HLO_MATMUL = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = (\w+)\[[^\n]*? (convolution|dot)"
+                         r"\(%([\w.\-]+), %([\w.\-]+)\)([^\n]*)$", re.M)
+
+
+def hlo_matmuls(text: str) -> list[Matmul]:
+    """Every `convolution` and `dot` of an HLO module's text (`compiled.as_text()`), as
+    `Matmul`s: `primitive` the HLO op, dtypes in HLO's names ('bf16', 'f32'), `shapes`
+    empty, `name_stack` the op_name of its metadata (the jaxpr's name stack; '' if none).
+    XLA's TPU compiler writes dots as convolutions."""
+    dtypes = {m.group(1): m.group(2) for m in _HLO_VALUE.finditer(text)}
+    out = []
+    for m in _HLO_MATMUL.finditer(text):
+        result, op, a, b, rest = m.groups()
+        name = re.search(r'op_name="([^"]*)"', rest)
+        out.append(Matmul(op, (dtypes.get(a, "?"), dtypes.get(b, "?")), result, (),
+                          name.group(1) if name else ""))
+    return out
+
+
+def audit_hlo(text: str, dtype: Any) -> list[Matmul]:
+    """The convolutions and dots of a compiled HLO module (`hlo_matmuls`) outside
+    `FLOAT32_LAYERS` whose operands are not of `dtype`: an empty list when every one
+    the compiler kept runs on `dtype` operands. Inside the float32 layers the compiler
+    may fold an exact bfloat16-to-float32 conversion into the convolution (a bfloat16
+    operand, float32 arithmetic); those are not listed."""
+    want = HLO_DTYPES[str(jnp.dtype(dtype))]
+    return [m for m in hlo_matmuls(text)
+            if not m.float32_path and any(d != want for d in m.operand_dtypes)]

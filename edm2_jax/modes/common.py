@@ -16,6 +16,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from edm2_jax import paths
+from edm2_jax.analysis.plan import LibtpuMissingError
 from edm2_jax.release.pickle_io import TorchMissingError
 from edm2_jax.run import checkpoints, integrity, layout, lock
 from edm2_jax.training.progress import NonFiniteLossError
@@ -30,7 +31,7 @@ USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADir
                PermissionError, pickle.UnpicklingError, integrity.IntegrityError,
                checkpoints.CheckpointSaveError, lock.RunLockedError,
                checkpoints.NoCheckpointError, checkpoints.NonFiniteStateError,
-               NonFiniteLossError, TorchMissingError)
+               NonFiniteLossError, TorchMissingError, LibtpuMissingError)
 
 
 def config():

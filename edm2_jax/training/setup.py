@@ -156,13 +156,14 @@ class Model:
 
 
 def setup_model(config: ml_collections.ConfigDict, start: Start,
-                num_devices: int | None = None) -> Model:
-    """The device mesh of `config.mesh` over the first `num_devices` devices (default:
-    all) and everything shaped by the config (nothing allocated). Raises ValueError for
+                num_devices: int | None = None, devices: list | None = None) -> Model:
+    """The device mesh of `config.mesh` over the first `num_devices` of `devices`
+    (default: all of `jax.devices()`; a TPU topology's to compile for it without one)
+    and everything shaped by the config (nothing allocated). Raises ValueError for
     inconsistent batch sizes."""
-    if num_devices == jax.device_count():
+    if num_devices is not None and num_devices == len(devices or jax.devices()):
         num_devices = None
-    mesh = shard_lib.mesh_from_config(config, num_devices)
+    mesh = shard_lib.mesh_from_config(config, num_devices, devices)
     num_accum = step_lib.num_micro_batches(config, mesh.size)
     net = make_network(config)
     lr_fn = optim_lib.learning_rate_schedule(config.optim, int(config.batch_size))

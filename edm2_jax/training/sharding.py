@@ -51,17 +51,20 @@ def maybe_initialize_distributed() -> None:
         jax.distributed.initialize(**kw)
 
 
-def make_mesh(num_devices: int | None = None, *, data: int = -1, fsdp: int = 1) -> Mesh:
+def make_mesh(num_devices: int | None = None, *, data: int = -1, fsdp: int = 1,
+              devices: list | None = None) -> Mesh:
     """A `Mesh` with axes `('data', 'fsdp')` of shape `(data, fsdp)`.
 
     Args:
       num_devices: use the first `num_devices` devices (default: all, of all hosts).
       data: size of the data-parallel axis; -1 = `num_devices // fsdp`.
       fsdp: size of the axis that params, optimiser state and EMAs are split along.
+      devices: the devices to choose from (default `jax.devices()`); e.g. those of a TPU
+        topology compiled for without a TPU (`jax.experimental.topologies`).
 
     Raises ValueError when the sizes do not multiply to the device count.
     """
-    devices = jax.devices()
+    devices = list(jax.devices() if devices is None else devices)
     if num_devices is not None:
         if num_devices > len(devices):
             raise ValueError(f"asked for {num_devices} devices, only {len(devices)} available")
@@ -83,11 +86,13 @@ def make_mesh(num_devices: int | None = None, *, data: int = -1, fsdp: int = 1) 
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-def mesh_from_config(config: Any, num_devices: int | None = None) -> Mesh:
-    """`make_mesh` over the first `num_devices` devices (default all) with the sizes of
-    `config.mesh` (default `{data: -1, fsdp: 1}`)."""
+def mesh_from_config(config: Any, num_devices: int | None = None,
+                     devices: list | None = None) -> Mesh:
+    """`make_mesh` over the first `num_devices` of `devices` (default all of
+    `jax.devices()`) with the sizes of `config.mesh` (default `{data: -1, fsdp: 1}`)."""
     m = config.get("mesh") or {}
-    return make_mesh(num_devices, data=m.get("data", -1), fsdp=m.get("fsdp", 1))
+    return make_mesh(num_devices, data=m.get("data", -1), fsdp=m.get("fsdp", 1),
+                     devices=devices)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

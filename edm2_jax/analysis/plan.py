@@ -1,0 +1,379 @@
+"""What a training run needs on a TPU slice, from XLA's TPU compiler on a machine without
+a TPU: libtpu compiles for a topology it is only told of (`jax.experimental.topologies`),
+so the training step (and the sampler) compile here for the slice's chips, with the
+mesh, shardings and micro-batches the run uses (`training.setup.setup_model`).
+
+    topology = open_topology(tpu_slices.parse_slice("v5p-64"))
+    print("\\n".join(plan_run(config, topology).lines()))
+
+Per device (a chip; on v4, whose libtpu topology has one device per TensorCore, half a
+chip): HBM is what the compiled program holds at its peak (`memory_analysis`: arguments,
+temporaries, outputs not aliased to a donated argument, code); the step's flops are the
+model's (every convolution and matmul of the forward jaxpr, x3 for forward and backward,
+times the images per device), whose time at the chip's peak is a lower bound on the
+step's. XLA's own `cost_analysis()` is left out: on the TPU program it counts a while
+loop's body once and convolutions XLA lowered into custom kernels not at all, and its
+modelled time can be negative.
+
+A run that cannot fit is refused with a ValueError naming the fix (more `mesh.fsdp`, a
+smaller `batch_per_device`, another slice): from the train state's array sizes alone
+before compiling where those decide it, else from the compiled program.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import os
+import tempfile
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from edm2_jax import configs, objectives
+from edm2_jax.analysis import tpu_slices
+from edm2_jax.model.networks import init_variables
+from edm2_jax.model.precision import sub_jaxprs
+from edm2_jax.sampling import sampler as sampler_lib
+from edm2_jax.training import setup
+from edm2_jax.training import sharding as shard_lib
+
+GIB = 2**30
+INSTALL = 'pip install -e ".[tpu]" (or pip install "jax[tpu]")'
+
+
+class LibtpuMissingError(ImportError):
+    """Compiling for a TPU slice needs libtpu, which is not installed."""
+
+
+class _OverHbm(Exception):
+    """XLA refused to compile a program over the TPU's HBM (its message)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """A TPU slice (`tpu_slices.Slice`) and its devices as libtpu describes them
+    (`devices`: one per chip, or per TensorCore on v4; `processes`: the hosts' JAX
+    processes they belong to)."""
+
+    slice: tpu_slices.Slice
+    devices: tuple
+    processes: int
+
+    @property
+    def devices_per_chip(self) -> int:
+        return len(self.devices) // self.slice.chips
+
+    @property
+    def hbm_bytes(self) -> float:
+        """HBM per device, bytes."""
+        return self.slice.chip.hbm_gib * GIB / self.devices_per_chip
+
+
+def libtpu_installed() -> bool:
+    """Whether libtpu can be loaded (the `libtpu` package, or `$TPU_LIBRARY_PATH`)."""
+    return (importlib.util.find_spec("libtpu") is not None
+            or os.path.isfile(os.environ.get("TPU_LIBRARY_PATH", "")))
+
+
+@contextlib.contextmanager
+def _stderr_to(path: str):
+    """File descriptor 2 into `path` for the block: libtpu's start-up lines on a host
+    without a TPU (no accelerator type, no worker hostnames) are not the caller's."""
+    saved = os.dup(2)
+    with open(path, "w") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def open_topology(tpu_slice: tpu_slices.Slice) -> Topology:
+    """The devices of `tpu_slice` as libtpu lays them out over its hosts (one process
+    per host). Raises LibtpuMissingError (with the install command) without libtpu."""
+    if not libtpu_installed():
+        raise LibtpuMissingError(f"compiling for a TPU slice needs libtpu, which is not "
+                                 f"installed: {INSTALL}")
+    from jax.experimental import topologies
+    bounds = list(tpu_slice.host_shape) + [1] * (3 - len(tpu_slice.host_shape))
+    with tempfile.NamedTemporaryFile(suffix=".log") as log, _stderr_to(log.name):
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=tpu_slice.topology,
+                                            chips_per_host_bounds=bounds)
+    devices = tuple(desc.devices)
+    return Topology(tpu_slice, devices, len({d.process_index for d in devices}))
+
+
+def forward_flops(net: Any, batch: int) -> float:
+    """Model flops of one forward pass of `net` on `batch` images: 2 x the multiply-adds
+    of every convolution and matmul of its jaxpr (elementwise work not counted; the
+    paper's Table 2 "Gflops" are multiply-adds, half of this)."""
+    v = jax.eval_shape(lambda r: init_variables(net, r), jax.random.PRNGKey(0))
+    x, sigma, labels = _net_inputs(net, batch)
+    jaxpr = jax.make_jaxpr(lambda v, x, s, l: net.apply(v, x, s, l))(v, x, sigma, labels)
+
+    def count(jp) -> float:
+        total = 0.0
+        for eqn in jp.eqns:
+            out = np.prod(eqn.outvars[0].aval.shape) if eqn.outvars else 0
+            if eqn.primitive.name == "conv_general_dilated":
+                rhs = eqn.invars[1].aval.shape
+                spec = eqn.params["dimension_numbers"].rhs_spec
+                window = np.prod([rhs[d] for d in spec[1:]])  # in-features x window
+                total += 2.0 * out * window / eqn.params["feature_group_count"]
+            elif eqn.primitive.name == "dot_general":
+                (contract, _), _ = eqn.params["dimension_numbers"]
+                total += 2.0 * out * np.prod([eqn.invars[0].aval.shape[d] for d in contract])
+            for sub in sub_jaxprs(eqn.params):
+                total += count(sub)
+        return total
+
+    return count(jaxpr.jaxpr)
+
+
+def _net_inputs(net: Any, batch: int, sharding: Any = None) -> tuple:
+    """`(x, sigma, labels)` shapes of a batch of `batch` (float32, each on `sharding`)."""
+    def struct(shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
+    shape = (batch, net.img_resolution, net.img_resolution, net.img_channels)
+    labels = struct((batch, net.label_dim)) if net.label_dim else None
+    return struct(shape), struct((batch,)), labels
+
+
+def state_bytes(abstract_state: Any, fsdp: int) -> int:
+    """Bytes per device of a train state (shapes and dtypes: `jax.eval_shape`) split as
+    `sharding.state_shardings` splits it over `fsdp` devices."""
+    total = 0
+
+    def add(path, x):
+        nonlocal total
+        top = path[0].key if path and hasattr(path[0], "key") else None
+        split = (top in shard_lib.FSDP_STATE_KEYS
+                 and shard_lib.fsdp_spec(tuple(x.shape), fsdp) != shard_lib.P())
+        total += int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize // (fsdp if split else 1)
+
+    jax.tree_util.tree_map_with_path(add, abstract_state)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program's figures per device: `compile_s` seconds; bytes of its
+    `arguments`, `temp`, unaliased `outputs` and `code`; `peak` their sum; `flops` the
+    model's (see module docstring)."""
+
+    compile_s: float
+    arguments: int
+    temp: int
+    outputs: int
+    code: int
+    flops: float
+
+    @property
+    def peak(self) -> int:
+        return self.arguments + self.temp + self.outputs + self.code
+
+    @classmethod
+    def of(cls, compiled: Any, compile_s: float, flops: float) -> "Program":
+        m = compiled.memory_analysis()
+        outputs = max(0, m.output_size_in_bytes - m.alias_size_in_bytes)
+        return cls(compile_s, m.argument_size_in_bytes, m.temp_size_in_bytes, outputs,
+                   m.generated_code_size_in_bytes, flops)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What `plan_run` found: the slice, the run's shape, and its programs."""
+
+    topology: Topology
+    mesh_shape: dict
+    batch_size: int
+    micro_batches: int
+    dtype: str
+    state: int
+    step: Program
+    sampler: Program | None
+    sample_batch: int
+    sample_steps: int
+
+    def lines(self) -> list[str]:
+        """The report, one string per line (per device figures; see module docstring)."""
+        t, chip = self.topology, self.topology.slice.chip
+        n = len(t.devices)
+        unit = "chip" if t.devices_per_chip == 1 else "device (TensorCore)"
+        per = self.batch_size // n
+        out = [f"{t.slice.name}: {t.slice.chips} chips ({t.slice.topology}), {n} devices in "
+               f"{t.processes} host process{'es' * (t.processes > 1)}; mesh data="
+               f"{self.mesh_shape['data']} x fsdp={self.mesh_shape['fsdp']}; batch "
+               f"{self.batch_size} = {per} per {unit.split()[0]} in {self.micro_batches} "
+               f"micro-batch{'es' * (self.micro_batches > 1)}; {self.dtype} compute",
+               *self._program_lines("training step", self.step, per, unit)]
+        if self.sampler is not None:
+            out += self._program_lines(f"sampler ({self.sample_steps} Heun steps, batch "
+                                       f"{self.sample_batch})", self.sampler,
+                                       self.sample_batch // n, unit)
+        return out
+
+    def _program_lines(self, what: str, p: Program, images: int, unit: str) -> list[str]:
+        t, chip = self.topology, self.topology.slice.chip
+        seconds = p.flops / (chip.peak_tflops * 1e12 / t.devices_per_chip)
+        lines = [f"{what}: compiled in {p.compile_s:.0f} s on this machine",
+                 f"  HBM per {unit}: {_size(p.peak)} of {_size(t.hbm_bytes)} (arguments "
+                 f"{_size(p.arguments)}, temporaries {_size(p.temp)}, outputs "
+                 f"{_size(p.outputs)}, code {_size(p.code)})"]
+        if what == "training step":
+            lines.append(f"  train state per {unit} (params, Adam moments, EMAs; split by "
+                         f"fsdp): {_size(self.state)}")
+        lines += [f"  model flops per {unit}: {_flops(p.flops)} ({images} images)",
+                  f"  lower bound at the {chip.generation} bf16 peak ({chip.peak_tflops:g} "
+                  f"TFLOP/s per chip): {seconds * 1e3:,.2f} ms, i.e. at most "
+                  f"{images * len(t.devices) / seconds:,.0f} img/s for the slice (flops "
+                  f"alone; memory traffic and communication add to it)"]
+        return lines
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 4 else f"{n / 2**20:.1f} MiB"
+
+
+def _flops(f: float) -> str:
+    return f"{f / 1e12:.2f} TFLOP" if f >= 1e11 else f"{f / 1e9:.3f} GFLOP"
+
+
+def _fixes(config: ml_collections.ConfigDict, topology: Topology, per_device: int) -> str:
+    """The changes that lower the memory a device needs, as flags, best first."""
+    n, fsdp = len(topology.devices), int((config.get("mesh") or {}).get("fsdp", 1))
+    fixes = []
+    if per_device > 1:
+        fixes.append(f"a smaller --config.batch_per_device (micro-batches of "
+                     f"{max(1, per_device // 2)} images per device; the same step)")
+    if fsdp * 2 <= n:
+        fixes.append(f"--config.mesh.fsdp={fsdp * 2} (more FSDP: the train state split "
+                     f"over more devices)")
+    bigger = (topology.slice.chip.generation, 2 * topology.slice.chips
+              * topology.slice.chip.cores_per_count)
+    fixes.append(f"a larger slice ({bigger[0]}-{bigger[1]}) or chips of more HBM (v5p)")
+    return "; or ".join(fixes)
+
+
+def check_state_fits(config: ml_collections.ConfigDict, topology: Topology,
+                     abstract_state: Any) -> int:
+    """The train state's bytes per device; raises ValueError naming the smallest
+    `mesh.fsdp` that leaves it half of the device's HBM (or a larger slice) when it
+    alone fills more than that, before anything compiles."""
+    n, fsdp = len(topology.devices), int((config.get("mesh") or {}).get("fsdp", 1))
+    need = state_bytes(abstract_state, fsdp)
+    if need <= topology.hbm_bytes / 2:
+        return need
+    have = topology.hbm_bytes / GIB
+    options = [f for f in range(fsdp + 1, n + 1)
+               if n % f == 0 and state_bytes(abstract_state, f) <= topology.hbm_bytes / 2]
+    fix = (f"set --config.mesh.fsdp={options[0]} (the state split over {options[0]} devices: "
+           f"{state_bytes(abstract_state, options[0]) / GIB:.1f} GiB each)" if options else
+           f"use a larger slice or chips of more HBM (v5p: 95 GiB)")
+    raise ValueError(f"{topology.slice.name}: the train state alone (params, Adam moments, "
+                     f"EMAs) needs {need / GIB:.1f} GiB per device with mesh.fsdp={fsdp}, "
+                     f"over half of the device's {have:.1f} GiB HBM; {fix}")
+
+
+def _compile(lowered: Any) -> tuple[Any, float]:
+    """`(compiled, seconds)`; a program over the TPU's HBM is a ValueError (XLA's words)."""
+    t = time.perf_counter()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise _OverHbm(" ".join(str(e).split())[:300]) from None
+    return compiled, time.perf_counter() - t
+
+
+def plan_run(config: ml_collections.ConfigDict, topology: Topology,
+             sample_batch: int | None = None) -> Plan:
+    """Compile `config`'s training step for `topology` as the run would shard it (mesh
+    of `config.mesh` over the slice's devices, `batch_per_device` micro-batches), and
+    its Heun sampler (`config.sample.num_steps` steps) at `sample_batch` images (default
+    `config.eval.batch_size` rounded up to a multiple of the devices; 0 = none). The
+    network's dtype 'auto' is the TPU's (bfloat16). Raises ValueError for batches that
+    do not split over the devices and, naming the fix, for a run that does not fit the
+    HBM (`check_state_fits` before compiling; the compiled peak after)."""
+    config = configs.resolve_dtype(config, "tpu")
+    n = len(topology.devices)
+    objective = objectives.from_config(config)
+    objective.check()
+    model = setup.setup_model(config, setup.Start(objective), devices=list(topology.devices))
+    state = check_state_fits(config, topology, model.abstract_state)
+    per_device = int(config.batch_size) // n // model.num_accum
+    fixes = _fixes(config, topology, per_device)
+    try:
+        step = _compile_step(config, model)
+        sample_batch = (-(-int(config.eval.batch_size) // n) * n if sample_batch is None
+                        else int(sample_batch))
+        sampler = _compile_sampler(config, model, objective, sample_batch) if sample_batch else None
+    except _OverHbm as e:
+        raise ValueError(f"{topology.slice.name}: the program does not fit the HBM ({e}); "
+                         f"use {fixes}") from None
+    plan = Plan(topology, dict(model.mesh.shape), int(config.batch_size), model.num_accum,
+                str(config.network.dtype), state, step, sampler, sample_batch,
+                int(config.sample.num_steps))
+    if step.peak > topology.hbm_bytes:
+        raise ValueError(f"{topology.slice.name}: the training step needs "
+                         f"{step.peak / GIB:.1f} GiB per device of its "
+                         f"{topology.hbm_bytes / GIB:.1f} GiB HBM; use {fixes}")
+    return plan
+
+
+def abstract_step_inputs(config: ml_collections.ConfigDict, model: setup.Model) -> tuple:
+    """`(state, batch)` as `jax.ShapeDtypeStruct`s on the shardings the run uses
+    (`model.state_sharding`, `sharding.batch_sharding`): `batch` is
+    `{'image': f32 [B, H, W, C], 'label': f32 [B, L]}`."""
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         model.abstract_state, model.state_sharding)
+    image, _, label = _net_inputs(model.net, int(config.batch_size),
+                                  shard_lib.batch_sharding(model.mesh))
+    if label is None:
+        label = jax.ShapeDtypeStruct((int(config.batch_size), 0), jnp.float32,
+                                     sharding=shard_lib.batch_sharding(model.mesh))
+    return state, {"image": image, "label": label}
+
+
+def lower_step(config: ml_collections.ConfigDict, model: setup.Model) -> Any:
+    """The run's jitted training step (`Model.train_step`) lowered for its mesh."""
+    return model.train_step(config).lower(*abstract_step_inputs(config, model))
+
+
+def _compile_step(config: ml_collections.ConfigDict, model: setup.Model) -> Program:
+    compiled, seconds = _compile(lower_step(config, model))
+    images = int(config.batch_size) // model.mesh.size
+    return Program.of(compiled, seconds, 3 * forward_flops(model.net, 1) * images)
+
+
+def lower_sampler(model: setup.Model, objective: objectives.Objective, batch: int,
+                  num_steps: int) -> Any:
+    """The objective's sampler (`sampling.sampler.sample_images`, `num_steps` Heun steps)
+    of the network's weights (replicated, float32) for `batch` seeds split over the
+    mesh, lowered."""
+    net, mesh = model.net, model.mesh
+    rep, split = shard_lib.replicated(mesh), shard_lib.batch_sharding(mesh)
+    variables = {k: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
+                                 model.abstract_state[k]) for k in ("params", "buffers")}
+    seeds = jax.ShapeDtypeStruct((batch,), jnp.uint32, sharding=split)
+    labels = (jax.ShapeDtypeStruct((batch, net.label_dim), jnp.float32, sharding=split)
+              if net.label_dim else None)
+    kwargs = objective.sampler_kwargs(num_steps)
+    fn = jax.jit(lambda v, s, l: sampler_lib.sample_images(net, v, s, l, **kwargs))
+    return fn.lower(variables, seeds, labels)
+
+
+def _compile_sampler(config: ml_collections.ConfigDict, model: setup.Model,
+                     objective: objectives.Objective, batch: int) -> Program:
+    steps = int(config.sample.num_steps)
+    compiled, seconds = _compile(lower_sampler(model, objective, batch, steps))
+    evaluations = 2 * steps - 1  # Heun: two per step, one for the last
+    flops = evaluations * forward_flops(model.net, 1) * batch / model.mesh.size
+    return Program.of(compiled, seconds, flops)

@@ -1,0 +1,48 @@
+"""`--mode=plan`: before renting a TPU slice, whether `--config` fits it and how fast it can
+go at best, from XLA's TPU compiler on this machine (libtpu; no TPU needed):
+`edm2_jax/analysis/plan.py`.
+
+    python -m edm2_jax.main --mode=plan --config=configs/img512.py:xxl --tpu=v5p-64
+    python -m edm2_jax.main --mode=plan --config=configs/img64.py:s --tpu=v5e-16 \
+        --config.mesh.fsdp=4 --config.batch_per_device=16 --sample_batch=0
+
+Prints, per chip, the HBM the training step and the sampler need against the chip's, the
+model flops of a step and the time they take at the chip's peak (a lower bound), and the
+compile times; a run that does not fit is one `error:` line naming the fix.
+"""
+from __future__ import annotations
+
+import os
+
+from absl import app, flags
+
+from edm2_jax.analysis import plan, tpu_slices
+from edm2_jax.modes import common
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("tpu", None, f"--mode=plan: the TPU slice, as Cloud TPU names it "
+                    f"({tpu_slices.EXAMPLES}).")
+flags.DEFINE_integer("sample_batch", None, "--mode=plan: the sampler's batch (default the "
+                     "config's eval.batch_size, rounded up to a multiple of the devices; "
+                     "0 = no sampler).")
+
+
+def run() -> plan.Plan:
+    """`--mode=plan`. Returns the plan it printed."""
+    config = common.config()
+    if config is None:
+        raise app.UsageError("--mode=plan needs --config=FILE.py[:VARIANT], e.g. "
+                             "--config=configs/img512.py:xxl")
+    if not FLAGS.tpu:
+        raise app.UsageError(f"--mode=plan needs --tpu=SLICE, e.g. --tpu=v5p-64 (a Cloud TPU "
+                             f"accelerator type: {tpu_slices.EXAMPLES})")
+    tpu_slice = tpu_slices.parse_slice(FLAGS.tpu)
+    # This process compiles for a TPU it does not have: no metadata server to ask, and
+    # other compiling processes may hold libtpu's lock file.
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    topology = plan.open_topology(tpu_slice)
+    print(f"Compiling for {tpu_slice.name} ({tpu_slice.topology}) with libtpu...", flush=True)
+    result = plan.plan_run(config, topology, FLAGS.sample_batch)
+    print("\n".join(result.lines()), flush=True)
+    return result

@@ -1,0 +1,191 @@
+"""The training step and the sampler compile for real TPU slices on this CPU (libtpu,
+`edm2_jax/analysis/plan.py`), as the run shards them: a single-host v5e 2x2 and a v5p
+slice of 4 hosts with FSDP. The compiled program's shardings are the run's, its HBM holds
+the train state's own bytes split by fsdp, and every convolution and matmul of the bf16
+TPU program outside the float32 layers takes bf16 operands.
+
+Needs libtpu (`pip install -e ".[tpu]"`); without it the compiling tests skip, unless
+`EDM2_JAX_REQUIRE_LIBTPU=1` (set by .ci/run), which makes a missing libtpu a failure.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from edm2_jax import configs, objectives, process
+from edm2_jax.analysis import plan, tpu_slices
+from edm2_jax.model import precision
+from edm2_jax.model.networks import count_params
+from edm2_jax.training import setup
+from edm2_jax.training import sharding as shard_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+
+@pytest.fixture(scope="module")
+def libtpu() -> None:
+    """Skips without libtpu (fails instead under `EDM2_JAX_REQUIRE_LIBTPU=1`); sets what
+    compiling for a TPU without one needs: no metadata server to ask, and the other
+    pytest worker may hold libtpu's lock file."""
+    if not plan.libtpu_installed():
+        if os.environ.get("EDM2_JAX_REQUIRE_LIBTPU") == "1":
+            pytest.fail(f"EDM2_JAX_REQUIRE_LIBTPU=1 but libtpu is not installed: {plan.INSTALL}")
+        pytest.skip(f"needs libtpu: {plan.INSTALL}")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def tiny_config(fsdp: int = 1) -> object:
+    """A small img512 network (8x8x4 latents, 10 classes, 2 levels) in bfloat16, batch 32.
+    Its channels are multiples of 128, the TPU's tile, so that its arrays' HBM is their
+    own bytes (narrower channels are padded: 32 channels take 4x their bytes)."""
+    c = configs.preset_config("img512-xs")
+    c.network.update(img_resolution=8, img_channels=4, label_dim=10, model_channels=128,
+                     channel_mult=(1, 2), num_blocks=1, attn_resolutions=(4,), dropout=0.0,
+                     dtype="bfloat16")
+    c.batch_size = 32
+    c.batch_per_device = 0
+    c.mesh.fsdp = fsdp
+    return c
+
+
+class Compiled:
+    """One compile of the tiny step and sampler for a slice: what the tests read."""
+
+    def __init__(self, slice_name: str, fsdp: int):
+        self.config = tiny_config(fsdp)
+        self.topology = plan.open_topology(tpu_slices.parse_slice(slice_name))
+        objective = objectives.from_config(self.config)
+        self.model = setup.setup_model(self.config, setup.Start(objective),
+                                       devices=list(self.topology.devices))
+        self.step = plan.lower_step(self.config, self.model).compile()
+        self.sampler = plan.lower_sampler(self.model, objective, 32, 4).compile()
+
+
+# The multi-host slice compiles in about 30 s more: with the end-to-end tests (`ci`).
+@pytest.fixture(scope="module", params=[
+    pytest.param(("v5e-4", 1), id="v5e-2x2"),
+    pytest.param(("v5p-32", 4), id="v5p-32-fsdp4", marks=[pytest.mark.slow, pytest.mark.ci])])
+def compiled(request, libtpu) -> Compiled:
+    return Compiled(*request.param)
+
+
+def test_slice_names_count_chips_or_tensorcores():
+    """v4/v5p names count TensorCores (2 per chip), v5e/v6e names count chips."""
+    cases = {"v5p-64": (32, (2, 4, 4), 8), "v5e-16": (16, (4, 4), 4), "v4-32": (16, (2, 2, 4), 4),
+             "v6e-8": (8, (2, 4), 1), "v5litepod-4": (4, (2, 2), 1), "v5p-8": (4, (2, 2, 1), 1)}
+    for name, (chips, shape, hosts) in cases.items():
+        s = tpu_slices.parse_slice(name)
+        assert (s.chips, s.shape, s.hosts) == (chips, shape, hosts), name
+    for bad in ("v5p-63", "v5p-4", "v7-8", "h100-8", "v5e-3"):
+        with pytest.raises(ValueError, match="--tpu="):
+            tpu_slices.parse_slice(bad)
+
+
+def test_topology_has_the_slices_chips_and_hosts(libtpu):
+    for name in ("v5p-64", "v5e-16", "v6e-8"):
+        s = tpu_slices.parse_slice(name)
+        t = plan.open_topology(s)
+        assert (len(t.devices), t.processes) == (s.chips, s.hosts), name
+
+
+def test_compiled_shardings_are_the_runs(compiled):
+    """Input and output shardings of the compiled step equal `state_shardings` and
+    `batch_sharding` of the run's mesh; the state is donated and returned as it came."""
+    mesh, model = compiled.model.mesh, compiled.model
+    (state_in, batch_in), _ = compiled.step.input_shardings
+    state_out, metrics_out = compiled.step.output_shardings
+    expected = shard_lib.state_shardings(mesh, model.abstract_state)
+    for got_tree in (state_in, state_out):
+        got = jax.tree.leaves(got_tree)
+        want = jax.tree.leaves(expected)
+        shapes = [a.shape for a in jax.tree.leaves(model.abstract_state)]
+        assert len(got) == len(want) == len(shapes)
+        for g, w, shape in zip(got, want, shapes):
+            assert g.is_equivalent_to(w, len(shape)), (g, w, shape)
+    for g in jax.tree.leaves(batch_in):
+        assert g.is_equivalent_to(shard_lib.batch_sharding(mesh), 2)
+    assert all(m.is_fully_replicated for m in jax.tree.leaves(metrics_out))
+    fsdp = mesh.shape["fsdp"]
+    split = [s for s in jax.tree.leaves(state_in) if not s.is_fully_replicated]
+    assert bool(split) == (fsdp > 1)
+
+
+def test_hbm_holds_the_train_states_own_bytes(compiled):
+    """The compiled step's arguments are the train state split by fsdp (params, Adam's
+    two moments and each EMA: float32 copies of the parameters, each split over fsdp
+    devices) plus the device's batch, within the TPU's padding of small arrays (vectors
+    of gains and biases)."""
+    c, model = compiled.config, compiled.model
+    fsdp = model.mesh.shape["fsdp"]
+    n_params = count_params(model.net)
+    copies = 1 + 2 + len(c.ema.sigma_rels)  # params, Adam mu and nu, the power EMAs
+    own = n_params * 4 * copies / fsdp
+    batch = 4 * c.batch_size // model.mesh.size * (8 * 8 * 4 + 10)
+    state = plan.state_bytes(model.abstract_state, fsdp)
+    assert own <= state <= own * 1.2 + 4096  # small replicated gains, counters
+    m = compiled.step.memory_analysis()
+    assert state + batch <= m.argument_size_in_bytes <= 1.02 * (state + batch) + 2**16
+    assert m.alias_size_in_bytes >= state  # the state is donated: updated in place
+    assert 0 < m.temp_size_in_bytes < compiled.topology.hbm_bytes
+
+
+def test_bf16_tpu_program_keeps_the_precision_policy(compiled):
+    """In XLA's TPU program of the bf16 step and sampler every convolution and dot
+    outside the float32 layers takes bf16 operands."""
+    for program in (compiled.step, compiled.sampler):
+        text = program.as_text()
+        ops = precision.hlo_matmuls(text)
+        outside = [m for m in ops if not m.float32_path]
+        assert outside and all(m.primitive in ("convolution", "dot") for m in ops)
+        bad = precision.audit_hlo(text, "bfloat16")
+        assert not bad, "\n".join(map(str, bad[:10]))
+    assert len(precision.audit_hlo(compiled.step.as_text(), "float32")) == len(
+        [m for m in precision.hlo_matmuls(compiled.step.as_text()) if not m.float32_path])
+
+
+def test_state_too_large_is_refused_before_compiling(libtpu):
+    """img512-xxl's train state on a v5e-4 (16 GiB chips) does not fit unsplit: one
+    error names the fsdp that fits, and that fsdp leaves the state under half the HBM."""
+    config = configs.resolve_dtype(configs.preset_config("img512-xxl"), "tpu")
+    topology = plan.open_topology(tpu_slices.parse_slice("v5e-16"))
+    model = setup.setup_model(config, setup.Start(objectives.from_config(config)),
+                              devices=list(topology.devices))
+    with pytest.raises(ValueError, match=r"--config\.mesh\.fsdp=(\d+)") as e:
+        plan.check_state_fits(config, topology, model.abstract_state)
+    fsdp = int(e.value.args[0].split("--config.mesh.fsdp=")[1].split()[0])
+    n_params = count_params(model.net)
+    copies = 1 + 2 + len(config.ema.sigma_rels)
+    assert n_params * 4 * copies > topology.hbm_bytes / 2
+    assert n_params * 4 * copies / fsdp <= topology.hbm_bytes / 2
+    assert n_params * 4 * copies / (fsdp // 2) > topology.hbm_bytes / 2 * 0.9
+
+
+def test_entry_point_keeps_libtpu_quiet_without_a_tpu(libtpu):
+    """With libtpu installed on a host without a TPU, a command's JAX start prints nothing
+    of libtpu's (the entry point leaves it the CPU that JAX picks anyway)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS",)}
+    code = ("from edm2_jax import process; process.setup_entry_point(); import jax; "
+            "print(jax.default_backend())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    if not process.has_tpu_chip():
+        assert (r.stdout, r.stderr) == ("cpu\n", "")
+
+
+def test_platform_env_only_where_libtpu_would_speak():
+    assert process.platform_env({}, libtpu=True, tpu_chip=False, gpu=False) == {
+        "JAX_PLATFORMS": "cpu"}
+    assert process.platform_env({}, libtpu=False, tpu_chip=False, gpu=False) == {}
+    assert process.platform_env({}, libtpu=True, tpu_chip=True, gpu=False) == {}
+    assert process.platform_env({}, libtpu=True, tpu_chip=False, gpu=True) == {}
+    assert process.platform_env({"JAX_PLATFORMS": ""}, libtpu=True, tpu_chip=False,
+                                gpu=False) == {}
+    np.testing.assert_equal(process.has_tpu_chip("/nonexistent"), False)
