@@ -2,7 +2,8 @@
 
 - The XLA flags of the entry points (`edm2_jax/process.py`, `add_default_xla_flags`), set
   here before any test starts JAX's backend, so that tests time and compute what
-  `python -m edm2_jax.main` does.
+  `python -m edm2_jax.main` does; likewise `platform_env` (JAX's CPU without libtpu's
+  start-up lines where libtpu is installed on a host without a TPU).
 - One persistent XLA compilation cache for the session, in this process and in every
   `python -m edm2_jax.main` (or other JAX program) a test starts: the tiny runs of many
   test files, their resumes and their CLI twins compile the same programs, and a cache hit
@@ -32,6 +33,7 @@ import pytest
 from edm2_jax import process
 
 process.add_default_xla_flags()
+os.environ.update(process.platform_env())  # libtpu installed, no TPU: JAX's CPU, quietly
 
 _CACHE_OFF = os.environ.get("EDM2_JAX_TEST_XLA_CACHE", "") == "off"
 _CACHE_DIR = None if _CACHE_OFF else tempfile.mkdtemp(prefix="edm2-jax-tests-xla-")

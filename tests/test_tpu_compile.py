@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def libtpu() -> None:
+def libtpu():
     """Skips without libtpu (fails instead under `EDM2_JAX_REQUIRE_LIBTPU=1`); sets what
     compiling for a TPU without one needs: no metadata server to ask, and the other
     pytest worker may hold libtpu's lock file."""
@@ -37,8 +37,10 @@ def libtpu() -> None:
         if os.environ.get("EDM2_JAX_REQUIRE_LIBTPU") == "1":
             pytest.fail(f"EDM2_JAX_REQUIRE_LIBTPU=1 but libtpu is not installed: {plan.INSTALL}")
         pytest.skip(f"needs libtpu: {plan.INSTALL}")
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TPU_SKIP_MDS_QUERY", "1")
+        mp.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        yield
 
 
 def tiny_config(fsdp: int = 1) -> object:
