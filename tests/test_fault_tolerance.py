@@ -497,11 +497,13 @@ def test_second_trainer_on_a_workdir_is_refused_naming_the_holder(full_run, tmp_
 
 def test_config_json_is_written_only_after_every_check(full_run, tmp_path):
     """A run whose config.json went missing: a resume with another network fails on the
-    checkpoint's shapes and writes nothing; the right config then resumes."""
+    copy of the config its checkpoint keeps and writes nothing; the right config then
+    resumes."""
     run = _stopped_at_2(full_run, tmp_path)
     (run / "config.json").unlink()
     before = _sums(run)
-    with pytest.raises(ValueError, match="does not match the current model"):
+    with pytest.raises(ValueError, match=r"does not match the run .*network\.model_channels: "
+                                         r"checkpoint 8 vs now 16"):
         loop.train_and_evaluate(tiny_config(full_run["data"],
                                              **{"network.model_channels": 16}), str(run))
     assert _sums(run) == before

@@ -162,6 +162,88 @@ def test_truncated_checkpoint_is_refused_by_generate_naming_the_fix(tiny_run, tm
 
 
 # --------------------------------------------------------------------------------------
+# A run's config.json deleted; a network.json edited
+
+
+def test_a_changed_config_is_refused_with_config_json_deleted(tiny_run, tmp_path):
+    """config.json deleted alone, the run resumed with another `loss.P_mean`: one
+    `error:` line naming the field, both values and the fix (the checkpoints keep a copy
+    of the config), exit 1, nothing written, config.json not made again."""
+    run = _copy(tiny_run, tmp_path)
+    shutil.rmtree(run / "checkpoints" / "4")
+    (run / "config.json").unlink()
+    before = _sums(run)
+    r = run_cli(*_train_flags(tiny_run), f"--workdir={run}", "--config.loss.P_mean=-0.5")
+    assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
+    [line] = _error_lines(r.stderr)
+    assert re.fullmatch(rf"error: the config does not match the run in {run} \(loss\.P_mean: "
+                        r"checkpoint -0\.8 vs now -0\.5\)\. Use a new --workdir for a "
+                        r"different run, or restore those settings to resume .*", line), line
+    assert _sums(run) == before and not (run / "config.json").exists()
+
+
+def test_a_run_without_config_json_nor_a_copy_of_it_is_refused(tiny_run, tmp_path):
+    """config.json deleted and the checkpoints' records without the copy of the config
+    (a run that kept none): refused before anything is compiled, naming the fix;
+    nothing written. With config.json back, the run resumes."""
+    import json
+    from edm2_jax.training import resume
+    run = _copy(tiny_run, tmp_path)
+    config_json = (run / "config.json").read_text()
+    (run / "config.json").unlink()
+    for step in (2, 4):
+        for path in (run / "records" / "checkpoints" / f"{step}.json",
+                     run / "checkpoints" / str(step) / "_CHECKPOINT_METADATA"):
+            meta = json.loads(path.read_text())
+            record = meta["custom_metadata"]["integrity"] if "custom_metadata" in meta else meta
+            del record[resume.KEPT_CONFIG]
+            path.write_text(json.dumps(meta))
+    before = _sums(run)
+    with pytest.raises(ValueError, match=rf"{run}/config.json is missing and the checkpoints "
+                                         r"of the run \(4, 2\) keep no copy of its config.* "
+                                         r"Put the run's config.json back to resume it, or use "
+                                         r"a new --workdir\."):
+        loop.train_and_evaluate(tiny_config(tiny_run["data"]), str(run))
+    assert _sums(run) == before
+    (run / "config.json").write_text(config_json)
+    assert loop.train_and_evaluate(tiny_config(tiny_run["data"]), str(run))["finished"]
+
+
+@pytest.fixture(scope="module")
+def network(tiny_run, tmp_path_factory) -> Path:
+    """A network checkpoint (network.json + variables/) of the tiny run's EMA."""
+    from edm2_jax import nets
+    from edm2_jax.run import network_dir
+    path = tmp_path_factory.mktemp("network") / "net"
+    snapshot = str(tiny_run["run"] / "snapshots" / "4")
+    _, variables, _ = nets.load_net(snapshot)
+    network_dir.save_network(str(path), variables, nets.net_config(snapshot), {"nimg": 32})
+    return path
+
+
+@pytest.mark.parametrize("field,value", [("sigma_data", 0.25), ("img_resolution", 30000)])
+def test_an_edited_network_json_is_refused_in_one_line(network, tmp_path, field, value):
+    """A field of network.json edited (the sigma_data of the preconditioning; an
+    img_resolution of 30000, a 43-line Flax traceback before): `--mode=generate` ends with
+    one `error:` line naming the file and the fix; no image is written."""
+    import json
+    net = tmp_path / "net"
+    shutil.copytree(network, net)
+    info = json.loads((net / "network.json").read_text())
+    assert info["network"][field] != value
+    info["network"][field] = value
+    (net / "network.json").write_text(json.dumps(info, indent=2))
+    r = run_cli("--mode=generate", f"--net={net}", "--seeds=0-1", f"--outdir={tmp_path / 'gen'}")
+    assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
+    [line] = _error_lines(r.stderr)
+    assert line == (f"error: {net}/network.json: its network config or meta differs from what "
+                    f"was saved (checksum mismatch: the file was edited or damaged), so the "
+                    f"network it describes is not the one trained; write that network "
+                    f"checkpoint again (--mode=convert or post-hoc EMA)"), line
+    assert not any((tmp_path / "gen").rglob("*.png"))
+
+
+# --------------------------------------------------------------------------------------
 # Orbax's step metadata missing
 
 

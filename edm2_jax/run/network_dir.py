@@ -9,7 +9,8 @@ Owns:
     `convert` writes, what post-hoc EMA reconstruction outputs, and what `generate` /
     `eval` load. Layout of such a directory:
 
-        DIR/network.json     {"network": {...Precond kwargs...}, "meta": {...}}
+        DIR/network.json     {"network": {...Precond kwargs...}, "meta": {...},
+                              "integrity": {digests of the arrays and of the sections}}
         DIR/variables/       Orbax PyTree checkpoint {'params', 'buffers'}
 
 A training run's directory (config.json, checkpoints/, snapshots/, ...) is `layout.py`'s
@@ -17,6 +18,7 @@ A training run's directory (config.json, checkpoints/, snapshots/, ...) is `layo
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any, Sequence
@@ -30,6 +32,7 @@ from edm2_jax.run import integrity
 
 NETWORK_JSON = "network.json"
 VARIABLES = "variables"
+FIELDS_DIGEST = "fields_sha256"  # in network.json's integrity record: its other sections
 
 
 # --------------------------------------------------------------------------------------
@@ -145,11 +148,18 @@ def save_network(path: str, variables: dict, net_config: dict, meta: dict | None
         raise integrity.IntegrityError(f"not saving {path}: non-finite values (NaN/inf) in "
                                        f"{', '.join(record['nonfinite'][:4])}")
     ckptr.save(os.path.join(path, VARIABLES), args=ocp.args.PyTreeSave(variables))
+    info = {"network": _to_jsonable(dict(net_config)), "meta": _to_jsonable(meta or {})}
+    record[FIELDS_DIGEST] = _fields_digest(info)
     # network.json last and atomically: a directory without it is no network checkpoint.
-    paths.write_text_atomic(os.path.join(path, NETWORK_JSON), json.dumps(
-        {"network": _to_jsonable(dict(net_config)), "meta": _to_jsonable(meta or {}),
-         "integrity": record}, indent=2))
+    paths.write_text_atomic(os.path.join(path, NETWORK_JSON),
+                            json.dumps(dict(info, integrity=record), indent=2))
     return path
+
+
+def _fields_digest(info: dict) -> str:
+    """The SHA-256 of network.json's `network` and `meta` sections (canonical JSON)."""
+    text = json.dumps({k: info.get(k) for k in ("network", "meta")}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def is_network_checkpoint(path: str) -> bool:
@@ -163,15 +173,25 @@ def variables_dir(path: str) -> str:
 
 
 def _network_json(path: str) -> dict:
+    """network.json of `path`, its `network` and `meta` sections checked against their
+    digest (`FIELDS_DIGEST`, in the integrity record; none in a file written before
+    it was recorded). Raises IntegrityError when unreadable or edited."""
     file = os.path.join(path, NETWORK_JSON)
     try:
         info = json.loads(paths.read_text(file))
         if not isinstance(info.get("network"), dict):
             raise ValueError("no 'network' section")
+        saved = (info.get("integrity") or {}).get(FIELDS_DIGEST)
     except (ValueError, UnicodeDecodeError, AttributeError) as e:
         raise integrity.IntegrityError(
             f"{file} is unreadable ({e}); it is written last by --mode=convert and post-hoc "
             f"EMA: write that network checkpoint again") from None
+    if saved is not None and saved != _fields_digest(info):
+        raise integrity.IntegrityError(
+            f"{file}: its network config or meta differs from what was saved (checksum "
+            f"mismatch: the file was edited or damaged), so the network it describes is not "
+            f"the one trained; write that network checkpoint again (--mode=convert or "
+            f"post-hoc EMA)")
     return info
 
 

@@ -129,6 +129,20 @@ def step_record(step_dir: str) -> dict | None:
     return record
 
 
+def kept_entry(workdir: str, key: str) -> tuple[int, object] | None:
+    """`(step, record[key])` of the run's newest checkpoint whose integrity record keeps
+    `key` (an entry given to `TrainCheckpoints.save_state(extra=)`, e.g. the run's
+    config), None when none does; a step whose record is unreadable is passed over."""
+    for d in layout.step_dirs(os.path.join(workdir, layout.CHECKPOINTS)):
+        try:
+            record = step_record(d)
+        except integrity.IntegrityError:
+            continue
+        if record and key in record:
+            return int(os.path.basename(d)), record[key]
+    return None
+
+
 def _canonical(record: dict) -> str:
     return json.dumps(record, sort_keys=True)
 

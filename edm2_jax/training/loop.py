@@ -218,7 +218,8 @@ class StepLoop:
         if self.sched.checkpoint_due(self.step) or done or self.stopping:
             self.metrics_log.check()
             self.run.managers.save_state(self.step, self.state, extra={
-                STATUS_INTERVAL: self.metrics_log.interval()})
+                STATUS_INTERVAL: self.metrics_log.interval(),
+                resume.KEPT_CONFIG: self.run.current})
 
     def report(self) -> None:
         """The status line after this step, then the probes (their time left out of img/s)."""

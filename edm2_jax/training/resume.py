@@ -6,16 +6,21 @@ may change on resume (`CHANGEABLE_ON_RESUME`: the optimiser's learning rate, sch
 betas and clipping, so that a diverged run can be rescued from a healthy checkpoint with
 a lower learning rate), their comparison (`check_config_matches`), and the record of the
 config in the run's config.json (`check_config`, then `record_config` once every other
-check has passed; `run.layout` writes it atomically).
+check has passed; `run.layout` writes it atomically) and in each checkpoint's record
+(`KEPT_CONFIG`), which stands in for a deleted config.json (`saved_config`).
 """
 from __future__ import annotations
 
 import json
+import os
 
 import ml_collections
 
-from edm2_jax.run import layout
+from edm2_jax.run import layout, records
 
+# The entry of each checkpoint's record that keeps the run's config (as config.json
+# holds it), so that a deleted config.json does not turn the same-run check off.
+KEPT_CONFIG = "config"
 # Fields that must not change when resuming in the same workdir ...
 RESUME_FIELDS = ("network", "loss", "optim", "ema", "batch_size", "seed", "data.source",
                  "data.name", "data.split", "data.resolution", "data.use_labels", "distill")
@@ -72,10 +77,33 @@ def check_config_matches(saved: dict, current: dict, workdir: str) -> list[str]:
     refused, allowed = config_differences(saved, current)
     if refused:
         raise ValueError(
-            f"the config does not match the run in {workdir}:\n  " + "\n  ".join(refused)
-            + "\nUse a new --workdir for a different run, or restore those settings to resume "
-            "(the optim.* fields may change on resume).")
+            f"the config does not match the run in {workdir} ({'; '.join(refused)}). Use a "
+            f"new --workdir for a different run, or restore those settings to resume (the "
+            f"optim.* fields may change on resume).")
     return allowed
+
+
+def saved_config(workdir: str) -> dict | None:
+    """The config of the run in `workdir`: its config.json, else (config.json deleted)
+    the copy its newest checkpoint keeps (`KEPT_CONFIG` in the checkpoint's record), or
+    None for a new run. Raises ValueError when the run has checkpoints but neither: the
+    same-run check cannot be made, and a changed config would go unnoticed."""
+    saved = layout.read_config(workdir)
+    if saved is not None:
+        return saved
+    kept = records.kept_entry(workdir, KEPT_CONFIG)
+    if kept is not None:
+        print(f"{layout.config_path(workdir)} is missing: checking the config against the "
+              f"copy checkpoint {kept[0]} keeps (config.json is written again)", flush=True)
+        return kept[1]
+    steps = layout.step_dirs(os.path.join(workdir, layout.CHECKPOINTS))
+    if steps:
+        raise ValueError(
+            f"{layout.config_path(workdir)} is missing and the checkpoints of the run "
+            f"({', '.join(os.path.basename(d) for d in steps)}) keep no copy of its config, "
+            f"so whether this config is the run's cannot be checked; nothing was trained. "
+            f"Put the run's config.json back to resume it, or use a new --workdir.")
+    return None
 
 
 def check_config(workdir: str, config: ml_collections.ConfigDict) -> dict:
@@ -84,7 +112,7 @@ def check_config(workdir: str, config: ml_collections.ConfigDict) -> dict:
     change. Returns the config as a JSON-able dict, for `record_config`. Writes
     nothing."""
     current = json.loads(config.to_json_best_effort())
-    saved = layout.read_config(workdir)
+    saved = saved_config(workdir)
     if saved is not None:
         for line in check_config_matches(saved, current, workdir):
             print(f"Config change on resume (allowed: changes no array of the train state): "
