@@ -10,11 +10,16 @@
         --config.distill.teacher=nets/img64-s --config.distill.steps=2
     python -m edm2_jax.main --config=configs/distill.py:tiny --workdir=/tmp/d \
         --config.distill.teacher=/tmp/t   # smoke test, from a fashion_mnist.py:tiny run
+    # distribution matching (DMD2, objectives/dmd.py): a 1-step generator
+    python -m edm2_jax.main --config=configs/distill.py:dmd --workdir=runs/fmnist-dmd1 \
+        --config.distill.teacher=runs/fmnist --config.distill.steps=1
 
 The student is the teacher's network (its architecture is read from the teacher; the
 config's `network` is replaced), initialised from its weights; `distill.steps` is the
 number of sampling steps it is trained for. Variants: 'fashion_mnist' (default), 'tiny',
-or a preset of configs/img64.py / configs/img512.py ('img64-s', 'img512-xs', ...).
+'dmd' (Fashion-MNIST, distribution matching), 'dmd-tiny', or a preset of configs/img64.py
+/ configs/img512.py ('img64-s', 'img512-xs', ...; `--config.distill.objective=dmd` for
+distribution matching).
 """
 import importlib.util
 import os
@@ -38,6 +43,8 @@ def _distill(c, steps: int = 4):
 
 def get_config(variant: str = "fashion_mnist"):
     variant = variant or "fashion_mnist"
+    if variant in ("dmd", "dmd-tiny"):
+        return _dmd(get_config("tiny" if variant == "dmd-tiny" else "fashion_mnist"))
     if variant in ("fashion_mnist", "tiny"):
         c = _distill(_fashion_mnist_config("tiny" if variant == "tiny" else "default"))
         # Fine-tuning from a trained network: the teacher's final learning rate after a
@@ -69,3 +76,12 @@ def get_config(variant: str = "fashion_mnist"):
     c.optim.update(ref_lr=end_lr, t_ref=0, rampup_kimg=t["total_kimg"] / 1000)
     c.total_kimg = 0.05 * t["total_kimg"]
     return c
+
+
+def _dmd(c):
+    """Distribution matching (objectives/dmd.py) on the consistency variant's grid: a
+    1-step generator; the fake denoiser at the teacher's learning rate (0.01), twice
+    the generator's, which decays from 6 kimg as the consistency students' do."""
+    c.distill.update(objective="dmd", steps=1, fake_lr=0.01)
+    return c
+

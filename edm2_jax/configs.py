@@ -111,9 +111,11 @@ def base_config() -> ml_collections.ConfigDict:
     # run's EMA, default its largest), the run trains a multistep consistency student
     # of that network for `steps` sampling steps (1 to 8 typically), on the teacher's
     # sampler grid of `teacher_steps` Heun steps with sigma_min, sigma_max, rho.
+    # objective: 'consistency', or 'dmd' (objectives/dmd.py: distribution matching, the
+    # generator sampled on the same grid; fake_lr its fake denoiser's learning rate).
     c.distill = ml_collections.ConfigDict(dict(
         teacher="", teacher_ema="", steps=4, teacher_steps=32, sigma_min=0.002,
-        sigma_max=80.0, rho=7.0))
+        sigma_max=80.0, rho=7.0, objective="consistency", fake_lr=0.01))
 
     # Sample grids; rng: per-seed noise and labels from JAX keys ('jax') or drawn as the
     # release's per-seed torch generator draws them ('release', sampling.sample_images).
@@ -204,6 +206,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
              f"a noise level above distill.sigma_min ({v}), e.g. 80")
         v = number("distill.rho")
         need(v is not None and v > 0, "distill.rho", "must be positive, e.g. 7")
+        need(str(dc.get("objective", "consistency")) in ("consistency", "dmd"),
+             "distill.objective", "'consistency' or 'dmd'")
+        v = number("distill.fake_lr") if "fake_lr" in dc else 0.01
+        need(v is not None and v > 0, "distill.fake_lr",
+             "the fake denoiser's learning rate, positive, e.g. 0.01")
     need(str(c.network.dtype) in DTYPES, "network.dtype",
          f"one of {', '.join(DTYPES)} (auto: bfloat16 on GPU/TPU, float32 on CPU)")
     need(float(c.loss.get("sigma_data", 0.5)) == float(c.network.get("sigma_data", 0.5)),

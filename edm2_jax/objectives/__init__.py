@@ -4,14 +4,18 @@
     loss, aux = objective.loss(params, buffers, net, extras, images, labels, draws, batch_size)
     objective.sampler_kwargs(heun_steps)         # the sampler its networks are sampled with
 
-Two objectives:
+Three objectives:
 
 - `EDM2` (`edm2.py`): the EDM2 loss with learned uncertainty (paper Eq. 21, `model/loss.py`).
 - `ConsistencyDistillation` (`distill.py`): multistep consistency distillation of a
   teacher network (docs/distillation.md), when `config.distill.teacher` is set.
+- `DistributionMatching` (`dmd.py`): DMD2's distribution matching of a teacher
+  (docs/distillation.md), when `config.distill.teacher` is set and
+  `config.distill.objective` is 'dmd'; a fake denoiser trained beside the generator.
 
 Everything outside this package runs an `Objective` without asking which it is: the
-training step calls `loss` with the train-state entries `state_keys` names, the set-up
+training step calls `loss` with the train-state entries `state_keys` names (and hands
+the gradient in those of `trained_keys` to `apply_gradients`), the set-up
 starts the network from `init_network()` when it names one (a teacher), and the sample
 grids, the evaluation, the post-hoc EMA sweep and `--mode=generate` sample with
 `sampler_kwargs`. A third objective is a module here with a class of this interface and
@@ -26,6 +30,7 @@ from typing import Any, Protocol
 import jax
 
 from edm2_jax.objectives.distill import ConsistencyDistillation
+from edm2_jax.objectives.dmd import DistributionMatching
 from edm2_jax.objectives.edm2 import EDM2
 
 Array = jax.Array
@@ -37,7 +42,14 @@ class Objective(Protocol):
     Attributes:
       name: short name for logs ('edm2', 'consistency').
       state_keys: the train-state entries beyond `state.init_train_state`'s that `loss`
-        reads (e.g. `('teacher',)`), made by `state_extras`; frozen (no gradient).
+        reads (e.g. `('teacher',)`), made by `state_extras`; frozen (no gradient) but
+        for those of `trained_keys`.
+      trained_keys: the `state_keys` entries the loss also trains (a second network,
+        e.g. `('fake',)`): the step differentiates the loss in them too and passes the
+        gradients to `apply_gradients`, which owns their optimiser (its state another
+        `state_keys` entry). `()` for none.
+      num_draws: the step's random draws per image: 1 gives `rnd_normal` `[B]` and
+        `noise_unit` `[B, H, W, C]`; `k > 1` gives `[B, k]` and `[B, k, H, W, C]`.
       metadata_key: the config section a network trained with it records in its
         metadata (`'distill'`), or None.
       init_role, init_flag: what the network of `init_network` is to the run ('teacher')
@@ -46,6 +58,8 @@ class Objective(Protocol):
 
     name: str
     state_keys: tuple[str, ...]
+    trained_keys: tuple[str, ...]
+    num_draws: int
     metadata_key: str | None
     init_role: str | None
     init_flag: str | None
@@ -69,6 +83,12 @@ class Objective(Protocol):
         """`(sum of per-image losses / batch_size, aux)`: the scalar that the step
         differentiates and the per-batch means it logs as `loss/<name>`."""
 
+    def apply_gradients(self, extras: dict, grads: dict, nimg: Array) -> tuple[dict, dict]:
+        """`(entries, metrics)`: the new values of the `state_keys` entries it trains,
+        from the loss's gradient `grads` in the `trained_keys` entries of `extras` (the
+        state's, before the step; `nimg` images seen before it), and float32 scalars
+        to log. `({}, {})` for an objective without `trained_keys`."""
+
     def sampler_kwargs(self, heun_steps: int) -> dict:
         """The sampler its networks are sampled with (`sampling.sampler.sample_images`
         kwargs); `heun_steps` is the caller's step count for the Heun sampler."""
@@ -76,12 +96,16 @@ class Objective(Protocol):
 
 def from_config(config: Any) -> Objective:
     """The objective of `config` (a ConfigDict, or the dict of a run's config.json or of
-    a network.json's meta): `ConsistencyDistillation` when `distill.teacher` is set, else
+    a network.json's meta): when `distill.teacher` is set, `DistributionMatching` if
+    `distill.objective` is 'dmd', else `ConsistencyDistillation`; without a teacher
     `EDM2`. The one place that decides which objective a run trains."""
     get = config.get if hasattr(config, "get") else lambda k, d=None: d
     distill = get("distill", None)
     if distill and str(distill.get("teacher", "") or ""):
-        return ConsistencyDistillation(distill, _loss_field(config, "sigma_data", 0.5))
+        sigma_data = _loss_field(config, "sigma_data", 0.5)
+        if str(distill.get("objective", "consistency")) == "dmd":
+            return DistributionMatching(distill, sigma_data, get("optim", None))
+        return ConsistencyDistillation(distill, sigma_data)
     return EDM2(get("loss", None) or {})
 
 

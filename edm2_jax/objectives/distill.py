@@ -155,6 +155,8 @@ class ConsistencyDistillation:
 
     name = "consistency"
     state_keys: tuple[str, ...] = ("teacher",)
+    trained_keys: tuple[str, ...] = ()
+    num_draws = 1
     metadata_key = "distill"
     init_role, init_flag = "teacher", "--config.distill.teacher"
 
@@ -193,6 +195,10 @@ class ConsistencyDistillation:
             params, buffers, net, extras["teacher"], images, labels, rnd_normal=rnd_normal,
             noise_unit=noise_unit, dropout_rng=dropout_rng, sigma_data=self.sigma_data,
             batch_size=batch_size, **grid_settings(self.distill))
+
+    def apply_gradients(self, extras: dict, grads: dict, nimg: Any) -> tuple[dict, dict]:
+        """Nothing: no train-state entry of its own is trained."""
+        return {}, {}
 
     def sampler_kwargs(self, heun_steps: int) -> dict:
         """The student's few-step sampler (its own steps, whatever `heun_steps`)."""

@@ -19,6 +19,8 @@ class EDM2:
 
     name = "edm2"
     state_keys: tuple[str, ...] = ()
+    trained_keys: tuple[str, ...] = ()
+    num_draws = 1
     metadata_key = None
     init_role = init_flag = None
 
@@ -48,6 +50,10 @@ class EDM2:
             params, buffers, net, images, labels, P_mean=lc["P_mean"], P_std=lc["P_std"],
             sigma_data=lc["sigma_data"], train=True, rnd_normal=rnd_normal,
             noise_unit=noise_unit, dropout_rng=dropout_rng, batch_size=batch_size)
+
+    def apply_gradients(self, extras: dict, grads: dict, nimg: Any) -> tuple[dict, dict]:
+        """Nothing: no train-state entry of its own is trained."""
+        return {}, {}
 
     def sampler_kwargs(self, heun_steps: int) -> dict:
         """The EDM Heun sampler of `heun_steps` steps."""

@@ -33,7 +33,8 @@ ADDED_FIELDS = {"network.mp_learned_layers": True, "network.group_norm": False,
                 "network.mp_fixed_layers": True, "optim.forced_wn": True,
                 "distill.teacher": "", "distill.teacher_ema": "", "distill.steps": 4,
                 "distill.teacher_steps": 32, "distill.sigma_min": 0.002,
-                "distill.sigma_max": 80.0, "distill.rho": 7.0}
+                "distill.sigma_max": 80.0, "distill.rho": 7.0,
+                "distill.objective": "consistency", "distill.fake_lr": 0.01}
 
 
 def _lookup(d: dict, dotted: str):

@@ -88,26 +88,30 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
     objective = objective or objectives.from_config(config)
     lr_fn = lr_fn or optim_lib.learning_rate_schedule(config.optim, batch_size)
 
-    def loss_fn(params, buffers, images, labels, rnd_normal, noise_unit, dropout_rng, extras):
-        return objective.loss(params, buffers, net, extras, images,
+    def loss_fn(params, trained, buffers, images, labels, rnd_normal, noise_unit,
+                dropout_rng, extras):
+        return objective.loss(params, buffers, net, {**extras, **trained}, images,
                               labels if net.label_dim else None, rnd_normal=rnd_normal,
                               noise_unit=noise_unit, dropout_rng=dropout_rng,
                               batch_size=batch_size)
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    # The gradients in the weights and in the objective's own trained entries.
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+    draws = (batch_size,) if objective.num_draws == 1 else (batch_size, objective.num_draws)
 
     def train_step(state, batch):
         images, labels = batch["image"], batch["label"]
         rng, k_sigma, k_noise, k_drop = jax.random.split(state["rng"], 4)
-        rnd_normal = jax.random.normal(k_sigma, (batch_size,), jnp.float32)
-        noise_unit = jax.random.normal(k_noise, images.shape, jnp.float32)
+        rnd_normal = jax.random.normal(k_sigma, draws, jnp.float32)
+        noise_unit = jax.random.normal(k_noise, draws + images.shape[1:], jnp.float32)
         params = force_normalize(state["params"]) if forced_wn else state["params"]
         buffers = state["buffers"]
-        extras = {k: state[k] for k in objective.state_keys}  # frozen: no gradient
+        trained = {k: state[k] for k in objective.trained_keys}
+        extras = {k: state[k] for k in objective.state_keys if k not in trained}  # frozen
 
         if num_accum == 1:
-            (loss, aux), grads = grad_fn(params, buffers, images, labels, rnd_normal, noise_unit,
-                                         k_drop, extras)
+            (loss, aux), (grads, tgrads) = grad_fn(params, trained, buffers, images, labels,
+                                                   rnd_normal, noise_unit, k_drop, extras)
         else:
             def split(x):
                 # Micro-batch k takes every num_accum-th image, so each device's shard of
@@ -118,11 +122,12 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
 
             def body(carry, xs):
                 (img, lab, rnd, noi), dk = xs
-                (l, a), g = grad_fn(params, buffers, img, lab, rnd, noi, dk, extras)
+                (l, a), g = grad_fn(params, trained, buffers, img, lab, rnd, noi, dk, extras)
                 return (jax.tree.map(jnp.add, carry[0], g), carry[1] + l), a
 
-            zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
-            (grads, loss), auxs = jax.lax.scan(body, zeros, (micro, drop_keys), unroll=unroll)
+            zeros = (jax.tree.map(jnp.zeros_like, (params, trained)), jnp.zeros((), jnp.float32))
+            ((grads, tgrads), loss), auxs = jax.lax.scan(body, zeros, (micro, drop_keys),
+                                                         unroll=unroll)
             aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxs)
 
         nimg = state["step"].astype(jnp.float32) * batch_size
@@ -130,13 +135,14 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
         new_params = optax.apply_updates(params, updates)
         nimg_after = nimg + batch_size
         ema = ema_lib.update_ema(state["ema"], new_params, nimg_after, batch_size, **ema_kw)
+        updated, obj_metrics = objective.apply_gradients({**extras, **trained}, tgrads, nimg)
         metrics = {"objective": loss, "lr": jnp.asarray(lr_fn(nimg), jnp.float32),
                    "grad_norm": norm(grads),
                    "update_norm": norm(updates),
                    "param_norm": norm(new_params),
-                   **{f"loss/{k}": v for k, v in aux.items()}}
+                   **{f"loss/{k}": v for k, v in aux.items()}, **obj_metrics}
         new_state = dict(state, step=state["step"] + 1, params=new_params, opt_state=opt_state,
-                         ema=ema, rng=rng)
+                         ema=ema, rng=rng, **updated)
         return new_state, metrics
 
     return train_step
