@@ -4,7 +4,12 @@
 #
 #   launch/tpu_pod.sh --tpu=my-v5p-64 --zone=us-east5-a --config=configs/img64.py:m \
 #       --workdir=gs://bucket/runs/img64-m [--repo_dir=edm2-jax] [--skip-install] [--dry-run] \
-#       [-- --config.total_kimg=1000]
+#       [--type=v5p-64] [-- --config.total_kimg=1000]
+#
+# --dry-run prints the commands instead of running them; with --type (the slice's
+# accelerator type, e.g. v5p-64, v5e-16) it also compiles the run's training step for that
+# slice here and says whether it fits and how fast it can go at best
+# (`python -m edm2_jax.main --mode=plan`, which needs libtpu: pip install -e ".[tpu]").
 #
 # Install step (skipped with --skip-install, for a VM image that already has it): this
 # checkout's committed tree (git archive HEAD) is copied to every worker, unpacked over
@@ -16,11 +21,12 @@ cd "$(dirname "$0")/.."
 # shellcheck source=launch/common.sh
 . launch/common.sh
 
-TPU="" ZONE="" PROJECT="" CONFIG="" WORKDIR="" REPO_DIR="edm2-jax"  # relative to the remote home
+TPU="" ZONE="" PROJECT="" CONFIG="" WORKDIR="" REPO_DIR="edm2-jax" TYPE=""  # REPO_DIR: relative to the remote home
 DRY_RUN=0 INSTALL=1 EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tpu=*) TPU="${1#*=}" ;;
+    --type=*) TYPE="${1#*=}" ;;
     --zone=*) ZONE="${1#*=}" ;;
     --project=*) PROJECT="${1#*=}" ;;
     --config=*) CONFIG="${1#*=}" ;;
@@ -64,3 +70,10 @@ if [ "$INSTALL" = 1 ]; then
     --command="$install"
 fi
 run gcloud compute tpus tpu-vm ssh "$TPU" --zone="$ZONE" "${project_flag[@]}" --worker=all --command="$remote"
+if [ "$DRY_RUN" = 1 ]; then
+  if [ -n "$TYPE" ]; then
+    python -m edm2_jax.main --mode=plan --config="$CONFIG" --tpu="$TYPE" "${EXTRA[@]}"
+  else
+    echo "(--type=ACCELERATOR_TYPE, e.g. --type=v5p-64, also checks that the run fits the slice: --mode=plan)"
+  fi
+fi

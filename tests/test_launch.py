@@ -125,3 +125,17 @@ def test_dry_run_names_the_compilation_cache_and_the_pod_workers_get_it():
             "--workdir=gs://b/r", "--dry-run", "--skip-install")
     train = next(line for line in r.stdout.splitlines() if "edm2_jax.main" in line)
     assert "EDM2_JAX_COMPILATION_CACHE" not in train
+
+
+def test_tpu_dry_run_plans_the_run_for_its_slice():
+    """With --type, the TPU dry run runs --mode=plan for that slice after the commands
+    (a slice name it does not know: one error line, exit status 1); without, it says how."""
+    base = ("launch/tpu_pod.sh", "--tpu=pod", "--zone=z", "--config=configs/img512.py:tiny",
+            "--workdir=gs://b/r", "--dry-run", "--skip-install")
+    r = run(*base)
+    assert r.returncode == 0 and "--type=ACCELERATOR_TYPE" in r.stdout
+    r = run(*base, "--type=v5p-63")
+    assert r.returncode == 1 and "edm2_jax.main" in r.stdout
+    assert r.stderr.strip().splitlines() == [
+        "error: --tpu=v5p-63: v5p slices count TensorCores, 2 per chip, a power of two of at "
+        "least 8, e.g. v5p-16"]
