@@ -9,7 +9,9 @@
   test files, their resumes and their CLI twins compile the same programs, and a cache hit
   returns the executable that the compile would have produced, so no result changes
   (`EDM2_JAX_TEST_XLA_CACHE=off` runs the suite without it, to check that). The cache is
-  a fresh directory, deleted at the end: nothing carries over from one session to the next.
+  a fresh directory, deleted at the end by the process that made it (with -n, the
+  controller, once its workers have ended): nothing carries over from one session to the
+  next.
 - The tiny training runs that tests only read (`tiny_run`, `tiny_run_snapshots`), trained
   once; a test that changes a run copies it first. Their files are checked unchanged at
   the end of the session.
@@ -36,8 +38,18 @@ process.add_default_xla_flags()
 os.environ.update(process.platform_env())  # libtpu installed, no TPU: JAX's CPU, quietly
 
 _CACHE_OFF = os.environ.get("EDM2_JAX_TEST_XLA_CACHE", "") == "off"
-_CACHE_DIR = None if _CACHE_OFF else tempfile.mkdtemp(prefix="edm2-jax-tests-xla-")
+# The caches of a session live in one directory that the process which made it (the
+# pytest process itself, or with -n its controller) removes at its end, after the
+# workers have ended: a worker does nothing slow once it has reported its results, when
+# pytest-xdist gives it 5 s to exit before sending it SIGINT (a KeyboardInterrupt in
+# whatever runs then, e.g. the garbage collector's callbacks, printed as a warning).
+# Worker processes and the programs tests start inherit the directory.
+_ROOT_ENV = "EDM2_JAX_TEST_XLA_CACHE_ROOT"
+_INHERITED = os.environ.get(_ROOT_ENV) if os.environ.get("PYTEST_XDIST_WORKER") else None
+_ROOT = None if _CACHE_OFF else (_INHERITED or tempfile.mkdtemp(prefix="edm2-jax-tests-xla-"))
+_CACHE_DIR = _ROOT and tempfile.mkdtemp(prefix="process-", dir=_ROOT)
 if _CACHE_DIR:
+    os.environ[_ROOT_ENV] = _ROOT
     # Read by JAX when it is imported (after this file), here and in subprocesses, which
     # inherit the environment; `process.enable_compilation_cache` keeps a directory set so.
     # Every program is cached, however small or quick to compile.
@@ -60,8 +72,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 def pytest_unconfigure(config):
-    if _CACHE_DIR:
-        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+    if _ROOT and not _INHERITED:
+        shutil.rmtree(_ROOT, ignore_errors=True)
 
 
 @pytest.fixture

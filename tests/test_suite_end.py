@@ -1,0 +1,53 @@
+"""The test suite, run as the README says (`python -m pytest -q`, in parallel), ends on its
+summary line alone.
+
+pytest-xdist gives a worker 5 s to exit once it has reported its results, then sends it
+SIGINT; whatever the worker still runs then is cut short by a KeyboardInterrupt (printed
+as a warning, e.g. from inside the garbage collector's callbacks, and what it was doing
+left undone). So a worker does nothing slow at its end: the compilation caches of the
+session are removed by the process that made them (tests/conftest.py), after the
+workers have ended. Here a session of two workers runs two quick tests on a disk made
+slow on purpose (removing a directory takes 6 s).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+_SLOW_DISK = """
+import shutil, time
+_rmtree = shutil.rmtree
+
+def rmtree(path, *args, **kwargs):
+    time.sleep(6.0)
+    return _rmtree(path, *args, **kwargs)
+
+shutil.rmtree = rmtree
+"""
+
+
+def test_a_parallel_session_ends_on_its_summary_and_removes_its_caches(tmp_path):
+    (tmp_path / "slow_disk.py").write_text(_SLOW_DISK)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_", "EDM2_JAX_TEST_", "JAX_COMPILATION_CACHE",
+                                "JAX_PERSISTENT_CACHE"))}
+    env.update(TMPDIR=str(tmp), PYTHONPATH=os.pathsep.join(
+        [str(tmp_path), str(REPO), env.get("PYTHONPATH", "")]))
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "slow_disk", "-p",
+         "no:cacheprovider", "tests/test_architecture.py", "-k",
+         "imports_flow_down or modules_are_short"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    lines = [x for x in out.splitlines() if x.strip()]
+    assert lines[-1].startswith("2 passed in "), out[-3000:]
+    assert not any(w in out for w in ("Warning", "KeyboardInterrupt", "Exception ignored")), \
+        out[-3000:]
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("edm2-jax-tests-xla-")] == []
