@@ -4,6 +4,9 @@
     # the quick start's run (64 kimg, EMA sigma_rel 0.10) as teacher; ~1.5 h on 2 cores
     python benchmarks/distill_quality.py --teacher=runs/fmnist --workdir=runs/distill \
         --out=docs/distillation_table.md --figure=docs/distillation_grids.png
+    # distribution-matching (DMD2) students at 1 and 2 steps, the student rows only
+    python benchmarks/distill_quality.py --teacher=runs/fmnist --workdir=runs/dmd \
+        --variant=dmd --steps=1,2 --kimg=32 --heun_steps=32 --metrics=cls
 
 For each `--steps` K it runs `configs/distill.py` with `--config.distill.steps=K` for
 `--kimg` (a run like any other: resumable, re-running this script skips what is done),
@@ -58,6 +61,9 @@ def main() -> None:
     p.add_argument("--workdir", required=True, help="students' runs, results.jsonl, logs")
     p.add_argument("--steps", default="1,2,4,8", help="students' step counts")
     p.add_argument("--kimg", type=float, default=16.0, help="distillation length per student")
+    p.add_argument("--variant", default="",
+                   help="configs/distill.py variant of the students ('dmd': distribution "
+                        "matching; default the consistency students)")
     p.add_argument("--heun_steps", default="32,2,4", help="teacher Heun rows (N steps)")
     p.add_argument("--num_images", type=int, default=2000)
     p.add_argument("--metrics", default="cls,fid", help="for students and teacher Heun 32")
@@ -78,7 +84,8 @@ def main() -> None:
         run = os.path.join(a.workdir, f"k{k}")
         print(f"Student K={k}: {run}", flush=True)
         t = time.time()
-        sh([f"--config={os.path.join(REPO, 'configs', 'distill.py')}", f"--workdir={run}",
+        variant = f":{a.variant}" if a.variant else ""
+        sh([f"--config={os.path.join(REPO, 'configs', 'distill.py')}{variant}", f"--workdir={run}",
             f"--config.distill.teacher={a.teacher}", f"--config.distill.steps={k}",
             f"--config.total_kimg={a.kimg}"], log)
         stats = [json.loads(line) for line in open(os.path.join(run, "stats.jsonl"))]

@@ -79,9 +79,12 @@ def get_config(variant: str = "fashion_mnist"):
 
 
 def _dmd(c):
-    """Distribution matching (objectives/dmd.py) on the consistency variant's grid: a
-    1-step generator; the fake denoiser at the teacher's learning rate (0.01), twice
-    the generator's, which decays from 6 kimg as the consistency students' do."""
-    c.distill.update(objective="dmd", steps=1, fake_lr=0.01)
+    """Distribution matching (objectives/dmd.py): a 1-step generator from noise at sigma
+    2.5 (the teacher's denoiser there depends on its input noise; at sigma 80 it gives
+    nearly its class means, a collapsed start), on a grid of 8 points down to 0.002; the
+    generator's learning rate 0.002 decaying from 6 kimg, the fake denoiser's 0.02
+    (ten times: the fake must follow the generator)."""
+    c.distill.update(objective="dmd", steps=1, sigma_max=2.5, fake_lr=0.02)
+    c.optim.ref_lr = 0.002
     return c
 

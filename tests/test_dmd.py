@@ -29,6 +29,7 @@ import pytest
 from edm2_jax import objectives
 from edm2_jax.objectives import dmd
 from edm2_jax.sampling import consistency
+from tests.test_train import xla_cache  # noqa: F401  (a fixture: the runs share compiles)
 
 # ---------------------------------------------------------------------------------------
 # By hand
@@ -249,3 +250,76 @@ def test_dmd_step_trains_both_networks_and_does_not_depend_on_micro_batches():
         assert np.array_equal(a, b)
     assert max(float(np.max(np.abs(a - b))) for a, b in
                zip(jax.tree.leaves(ref["fake"]), jax.tree.leaves(start["fake"]))) > 0
+
+
+# ---------------------------------------------------------------------------------------
+# A run from a saved network
+
+
+@pytest.fixture(scope="module")
+def dmd_runs(tmp_path_factory, xla_cache):
+    """A tiny random teacher (8x8 grey, 2 classes, saved as a network) and two 2-step
+    DMD runs of it on an image folder: 4 steps in one go, and the same stopped after 2
+    and resumed."""
+    from edm2_jax.model.networks import init_variables, precond_from_config
+    from edm2_jax.objectives.distill import network_config
+    from edm2_jax.run import network_dir
+    from edm2_jax.training import loop
+    from tests.test_train import make_image_folder, tiny_config
+    root = tmp_path_factory.mktemp("dmd")
+    cfg = dict(img_resolution=8, img_channels=1, label_dim=2, model_channels=8,
+               channel_mult=(1,), num_blocks=1, attn_resolutions=(), logvar_channels=8)
+    net = precond_from_config(cfg)
+    teacher = network_dir.save_network(str(root / "teacher"),
+                                       init_variables(net, jax.random.PRNGKey(0)),
+                                       network_config(net))
+    data = make_image_folder(root / "data", n=16, resolution=8)
+    over = {"distill.teacher": teacher, "distill.objective": "dmd", "distill.steps": 2,
+            "distill.teacher_steps": 4, "optim.ref_lr": 0.005, "optim.t_ref": 0}
+    full, half = root / "full", root / "half"
+    r_full = loop.train_and_evaluate(tiny_config(data, **over), str(full))
+    loop.train_and_evaluate(tiny_config(data, total_kimg=0.016, **over), str(half))
+    r_half = loop.train_and_evaluate(tiny_config(data, **over), str(half))
+    return dict(teacher=teacher, full=full, half=half, r_full=r_full, r_half=r_half)
+
+
+# Slow (~40 s on 2 cores): two tiny runs, built once for these tests.
+@pytest.mark.slow
+@pytest.mark.ci
+def test_dmd_run_trains_and_resumes_bitwise(dmd_runs):
+    """The run stopped at step 2 and resumed ends with the arrays of the run that never
+    stopped: generator, EMAs, Adam, the fake denoiser and its Adam; the teacher rides
+    along unchanged, the generator and the fake moved away from it."""
+    from edm2_jax.run import network_dir
+    from tests.test_train import _restore
+    assert dmd_runs["r_full"]["finished"] and dmd_runs["r_half"]["finished"]
+    (sa, a), (sb, b) = _restore(dmd_runs["full"]), _restore(dmd_runs["half"])
+    assert sa == sb == 4
+    assert {"teacher", "fake", "fake_opt"} <= set(a)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.array_equal(x, y)
+    _, teacher, _ = network_dir.load_network(dmd_runs["teacher"])
+    for x, y in zip(jax.tree.leaves(a["teacher"]), jax.tree.leaves(teacher["params"]),
+                    strict=True):
+        assert np.array_equal(x, y)
+    for k in ("params", "fake"):
+        moved = [np.max(np.abs(x - y)) for x, y in zip(jax.tree.leaves(a[k]),
+                                                       jax.tree.leaves(a["teacher"]))]
+        assert max(moved) > 0, k
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_dmd_generator_images_depend_only_on_the_seed_and_generate_finds_its_sampler(
+        dmd_runs):
+    from edm2_jax import nets
+    from edm2_jax.sampling import sampler as sampling
+    run = str(dmd_runs["full"])
+    kw = nets.net_sampler(run)
+    assert kw == dict(sampler="consistency", num_steps=2, teacher_steps=4, sigma_min=0.002,
+                      sigma_max=80.0, rho=7.0)
+    net, variables, _ = nets.load_net(run)
+    a = np.asarray(sampling.sample_images(net, variables, np.arange(6), **kw))
+    b = np.asarray(sampling.sample_images(net, variables, np.array([4, 1]), **kw))
+    np.testing.assert_array_equal(a[[4, 1]], b)
+    assert a.std() > 0

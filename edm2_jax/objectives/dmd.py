@@ -16,7 +16,7 @@ Three networks, all the teacher's `Precond` (same U-Net and EDM preconditioning)
 
 One training example: a label, unit noise `n_g`, `n`, `n_f`, a step index `k` (uniform
 over `0..K-1`), noise levels `t`, `t_f` (`dm_sigma`: uniform in the rho-warped time of
-the grid, fractions 0.02 to 0.98, DMD's range), and
+the EDM schedule from 80 to 0.002, fractions 0.02 to 0.98, DMD's range), and
 
     x_k  = the sampler's state at step k, run from sigma_max n_g by the stopped-gradient
            generator (DMD2's backward simulation, Sec. 4.4: the generator trains on the
@@ -56,9 +56,11 @@ Array = jax.Array
 DenoiseFn = Callable[[Array, Array], Array]  # (x [B,H,W,C], sigma [B]) -> D [B,H,W,C]
 
 # The noise levels of the distribution-matching gradient and of the fake denoiser's
-# loss: fractions 0.02 to 0.98 of the rho-warped time of the grid (DMD, arXiv:2311.18828,
-# Sec. 4: timesteps 20 to 980 of 1000).
+# loss: fractions 0.02 to 0.98 of the rho-warped time of the EDM sampler's schedule from
+# sigma 80 to 0.002, rho 7 (DMD, arXiv:2311.18828, Sec. 4: timesteps 20 to 980 of 1000),
+# whatever the generator's own grid.
 DM_RANGE = (0.02, 0.98)
+DM_SCHEDULE = dict(sigma_min=0.002, sigma_max=80.0, rho=7.0)
 # The smallest DMD normaliser (mean |x0 - D_real|): guards against division by zero.
 MIN_SCALE = 1e-8
 # Draws per image (`rnd_normal` [B, 3], `noise_unit` [B, 3, H, W, C]): the generator's
@@ -71,7 +73,9 @@ def _bcast(v: Array, x: Array) -> Array:
     return v.reshape(v.shape + (1,) * (x.ndim - v.ndim))
 
 
-def dm_sigma(rnd_normal: Array, *, sigma_min: float, sigma_max: float, rho: float) -> Array:
+def dm_sigma(rnd_normal: Array, *, sigma_min: float = DM_SCHEDULE["sigma_min"],
+             sigma_max: float = DM_SCHEDULE["sigma_max"],
+             rho: float = DM_SCHEDULE["rho"]) -> Array:
     """Noise levels `t = (sigma_max^(1/rho) + u (sigma_min^(1/rho) - sigma_max^(1/rho)))^rho`
     with `u` uniform over `DM_RANGE` (`u = 0.02 + 0.96 Phi(z)` of standard normal draws
     `z`): the EDM sampler's schedule (Karras et al. 2022, Eq. 5) at uniform time. float32
@@ -164,13 +168,13 @@ def dmd_loss_per_element(params: Any, buffers: Any, net: Precond, extras: dict,
     x0, _ = generator_images(G, apply(jax.lax.stop_gradient(params)), noise_unit[:, 0], k,
                              ends)
     y = jax.lax.stop_gradient(x0)
-    t = dm_sigma(rnd_normal[:, 1], **grid)
+    t = dm_sigma(rnd_normal[:, 1])
     x_t = y + _bcast(t, y) * noise_unit[:, 1]
     real = apply(extras["teacher"])(x_t, t)
     fake = apply(jax.lax.stop_gradient(extras["fake"]))(x_t, t)
     loss_g = dm_loss(x0, dm_gradient(y, real, fake))
 
-    t_f = dm_sigma(rnd_normal[:, 2], **grid)
+    t_f = dm_sigma(rnd_normal[:, 2])
     rngs = {"dropout": k_fake} if k_fake is not None else {}
     denoised, logvar = net.apply({"params": extras["fake"], "buffers": buffers},
                                  y + _bcast(t_f, y) * noise_unit[:, 2], t_f, labels,
