@@ -2,13 +2,15 @@
 
 A step's record is `integrity.digest_tree` of what was saved (a checksum per array, the
 paths of NaN/inf arrays, the parameters' RMS; a state checkpoint's also carries the run's
-initial RMS, `reference_rms`). It lives in Orbax's per-step `_CHECKPOINT_METADATA` under
-`custom_metadata.integrity` (`step_metadata` writes it there), so Orbax renames it into
-place atomically with the arrays, and in the run's own copy
-`WORKDIR/records/<kind>/<step>.json` (`save_record`, written just before that rename), so
-that losing one file does not lose the checksums. `step_record` reads both: when they
-disagree, or when both are missing in a run whose config.json says it records every
-step (`layout.writes_records`), the step is not trusted (IntegrityError).
+initial RMS, `reference_rms`, and the entries its saver keeps with it,
+`TrainCheckpoints.save_state(extra=)`: the training loop's config and status interval,
+read back by `TrainCheckpoints.restored` and `kept_entry`). It lives in Orbax's per-step
+`_CHECKPOINT_METADATA` under `custom_metadata.integrity` (`step_metadata` writes it
+there), so Orbax renames it into place atomically with the arrays, and in the run's own
+copy `WORKDIR/records/<kind>/<step>.json` (`save_record`, written just before that
+rename), so that losing one file does not lose the checksums. `step_record` reads
+both: when they disagree, or when both are missing in a run whose config.json says it
+records every step (`layout.writes_records`), the step is not trusted (IntegrityError).
 """
 from __future__ import annotations
 

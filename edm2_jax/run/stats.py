@@ -59,9 +59,9 @@ def _records(data: bytes) -> list[bytes]:
 
 def drop_events_after(tb_dir: str, nimg: int) -> None:
     """Rewrite the TensorBoard event files in `tb_dir` without their events at steps
-    past `nimg` (a resumed run writes those steps again; `nimg` 0: all): each file whose events all
-    stay is left as it is, the others replaced whole (a kill leaves the old file or the
-    new one, and the next start drops the same events)."""
+    past `nimg` (a resumed run writes those steps again; `nimg` 0: all): each file whose
+    events all stay is left as it is, the others replaced whole (a kill leaves the old
+    file or the new one, and the next start drops the same events)."""
     from tensorboardX.proto.event_pb2 import Event
     for name in paths.listdir(tb_dir):
         path = os.path.join(tb_dir, name)
