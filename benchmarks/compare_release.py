@@ -263,40 +263,11 @@ def run_pairs(name, fa, fb, pairs, label_a="release", label_b="edm2-jax") -> flo
 
 def forward_flops(net, batch: int) -> float:
     """Model FLOPs of one forward pass of `net` on `batch` images: 2 x multiply-adds of
-    every convolution and matmul in its jaxpr (elementwise work not counted). The
-    paper's Table 2 "Gflops" are multiply-adds, half of this (img512-xs: 89.9 GFLOP
-    here, 46 there)."""
-    import jax
-    import jax.numpy as jnp
-    from forward import random_variables
-    from edm2_jax.model.precision import sub_jaxprs
-    v = jax.eval_shape(lambda: random_variables(net))
-    x = jax.ShapeDtypeStruct((batch, net.img_resolution, net.img_resolution, net.img_channels),
-                             jnp.float32)
-    sigma = jax.ShapeDtypeStruct((batch,), jnp.float32)
-    labels = (jax.ShapeDtypeStruct((batch, net.label_dim), jnp.float32) if net.label_dim
-              else None)
-    jaxpr = jax.make_jaxpr(lambda v, x, s, l: net.apply(v, x, s, l))(v, x, sigma, labels)
-
-    def count(jp) -> float:
-        total = 0.0
-        for eqn in jp.eqns:
-            name = eqn.primitive.name
-            if name == "conv_general_dilated":
-                rhs = eqn.invars[1].aval.shape
-                dn = eqn.params["dimension_numbers"]
-                k = np.prod([rhs[d] for d in dn.rhs_spec[1:]])  # in-features x window
-                total += 2.0 * np.prod(eqn.outvars[0].aval.shape) * k / eqn.params[
-                    "feature_group_count"]
-            elif name == "dot_general":
-                (lc, _), _ = eqn.params["dimension_numbers"]
-                k = np.prod([eqn.invars[0].aval.shape[d] for d in lc]) if lc else 1
-                total += 2.0 * np.prod(eqn.outvars[0].aval.shape) * k
-            for sub in sub_jaxprs(eqn.params):
-                total += count(sub)
-        return total
-
-    return count(jaxpr.jaxpr)
+    every convolution and matmul in its jaxpr (elementwise work not counted;
+    `edm2_jax.analysis.plan.forward_flops`). The paper's Table 2 "Gflops" are
+    multiply-adds, half of this (img512-xs: 89.9 GFLOP here, 46 there)."""
+    from edm2_jax.analysis import plan
+    return plan.forward_flops(net, batch)
 
 
 def worker(args) -> None:

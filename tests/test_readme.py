@@ -231,6 +231,7 @@ SKIPS = {
     "timm": r"skip\(f?\"timm not installed",
     "diffusers": r"importorskip\(\s*\"diffusers\"",
     '".[gcs]"': r"skip\([^)]*gcsfs",
+    '".[tpu]"': r"skip\(f?\"needs libtpu",
 }
 
 

@@ -40,7 +40,7 @@ import numpy as np
 from edm2_jax import configs, objectives
 from edm2_jax.analysis import tpu_slices
 from edm2_jax.model.networks import init_variables
-from edm2_jax.model.precision import sub_jaxprs
+from edm2_jax.model.precision import matmul_flops
 from edm2_jax.sampling import sampler as sampler_lib
 from edm2_jax.training import setup
 from edm2_jax.training import sharding as shard_lib
@@ -113,30 +113,13 @@ def open_topology(tpu_slice: tpu_slices.Slice) -> Topology:
 
 
 def forward_flops(net: Any, batch: int) -> float:
-    """Model flops of one forward pass of `net` on `batch` images: 2 x the multiply-adds
-    of every convolution and matmul of its jaxpr (elementwise work not counted; the
-    paper's Table 2 "Gflops" are multiply-adds, half of this)."""
+    """Model flops of one forward pass of `net` on `batch` images
+    (`precision.matmul_flops` of its jaxpr: convolutions and matmuls, elementwise work
+    not counted)."""
     v = jax.eval_shape(lambda r: init_variables(net, r), jax.random.PRNGKey(0))
     x, sigma, labels = _net_inputs(net, batch)
-    jaxpr = jax.make_jaxpr(lambda v, x, s, l: net.apply(v, x, s, l))(v, x, sigma, labels)
-
-    def count(jp) -> float:
-        total = 0.0
-        for eqn in jp.eqns:
-            out = np.prod(eqn.outvars[0].aval.shape) if eqn.outvars else 0
-            if eqn.primitive.name == "conv_general_dilated":
-                rhs = eqn.invars[1].aval.shape
-                spec = eqn.params["dimension_numbers"].rhs_spec
-                window = np.prod([rhs[d] for d in spec[1:]])  # in-features x window
-                total += 2.0 * out * window / eqn.params["feature_group_count"]
-            elif eqn.primitive.name == "dot_general":
-                (contract, _), _ = eqn.params["dimension_numbers"]
-                total += 2.0 * out * np.prod([eqn.invars[0].aval.shape[d] for d in contract])
-            for sub in sub_jaxprs(eqn.params):
-                total += count(sub)
-        return total
-
-    return count(jaxpr.jaxpr)
+    return matmul_flops(jax.make_jaxpr(lambda v, x, s, l: net.apply(v, x, s, l))(
+        v, x, sigma, labels))
 
 
 def _net_inputs(net: Any, batch: int, sharding: Any = None) -> tuple:

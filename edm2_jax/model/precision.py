@@ -31,6 +31,7 @@ import re
 from typing import Any, Iterator
 
 import jax.numpy as jnp
+import numpy as np
 
 # The layers of `networks.Precond` computed in float32 whatever the compute dtype: the
 # noise and label embedding (`UNet.emb_noise`, `UNet.emb_label`, each block's
@@ -113,6 +114,30 @@ def matmuls(jaxpr: Any) -> list[Matmul]:
 
     walk(getattr(jaxpr, "jaxpr", jaxpr))
     return out
+
+
+def matmul_flops(jaxpr: Any) -> float:
+    """Flops of every `conv_general_dilated` and `dot_general` of `jaxpr` (nested programs
+    included, each counted once: a loop body once): 2 x their multiply-adds. The paper's
+    Table 2 "Gflops" of a network are the multiply-adds of its forward pass, half of this."""
+    total = 0.0
+
+    def walk(jp):
+        nonlocal total
+        for eqn in jp.eqns:
+            out = float(np.prod(eqn.outvars[0].aval.shape)) if eqn.outvars else 0.0
+            if eqn.primitive.name == "conv_general_dilated":
+                rhs = eqn.invars[1].aval.shape
+                window = np.prod([rhs[d] for d in eqn.params["dimension_numbers"].rhs_spec[1:]])
+                total += 2.0 * out * window / eqn.params["feature_group_count"]
+            elif eqn.primitive.name == "dot_general":
+                (contract, _), _ = eqn.params["dimension_numbers"]
+                total += 2.0 * out * np.prod([eqn.invars[0].aval.shape[d] for d in contract])
+            for sub in sub_jaxprs(eqn.params):
+                walk(sub)
+
+    walk(getattr(jaxpr, "jaxpr", jaxpr))
+    return total
 
 
 def audit(jaxpr: Any, dtype: Any) -> list[Matmul]:
