@@ -209,6 +209,26 @@ def test_a_run_without_config_json_nor_a_copy_of_it_is_refused(tiny_run, tmp_pat
     assert loop.train_and_evaluate(tiny_config(tiny_run["data"]), str(run))["finished"]
 
 
+def test_an_edited_config_json_is_refused(tiny_run, tmp_path):
+    """config.json's `loss.P_mean` edited and the run resumed with the edited value: the
+    checkpoints' copy of the config says otherwise, so the resume is refused naming the
+    field, both values and the fix; nothing written."""
+    import json
+    run = _copy(tiny_run, tmp_path)
+    shutil.rmtree(run / "checkpoints" / "4")
+    config = json.loads((run / "config.json").read_text())
+    config["loss"]["P_mean"] = -0.5
+    (run / "config.json").write_text(json.dumps(config, indent=2))
+    before = _sums(run)
+    with pytest.raises(ValueError, match=rf"{run}/config.json differs from the copy of the "
+                                         r"run's config that checkpoint 2 keeps \(loss\.P_mean: "
+                                         r"checkpoint -0\.8 vs now -0\.5\): it was edited.* Put "
+                                         r"those settings back in config.json to resume"):
+        loop.train_and_evaluate(tiny_config(tiny_run["data"], **{"loss.P_mean": -0.5}),
+                                str(run))
+    assert _sums(run) == before
+
+
 @pytest.fixture(scope="module")
 def network(tiny_run, tmp_path_factory) -> Path:
     """A network checkpoint (network.json + variables/) of the tiny run's EMA."""

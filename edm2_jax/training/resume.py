@@ -87,12 +87,20 @@ def check_config_matches(saved: dict, current: dict, workdir: str) -> list[str]:
 def saved_config(workdir: str) -> dict | None:
     """The config of the run in `workdir`: its config.json, else (config.json deleted)
     the copy its newest checkpoint keeps (`KEPT_CONFIG` in the checkpoint's record), or
-    None for a new run. Raises ValueError when the run has checkpoints but neither: the
-    same-run check cannot be made, and a changed config would go unnoticed."""
+    None for a new run. Raises ValueError when the run has checkpoints but neither (the
+    same-run check cannot be made, and a changed config would go unnoticed), and when
+    config.json differs from that copy in a field that may not change (it was edited)."""
     saved = layout.read_config(workdir)
-    if saved is not None:
-        return saved
     kept = records.kept_entry(workdir, KEPT_CONFIG)
+    if saved is not None:
+        refused = config_differences(kept[1], saved)[0] if kept is not None else []
+        if refused:
+            raise ValueError(
+                f"{layout.config_path(workdir)} differs from the copy of the run's config "
+                f"that checkpoint {kept[0]} keeps ({'; '.join(refused)}): it was edited, "
+                f"and the run's state was not trained with it; nothing was trained. Put "
+                f"those settings back in config.json to resume, or use a new --workdir.")
+        return saved
     if kept is not None:
         print(f"{layout.config_path(workdir)} is missing: checking the config against the "
               f"copy checkpoint {kept[0]} keeps (config.json is written again)", flush=True)
