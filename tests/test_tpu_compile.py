@@ -91,10 +91,15 @@ def test_slice_names_count_chips_or_tensorcores():
 
 
 def test_topology_has_the_slices_chips_and_hosts(libtpu):
-    for name in ("v5p-64", "v5e-16", "v6e-8"):
+    """One device per chip and one process per host; libtpu's v4 has one device per
+    TensorCore, which the run's mesh takes in their order."""
+    for name in ("v5p-64", "v5e-16", "v6e-8", "v4-32"):
         s = tpu_slices.parse_slice(name)
         t = plan.open_topology(s)
-        assert (len(t.devices), t.processes) == (s.chips, s.hosts), name
+        per_chip = 2 if name.startswith("v4") else 1
+        assert (len(t.devices), t.processes) == (s.chips * per_chip, s.hosts), name
+        mesh = shard_lib.make_mesh(data=-1, fsdp=4, devices=t.devices)
+        assert dict(mesh.shape) == {"data": len(t.devices) // 4, "fsdp": 4}
 
 
 def test_compiled_shardings_are_the_runs(compiled):

@@ -64,6 +64,7 @@ def make_mesh(num_devices: int | None = None, *, data: int = -1, fsdp: int = 1,
 
     Raises ValueError when the sizes do not multiply to the device count.
     """
+    given = devices
     devices = list(jax.devices() if devices is None else devices)
     if num_devices is not None:
         if num_devices > len(devices):
@@ -82,8 +83,16 @@ def make_mesh(num_devices: int | None = None, *, data: int = -1, fsdp: int = 1,
     # jax.make_mesh orders the devices for the interconnect (process-major on CPU and
     # GPU, so host p's devices hold batch rows [p B/P, (p+1) B/P), the slice its data
     # iterator loads); global_batch places each host's rows on its own devices.
-    return jax.make_mesh((data, fsdp), (DATA, FSDP), devices=devices,
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    axis_types = (jax.sharding.AxisType.Auto,) * 2
+    try:
+        return jax.make_mesh((data, fsdp), (DATA, FSDP), devices=devices,
+                             axis_types=axis_types)
+    except AssertionError:
+        if given is None:
+            raise
+        # A topology described with one device per TensorCore (libtpu's v4 without a
+        # TPU) has no physical mesh in JAX, which wants one per chip: the given order.
+        return Mesh(np.array(devices).reshape(data, fsdp), (DATA, FSDP), axis_types=axis_types)
 
 
 def mesh_from_config(config: Any, num_devices: int | None = None,
