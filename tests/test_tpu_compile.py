@@ -213,3 +213,13 @@ def test_platform_env_only_where_libtpu_would_speak():
     assert process.platform_env({"JAX_PLATFORMS": ""}, libtpu=True, tpu_chip=False,
                                 gpu=False) == {}
     np.testing.assert_equal(process.has_tpu_chip("/nonexistent"), False)
+
+
+def test_mesh_that_does_not_tile_the_torus_is_refused_with_the_sizes_that_do(libtpu):
+    """On a v5p-128 (a 4x4x4 torus) a mesh axis of 8 devices spans no product of the
+    torus's axes: one error names the fsdp sizes that lay out, and each of those does."""
+    devices = plan.open_topology(tpu_slices.parse_slice("v5p-128")).devices
+    with pytest.raises(ValueError, match=r"one of \[1, 4, 16, 64\]"):
+        shard_lib.make_mesh(fsdp=8, devices=devices)
+    for fsdp in (1, 4, 16, 64):
+        assert shard_lib.make_mesh(fsdp=fsdp, devices=devices).shape["fsdp"] == fsdp

@@ -62,7 +62,8 @@ def make_mesh(num_devices: int | None = None, *, data: int = -1, fsdp: int = 1,
       devices: the devices to choose from (default `jax.devices()`); e.g. those of a TPU
         topology compiled for without a TPU (`jax.experimental.topologies`).
 
-    Raises ValueError when the sizes do not multiply to the device count.
+    Raises ValueError when the sizes do not multiply to the device count, or do not lay
+    out on a TPU slice's torus (naming the fsdp sizes that do).
     """
     given = devices
     devices = list(jax.devices() if devices is None else devices)
@@ -93,6 +94,20 @@ def make_mesh(num_devices: int | None = None, *, data: int = -1, fsdp: int = 1,
         # A topology described with one device per TensorCore (libtpu's v4 without a
         # TPU) has no physical mesh in JAX, which wants one per chip: the given order.
         return Mesh(np.array(devices).reshape(data, fsdp), (DATA, FSDP), axis_types=axis_types)
+    except NotImplementedError:  # a TPU torus whose axes the mesh's sizes do not tile
+        fits = [f for f in range(1, n + 1) if n % f == 0 and _tiles(devices, n // f, f)]
+        raise ValueError(f"mesh data={data} x fsdp={fsdp} does not lay out on this TPU "
+                         f"slice's torus (each mesh axis must be a product of its axes' "
+                         f"sizes); set --config.mesh.fsdp to one of {fits}") from None
+
+
+def _tiles(devices: list, data: int, fsdp: int) -> bool:
+    """Whether JAX lays a `(data, fsdp)` mesh out on `devices`."""
+    try:
+        jax.make_mesh((data, fsdp), (DATA, FSDP), devices=devices)
+        return True
+    except NotImplementedError:
+        return False
 
 
 def mesh_from_config(config: Any, num_devices: int | None = None,
