@@ -133,10 +133,10 @@ def test_disk_full_while_saving_is_an_error_and_keeps_earlier_checkpoints(
 def test_a_failed_asynchronous_save_is_reported_at_the_next_step(full_run, tmp_path,
                                                                   monkeypatch):
     """8 steps, checkpoints every 2; every Orbax file write fails with ENOSPC from the
-    save of checkpoint 4 on, and step 5's batch comes 1 s late (the failed save is over
-    by then): the run stops after step 5, not at the next save (step 6), with
-    CheckpointSaveError naming step 4, the disk and its free space; checkpoint 2 is
-    intact and restores."""
+    save of checkpoint 4 on, and step 5's batch comes 1 s after the save met the full
+    disk (its thread is over by then): the run stops after step 5, not at the next save
+    (step 6), with CheckpointSaveError naming step 4, the disk and its free space;
+    checkpoint 2 is intact and restores."""
     from orbax.checkpoint._src.path import async_path
     run, full = tmp_path / "run", {"on": False}
     write_bytes, write_text = async_path.write_bytes, async_path.write_text
@@ -144,6 +144,7 @@ def test_a_failed_asynchronous_save_is_reported_at_the_next_step(full_run, tmp_p
     def failing(write):
         async def maybe_full(path, *args, **kwargs):
             if full["on"]:
+                full["failed"] = True
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
             return await write(path, *args, **kwargs)
         return maybe_full
@@ -158,7 +159,10 @@ def test_a_failed_asynchronous_save_is_reported_at_the_next_step(full_run, tmp_p
                 while _steps(run) != [2] and time.time() < deadline:
                     time.sleep(0.01)
                 full["on"] = True
-            if i == 4:
+            if i == 4:  # the save has met the full disk, and its thread ended
+                deadline = time.time() + 60
+                while not full.get("failed") and time.time() < deadline:
+                    time.sleep(0.01)
                 time.sleep(1.0)
             yield batch
 
