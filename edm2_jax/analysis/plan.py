@@ -19,8 +19,9 @@ per chip: tests/test_tpu_compile.py). Its modelled time (`optimal_seconds`) is n
 used: it can come out negative.
 
 A run that cannot fit is refused with a ValueError naming the fix (more `mesh.fsdp`, a
-smaller `batch_per_device`, another slice): from the train state's array sizes alone
-before compiling where those decide it, else from the compiled program.
+smaller `batch_per_device`, another slice): from the array sizes alone before compiling
+where those decide it (the train state and its gradients over the HBM), else from the
+compiled program.
 """
 from __future__ import annotations
 
@@ -251,24 +252,38 @@ def _fixes(config: ml_collections.ConfigDict, topology: Topology, per_device: in
     return "; or ".join(fixes)
 
 
+def floor_bytes(abstract_state: Any, fsdp: int) -> int:
+    """The least a training step holds per device, bytes: the train state split over
+    `fsdp` devices (`state_bytes`) and its gradients (one float32 copy of the params,
+    split as they are), before any activation."""
+    return (state_bytes(abstract_state, fsdp)
+            + state_bytes({"params": abstract_state["params"]}, fsdp))
+
+
 def check_state_fits(config: ml_collections.ConfigDict, topology: Topology,
                      abstract_state: Any) -> int:
-    """The train state's bytes per device; raises ValueError naming the smallest
-    `mesh.fsdp` that leaves it half of the device's HBM (or a larger slice) when it
-    alone fills more than that, before anything compiles."""
+    """The train state's bytes per device. Raises ValueError, before anything compiles,
+    where the state and its gradients (`floor_bytes`) alone exceed the device's HBM,
+    naming the smallest `mesh.fsdp` that leaves half the HBM for activations (else the
+    smallest that fits them at all, else a larger slice)."""
     n, fsdp = len(topology.devices), int((config.get("mesh") or {}).get("fsdp", 1))
-    need = state_bytes(abstract_state, fsdp)
-    if need <= topology.hbm_bytes / 2:
-        return need
-    have = topology.hbm_bytes / GIB
-    options = [f for f in range(fsdp + 1, n + 1)
-               if n % f == 0 and state_bytes(abstract_state, f) <= topology.hbm_bytes / 2]
-    fix = (f"set --config.mesh.fsdp={options[0]} (the state split over {options[0]} devices: "
-           f"{state_bytes(abstract_state, options[0]) / GIB:.1f} GiB each)" if options else
-           f"use a larger slice or chips of more HBM (v5p: 95 GiB)")
-    raise ValueError(f"{topology.slice.name}: the train state alone (params, Adam moments, "
-                     f"EMAs) needs {need / GIB:.1f} GiB per device with mesh.fsdp={fsdp}, "
-                     f"over half of the device's {have:.1f} GiB HBM; {fix}")
+    hbm = topology.hbm_bytes
+    need = floor_bytes(abstract_state, fsdp)
+    if need <= hbm:
+        return state_bytes(abstract_state, fsdp)
+    sizes = [f for f in range(fsdp + 1, n + 1) if n % f == 0]
+    half = [f for f in sizes if floor_bytes(abstract_state, f) <= hbm / 2]
+    full = [f for f in sizes if floor_bytes(abstract_state, f) <= hbm]
+    if half or full:
+        f = (half or full)[0]
+        fix = (f"set --config.mesh.fsdp={f} (then {floor_bytes(abstract_state, f) / GIB:.1f} "
+               f"GiB each{', half the HBM left for activations' if half else ''})")
+    else:
+        fix = "use a larger slice or chips of more HBM (v5p: 95 GiB)"
+    raise ValueError(f"{topology.slice.name}: the train state (params, Adam moments, EMAs) "
+                     f"and its gradients alone need {need / GIB:.1f} GiB per "
+                     f"device with mesh.fsdp={fsdp}, over the device's {hbm / GIB:.1f} GiB "
+                     f"HBM; {fix}")
 
 
 def _compile(lowered: Any) -> tuple[Any, float]:
