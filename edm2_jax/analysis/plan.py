@@ -31,7 +31,7 @@ import importlib.util
 import os
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -309,14 +309,15 @@ def tpu_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 
 def plan_run(config: ml_collections.ConfigDict, topology: Topology,
-             sample_batch: int | None = None) -> Plan:
+             sample_batch: int | None = None, log: Callable[[str], None] = print) -> Plan:
     """Compile `config`'s training step for `topology` as the run would shard it (mesh
     of `config.mesh` over the slice's devices, `batch_per_device` micro-batches), and
     its Heun sampler (`config.sample.num_steps` steps) at `sample_batch` images (default
     `config.eval.batch_size` rounded up to a multiple of the devices; 0 = none). The
     network's 'auto' settings are the TPU's (`tpu_config`). Raises ValueError for batches that
     do not split over the devices and, naming the fix, for a run that does not fit the
-    HBM (`check_state_fits` before compiling; the compiled peak after)."""
+    HBM (`check_state_fits` before compiling; the compiled peak after). `log` gets one
+    line as the compiles start."""
     config = tpu_config(config)
     n = len(topology.devices)
     objective = objectives.from_config(config)
@@ -325,6 +326,7 @@ def plan_run(config: ml_collections.ConfigDict, topology: Topology,
     state = check_state_fits(config, topology, model.abstract_state)
     per_device = int(config.batch_size) // n // model.num_accum
     fixes = _fixes(config, topology, per_device)
+    log(f"Compiling for {topology.slice.name} ({topology.slice.topology}) with libtpu...")
     try:
         step = _compile_step(config, model)
         sample_batch = (-(-int(config.eval.batch_size) // n) * n if sample_batch is None

@@ -42,7 +42,7 @@ def run() -> plan.Plan:
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     topology = plan.open_topology(tpu_slice)
-    print(f"Compiling for {tpu_slice.name} ({tpu_slice.topology}) with libtpu...", flush=True)
-    result = plan.plan_run(config, topology, FLAGS.sample_batch)
+    result = plan.plan_run(config, topology, FLAGS.sample_batch,
+                           log=lambda line: print(line, flush=True))
     print("\n".join(result.lines()), flush=True)
     return result
