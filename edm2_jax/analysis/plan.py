@@ -219,8 +219,8 @@ class Plan:
         if what == "training step":
             lines.append(f"  train state per {unit} (params, Adam moments, EMAs; split by "
                          f"fsdp): {_size(self.state)}")
-        lines += [f"  model flops per {unit}: {_flops(p.flops)} ({images} images; XLA's count "
-                  f"{_flops(p.xla_flops)})",
+        lines += [f"  model flops per {unit}: {_flops(p.flops)} ({images} "
+                  f"image{'s' * (images != 1)}; XLA's count {_flops(p.xla_flops)})",
                   f"  lower bound at the {chip.generation} bf16 peak ({chip.peak_tflops:g} "
                   f"TFLOP/s per chip): {seconds * 1e3:,.2f} ms, i.e. at most "
                   f"{images * len(t.devices) / seconds:,.0f} img/s for the slice (flops "
