@@ -28,7 +28,7 @@ import re
 from edm2_jax import objectives, paths
 from edm2_jax.model import vae as vae_lib
 from edm2_jax.model.networks import Precond, precond_from_config
-from edm2_jax.run import checkpoints, layout, snapshots
+from edm2_jax.run import checkpoints, layout, records, snapshots
 from edm2_jax.run import network_dir as ckpt_lib
 
 
@@ -55,7 +55,7 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
         if key not in tree["power"]:
             raise KeyError(f"snapshot {path} has EMAs {sorted(tree['power'])}, not {key!r}")
         variables = {"params": tree["power"][key], "buffers": snapshots.run_buffers(run_dir)}
-        return (precond_from_config(layout.network_config(run_dir)), variables,
+        return (precond_from_config(records.run_network_config(run_dir)), variables,
                 f"EMA {key} of snapshot {step} ({meta['nimg'] / 1000:.1f} kimg) in {run_dir}")
 
     if layout.is_run(path):
@@ -68,7 +68,7 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
                 raise KeyError(f"run {path} tracks EMAs {sorted(state['ema']['power'])}, not "
                                f"{key!r} (or use --ema=online)")
             params, what = state["ema"]["power"][key], f"EMA sigma_rel={key}"
-        return (precond_from_config(layout.network_config(path)),
+        return (precond_from_config(records.run_network_config(path)),
                 {"params": params, "buffers": state["buffers"]},
                 f"{what} of run {path} at step {int(state['step'])}")
     raise FileNotFoundError(
@@ -85,7 +85,7 @@ def _metadata(path: str) -> tuple[dict | None, dict, dict | None]:
         cfg, meta = ckpt_lib.read_network_json(path)
         return cfg, meta, None
     snap = re.fullmatch(rf"(.*)/{layout.SNAPSHOTS}/(\d+)/?", path)
-    config = layout.read_config(snap.group(1) if snap else path)
+    config = records.run_config(snap.group(1) if snap else path)
     if config is None or "network" not in config:
         return None, {}, None
     return config["network"], {}, config
@@ -126,7 +126,7 @@ def net_encoder(path: str) -> str:
         cfg, meta = ckpt_lib.read_network_json(path)
         return vae_lib.encoder_of(cfg, meta)
     snap = re.fullmatch(rf"(.*)/{layout.SNAPSHOTS}/(\d+)/?", path)
-    config = layout.read_config(snap.group(1) if snap else path)
+    config = records.run_config(snap.group(1) if snap else path)
     if config is None or "network" not in config:
         return "none"
     return vae_lib.encoder_of(config["network"], data_config=config.get("data"))

@@ -229,6 +229,33 @@ def test_an_edited_config_json_is_refused(tiny_run, tmp_path):
     assert _sums(run) == before
 
 
+def test_an_edited_network_config_of_a_run_is_refused_by_its_readers(tiny_run, tmp_path):
+    """config.json's `network.sigma_data` edited in a run: `--mode=generate` of its
+    snapshot and `--mode=phema` of the run each end with one `error:` line naming the
+    file, the field, both values and the fix (the checkpoints keep the config); nothing
+    is written."""
+    import json
+    run = _copy(tiny_run, tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    config["network"]["sigma_data"] = 0.25
+    (run / "config.json").write_text(json.dumps(config, indent=2))
+    before = _sums(run)
+    for argv in (["--mode=generate", f"--net={run}/snapshots/4", "--seeds=0-1",
+                  f"--outdir={tmp_path / 'gen'}"],
+                 ["--mode=phema", f"--workdir={run}", "--sigma_rel=0.07",
+                  f"--outdir={tmp_path / 'ph'}"]):
+        r = run_cli(*argv)
+        assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
+        [line] = _error_lines(r.stderr)
+        assert line == (f"error: {run}/config.json differs from the copy of the run's config "
+                        f"that checkpoint 4 keeps (network.sigma_data: checkpoint 0.5 vs now "
+                        f"0.25): it was edited, and the run's networks were not trained with "
+                        f"it. Put those settings back in config.json."), line
+    assert not (tmp_path / "gen").exists() or not any((tmp_path / "gen").rglob("*.png"))
+    assert not any((tmp_path / "ph").glob("*/network.json"))
+    assert _sums(run) == before
+
+
 @pytest.fixture(scope="module")
 def network(tiny_run, tmp_path_factory) -> Path:
     """A network checkpoint (network.json + variables/) of the tiny run's EMA."""

@@ -50,6 +50,7 @@ from edm2_jax.ema import power as ema_lib
 from edm2_jax import paths
 from edm2_jax.run import integrity
 from edm2_jax.run import layout
+from edm2_jax.run import records
 from edm2_jax.run import snapshots
 
 # Release snapshot names: `edm2-img512-xs-0134217-0.050.pkl` -> kimg 134217, sigma_rel 0.050.
@@ -198,7 +199,7 @@ def input_network(kind: str, workdir: str, files: Sequence[SnapshotFile]) -> tup
     """`(net_config, buffers)` (numpy buffers) of the snapshots `find_snapshots` found:
     a run's (`run.snapshots`), or, for network checkpoints and pickles, the first one's."""
     if kind == "run":
-        return layout.network_config(workdir), snapshots.run_buffers(workdir)
+        return records.run_network_config(workdir), snapshots.run_buffers(workdir)
     if kind == "pickles":
         net_config, variables = release_pickle_variables(files[0].directory)
         return net_config, variables["buffers"]

@@ -131,6 +131,42 @@ def step_record(step_dir: str) -> dict | None:
     return record
 
 
+# The entry of a state checkpoint's record that keeps the run's config (as config.json
+# holds it), so that a deleted or edited config.json is noticed.
+KEPT_CONFIG = "config"
+
+
+def run_config(workdir: str) -> dict | None:
+    """The run's config.json (None when there is none), its `network` section checked
+    against the copy its newest checkpoint keeps (`KEPT_CONFIG`; none in a run saved
+    before it was kept). Raises IntegrityError naming the fields and the fix when they
+    differ: the networks of the run would be built otherwise than they were trained."""
+    config = layout.read_config(workdir)
+    kept = kept_entry(workdir, KEPT_CONFIG)
+    if config is None or kept is None or not isinstance(kept[1], dict):
+        return config
+    was, now = kept[1].get("network") or {}, config.get("network") or {}
+    differ = [f"network.{k}: checkpoint {was.get(k)!r} vs now {now.get(k)!r}"
+              for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
+    if differ:
+        raise integrity.IntegrityError(
+            f"{layout.config_path(workdir)} differs from the copy of the run's config that "
+            f"checkpoint {kept[0]} keeps ({'; '.join(differ[:4])}): it was edited, and the "
+            f"run's networks were not trained with it. Put those settings back in "
+            f"config.json.")
+    return config
+
+
+def run_network_config(workdir: str) -> dict:
+    """The `network` section of the run's config.json (the `Precond` kwargs), checked as
+    `run_config` checks it. Raises FileNotFoundError when the run has no config.json,
+    IntegrityError when it was edited."""
+    config = run_config(workdir)
+    if config is None:
+        return layout.network_config(workdir)  # raises, naming the file
+    return config["network"]
+
+
 def kept_entry(workdir: str, key: str) -> tuple[int, object] | None:
     """`(step, record[key])` of the run's newest checkpoint whose integrity record keeps
     `key` (an entry given to `TrainCheckpoints.save_state(extra=)`, e.g. the run's

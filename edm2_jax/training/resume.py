@@ -17,10 +17,8 @@ import os
 import ml_collections
 
 from edm2_jax.run import layout, records
+from edm2_jax.run.records import KEPT_CONFIG  # kept in each checkpoint's record
 
-# The entry of each checkpoint's record that keeps the run's config (as config.json
-# holds it), so that a deleted config.json does not turn the same-run check off.
-KEPT_CONFIG = "config"
 # Fields that must not change when resuming in the same workdir ...
 RESUME_FIELDS = ("network", "loss", "optim", "ema", "batch_size", "seed", "data.source",
                  "data.name", "data.split", "data.resolution", "data.use_labels", "distill")
