@@ -230,29 +230,30 @@ def test_an_edited_config_json_is_refused(tiny_run, tmp_path):
 
 
 def test_an_edited_network_config_of_a_run_is_refused_by_its_readers(tiny_run, tmp_path):
-    """config.json's `network.sigma_data` edited in a run: `--mode=generate` of its
-    snapshot and `--mode=phema` of the run each end with one `error:` line naming the
-    file, the field, both values and the fix (the checkpoints keep the config); nothing
-    is written."""
+    """config.json's `network.sigma_data` edited in a run: post-hoc EMA's reader of the
+    run refuses it, and `--mode=generate` of its snapshot ends with one `error:` line,
+    naming the file, the field, both values and the fix (the checkpoints keep the
+    config); nothing is written."""
     import json
     run = _copy(tiny_run, tmp_path)
     config = json.loads((run / "config.json").read_text())
     config["network"]["sigma_data"] = 0.25
     (run / "config.json").write_text(json.dumps(config, indent=2))
     before = _sums(run)
-    for argv in (["--mode=generate", f"--net={run}/snapshots/4", "--seeds=0-1",
-                  f"--outdir={tmp_path / 'gen'}"],
-                 ["--mode=phema", f"--workdir={run}", "--sigma_rel=0.07",
-                  f"--outdir={tmp_path / 'ph'}"]):
-        r = run_cli(*argv)
-        assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
-        [line] = _error_lines(r.stderr)
-        assert line == (f"error: {run}/config.json differs from the copy of the run's config "
-                        f"that checkpoint 4 keeps (network.sigma_data: checkpoint 0.5 vs now "
-                        f"0.25): it was edited, and the run's networks were not trained with "
-                        f"it. Put those settings back in config.json."), line
+    message = (f"{run}/config.json differs from the copy of the run's config that checkpoint "
+               f"4 keeps (network.sigma_data: checkpoint 0.5 vs now 0.25): it was edited, and "
+               f"the run's networks were not trained with it. Put those settings back in "
+               f"config.json.")
+    from edm2_jax.ema import inputs
+    from edm2_jax.run.integrity import IntegrityError
+    with pytest.raises(IntegrityError) as e:  # what post-hoc EMA reads of a run
+        inputs.input_network("run", str(run), [])
+    assert str(e.value) == message
+    r = run_cli("--mode=generate", f"--net={run}/snapshots/4", "--seeds=0-1",
+                f"--outdir={tmp_path / 'gen'}")
+    assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
+    assert _error_lines(r.stderr) == [f"error: {message}"]
     assert not (tmp_path / "gen").exists() or not any((tmp_path / "gen").rglob("*.png"))
-    assert not any((tmp_path / "ph").glob("*/network.json"))
     assert _sums(run) == before
 
 
@@ -268,26 +269,35 @@ def network(tiny_run, tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("field,value", [("sigma_data", 0.25), ("img_resolution", 30000)])
-def test_an_edited_network_json_is_refused_in_one_line(network, tmp_path, field, value):
+@pytest.mark.parametrize("field,value,cli", [("sigma_data", 0.25, False),
+                                             ("img_resolution", 30000, True)])
+def test_an_edited_network_json_is_refused_in_one_line(network, tmp_path, field, value, cli):
     """A field of network.json edited (the sigma_data of the preconditioning; an
-    img_resolution of 30000, a 43-line Flax traceback before): `--mode=generate` ends with
-    one `error:` line naming the file and the fix; no image is written."""
+    img_resolution of 30000, a 43-line Flax traceback before): its reader refuses it
+    naming the file and the fix, and `--mode=generate` ends with that one `error:` line;
+    no image is written."""
     import json
+    from edm2_jax import nets
+    from edm2_jax.run.integrity import IntegrityError
     net = tmp_path / "net"
     shutil.copytree(network, net)
     info = json.loads((net / "network.json").read_text())
     assert info["network"][field] != value
     info["network"][field] = value
     (net / "network.json").write_text(json.dumps(info, indent=2))
-    r = run_cli("--mode=generate", f"--net={net}", "--seeds=0-1", f"--outdir={tmp_path / 'gen'}")
-    assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
-    [line] = _error_lines(r.stderr)
-    assert line == (f"error: {net}/network.json: its network config or meta differs from what "
-                    f"was saved (checksum mismatch: the file was edited or damaged), so the "
-                    f"network it describes is not the one trained; write that network "
-                    f"checkpoint again (--mode=convert or post-hoc EMA)"), line
-    assert not any((tmp_path / "gen").rglob("*.png"))
+    message = (f"{net}/network.json: its network config or meta differs from what was saved "
+               f"(checksum mismatch: the file was edited or damaged), so the network it "
+               f"describes is not the one trained; write that network checkpoint again "
+               f"(--mode=convert or post-hoc EMA)")
+    with pytest.raises(IntegrityError) as e:
+        nets.load_net(str(net))
+    assert str(e.value) == message
+    if cli:
+        r = run_cli("--mode=generate", f"--net={net}", "--seeds=0-1",
+                    f"--outdir={tmp_path / 'gen'}")
+        assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
+        assert _error_lines(r.stderr) == [f"error: {message}"]
+        assert not any((tmp_path / "gen").rglob("*.png"))
 
 
 # --------------------------------------------------------------------------------------
