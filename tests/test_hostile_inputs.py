@@ -5,8 +5,13 @@ no traceback, no library noise, and nothing lost.
 - A truncated array file of a snapshot or checkpoint is refused by `--mode=phema` and
   `--mode=generate` with the line a checksum mismatch gives (naming the fix), not
   TensorStore's raw OUT_OF_RANGE.
+- A run's config.json deleted or edited does not turn the same-run check off: a resume
+  is compared with the copy of the config its checkpoints keep (and refused without
+  either); an edited network section is refused by generate and post-hoc EMA too; an
+  edited network.json (sigma_data, img_resolution=30000) is refused by its reader.
 - A checkpoint whose Orbax `_CHECKPOINT_METADATA` is missing brings no Orbax warning
   before our own lines.
+- Images too large to be training data, in `dataset_tool convert` or an image folder.
 - A full disk while a sample grid is written: one line naming the disk and its free
   space, no 0-byte grid left behind, the checkpoints intact, and the rerun finishes.
 - A learning rate that diverges before any rate of the run has trained: the advice names
