@@ -43,9 +43,10 @@ _CACHE_OFF = os.environ.get("EDM2_JAX_TEST_XLA_CACHE", "") == "off"
 # workers have ended: a worker does nothing slow once it has reported its results, when
 # pytest-xdist gives it 5 s to exit before sending it SIGINT (a KeyboardInterrupt in
 # whatever runs then, e.g. the garbage collector's callbacks, printed as a warning).
-# Worker processes and the programs tests start inherit the directory.
+# Worker processes and the programs tests start (a child that imports this file among
+# them) inherit the directory.
 _ROOT_ENV = "EDM2_JAX_TEST_XLA_CACHE_ROOT"
-_INHERITED = os.environ.get(_ROOT_ENV) if os.environ.get("PYTEST_XDIST_WORKER") else None
+_INHERITED = os.environ.get(_ROOT_ENV) if os.path.isdir(os.environ.get(_ROOT_ENV, "")) else None
 _ROOT = None if _CACHE_OFF else (_INHERITED or tempfile.mkdtemp(prefix="edm2-jax-tests-xla-"))
 _CACHE_DIR = _ROOT and tempfile.mkdtemp(prefix="process-", dir=_ROOT)
 if _CACHE_DIR:
