@@ -108,3 +108,20 @@ def test_students_and_their_points_depend_only_on_the_seed(tiny_run):
     y = toy_distill.consistency_points(net, students[2], n, num_steps=2, teacher_steps=16,
                                        seed=2)
     assert np.abs(x - y).max() > 0.1
+
+
+def test_distribution_matching_generators_beat_the_teachers_ddim(tiny_run):
+    # Distribution matching (toy_dmd, DMD2 without its GAN head) trains each generator to
+    # sample the class's density, not the teacher's ODE map: in 1 evaluation its points
+    # lie on the branches and cover them where the teacher's DDIM averages them onto the
+    # trunk (at 1024 steps, seed 0: on branches 0.71 against 0.002, coverage 0.95 against
+    # 0.12). In 2 evaluations more of its points are on the branches than DDIM's, but they
+    # cover less of them (seed 0: on branches 0.67 against 0.46, coverage 0.53 against
+    # 0.72): the reverse KL it descends seeks modes.
+    m = tiny_run["metrics"]
+    gen, ddim = m["dmd_1"], m["ddim_1"]
+    assert gen["on_branches"] > ddim["on_branches"] + 0.2, (gen, ddim)
+    assert gen["coverage"] > ddim["coverage"] + 0.3, (gen, ddim)
+    assert m["dmd_2"]["on_branches"] > m["ddim_2"]["on_branches"] + 0.1, m
+    assert set(tiny_run["generators"]) == {1, 2, 4}
+    assert tiny_run["evaluations"]["dmd_1"] == 1

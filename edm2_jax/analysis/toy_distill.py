@@ -24,6 +24,8 @@ fraction, coverage, mean log-likelihood under the true density) against the teac
 Heun sampler (`2 num_steps - 1` evaluations) and the teacher under the same `K`-step
 sampler (DDIM on the same segments), all from the same noise, and by the distance of each
 point to the teacher's Heun point from that noise (what distillation drives to 0).
+Beside them, 1, 2 and 4-step generators distilled by distribution matching (`toy_dmd`,
+DMD2 without its GAN head), sampled with the same few-step sampler from the same noise.
 
     python -m edm2_jax.analysis.toy_distill --out=toy_distill_out  # 137 s of CPU time
     python -m edm2_jax.analysis.toy_distill --out=/tmp/td --tiny    # 45 s, for tests
@@ -44,6 +46,7 @@ import numpy as np
 
 from edm2_jax.analysis.toy import ToySettings, sample_metrics, sample_points
 from edm2_jax.analysis.toy_data import Mixture, log_prob, sample_mixture, tree_mixture
+from edm2_jax.analysis.toy_dmd import DMDSettings, train_generator
 from edm2_jax.analysis.toy_denoiser import (ToyDenoiser, optimizer, optimizer_steps,
                                             train_denoiser)
 from edm2_jax.ema import power as ema_lib
@@ -75,12 +78,13 @@ class DistillSettings:
     t_ref: int = 512
     ema_sigma_rel: float = 0.05
     chunk: int = 128   # steps per jitted `lax.scan` call
+    dmd: DMDSettings = DMDSettings()   # the distribution-matching generators beside them
 
     @classmethod
     def tiny(cls) -> "DistillSettings":
         """The tiny toy (16 Heun steps) and 256 distillation steps: 45 s of CPU time
         (tests, CI)."""
-        return cls(toy=ToySettings.tiny(), steps=256, t_ref=64)
+        return cls(toy=ToySettings.tiny(), steps=256, t_ref=64, dmd=DMDSettings.tiny())
 
 
 # ---------------------------------------------------------------------------------------
@@ -208,10 +212,11 @@ def run(out: str | None = None, settings: DistillSettings = DistillSettings(),
     and `out/samples.npz`.
 
     Returns `{'mix', 'teacher': (net, variables), 'students': {K: variables},
-    'losses': {'teacher' | K: [steps]}, 'samples': {name: [n, 2]}, 'metrics': {name:
-    dict}, 'to_heun': {name: float}, 'evaluations': {name: int}, 'train_s': {'teacher' |
-    'students': s}, 'plot'}`; the sample names are 'data', 'heun', 'ddim_K' and
-    'student_K'. `to_heun`: for the few-step samples, the mean distance from each point
+    'generators': {K: variables}, 'losses': {'teacher' | K: [steps], 'dmd_K': [steps,
+    2]}, 'samples': {name: [n, 2]}, 'metrics': {name: dict}, 'to_heun': {name: float},
+    'evaluations': {name: int}, 'train_s': {'teacher' | 'students' | 'dmd': s}, 'plot'}`;
+    the sample names are 'data', 'heun', 'ddim_K', 'student_K' and 'dmd_K' (the
+    distribution-matching generators of `settings.dmd`, `toy_dmd`). `to_heun`: for the few-step samples, the mean distance from each point
     to the teacher's Heun point from the same noise (0 for a student that reproduces the
     teacher's ODE map, which distillation aims at).
     """
@@ -233,6 +238,14 @@ def run(out: str | None = None, settings: DistillSettings = DistillSettings(),
         say(f"distilled K={K} ({settings.steps} steps of {settings.batch}): loss "
             f"{np.mean(losses[K][:32]):.4f} -> {np.mean(losses[K][-32:]):.4f}")
     say(f"[{train_s['students']:.1f} s for the {len(settings.students)} students]")
+    t0 = time.perf_counter()
+    grid = dict(teacher_steps=N, sigma_min=SIGMA_MIN, sigma_max=SIGMA_MAX, rho=RHO)
+    generators = {}
+    for K in settings.dmd.students:   # distribution matching (toy_dmd), the same grid
+        generators[K], losses[f"dmd_{K}"] = train_generator(net, teacher, mix, K, grid,
+                                                            settings.dmd, seed=seed + 200 + K)
+    train_s["dmd"] = time.perf_counter() - t0
+    say(f"[{train_s['dmd']:.1f} s for the {len(generators)} distribution-matching generators]")
 
     samples = {"data": np.asarray(sample_mixture(mix, jax.random.PRNGKey(seed + 11), n, 0)[0]),
                "heun": sample_points(net, teacher, n, 0, num_steps=N, sigma_max=SIGMA_MAX,
@@ -243,6 +256,10 @@ def run(out: str | None = None, settings: DistillSettings = DistillSettings(),
             samples[name] = consistency_points(net, variables, n, 0, num_steps=K,
                                                teacher_steps=N, seed=seed + 1)
             evaluations[name] = K
+    for K, variables in generators.items():
+        samples[f"dmd_{K}"] = consistency_points(net, variables, n, 0, num_steps=K,
+                                                 teacher_steps=N, seed=seed + 1)
+        evaluations[f"dmd_{K}"] = K
     metrics = {name: sample_metrics(mix, x, 0) for name, x in samples.items()}
     to_heun = {name: float(np.mean(np.linalg.norm(x - samples["heun"], axis=-1)))
                for name, x in samples.items() if name not in ("data", "heun")}
@@ -251,7 +268,8 @@ def run(out: str | None = None, settings: DistillSettings = DistillSettings(),
             f"{m['on_branches']:.3f}  coverage {m['coverage']:.3f}  "
             f"mean log p {m['mean_logp']:6.2f}"
             + (f"  to Heun's point {to_heun[name]:.4f}" if name in to_heun else ""))
-    result = {"mix": mix, "teacher": (net, teacher), "students": students, "losses": losses,
+    result = {"mix": mix, "teacher": (net, teacher), "students": students,
+              "generators": generators, "losses": losses,
               "samples": samples, "metrics": metrics, "to_heun": to_heun,
               "evaluations": evaluations, "train_s": train_s, "plot": None}
     if out:
@@ -295,10 +313,18 @@ def plot_distill(result: dict, path: str | None = None,
               + [(f"ddim_{K}", f"teacher, DDIM, {steps[K]}") for K in Ks],
               [("data", "data (class 0)")]
               + [(f"student_{K}", f"student, {steps[K]}") for K in Ks]]
-    fig, axes = plt.subplots(2, len(Ks) + 1, figsize=(4 * (len(Ks) + 1), 9.0))
+    if result.get("generators"):   # a third row: the distribution-matching generators
+        panels.append([None] + [(f"dmd_{K}", f"distribution matching, {steps[K]}")
+                                if f"dmd_{K}" in samples else None for K in Ks])
+    fig, axes = plt.subplots(len(panels), len(Ks) + 1,
+                             figsize=(4 * (len(Ks) + 1), 4.5 * len(panels)))
     for i, row in enumerate(panels):
-        for j, (name, title) in enumerate(row):
+        for j, panel in enumerate(row):
             ax = axes[i, j]
+            if panel is None:
+                ax.axis("off")
+                continue
+            name, title = panel
             ax.contourf(gx, gy, dens[1], levels=[-1.0, 50], colors=["#e4e4e4"])
             ax.contourf(gx, gy, dens[0], levels=[-1.0, 50], colors=["#f6d7b8"])
             ax.set_xlim(cx - v, cx + v), ax.set_ylim(cy - v, cy + v)
