@@ -207,6 +207,26 @@ def test_from_config_picks_the_objective_and_its_sampler():
         objectives.from_config(c).check()
 
 
+def test_dmd_configs_validate_and_a_bad_objective_is_named():
+    """configs/distill.py:dmd and :dmd-tiny are valid DMD configs (a 1-step generator from
+    sigma 2.5); an unknown `distill.objective` or a fake learning rate of 0 is refused
+    naming the flag."""
+    from edm2_jax import configs
+    from tests.test_train import _config_file
+    for variant, kimg in (("dmd", 32), ("dmd-tiny", 0.256)):
+        c = _config_file("distill", variant)
+        c.distill.teacher = "teacher"
+        configs.validate(c)
+        assert objectives.from_config(c).name == "dmd" and c.total_kimg == kimg
+        assert c.distill.steps == 1 and c.distill.sigma_max == 2.5
+    c.distill.objective = "gan"
+    with pytest.raises(ValueError, match="distill.objective"):
+        configs.validate(c)
+    c.distill.update(objective="dmd", fake_lr=0.0)
+    with pytest.raises(ValueError, match="distill.fake_lr"):
+        configs.validate(c)
+
+
 # ---------------------------------------------------------------------------------------
 # The jitted step
 

@@ -61,6 +61,8 @@ TINY = [
      "--config=configs/fashion_mnist.py:tiny --config.data.path={fmnist}"),
     (r"--config=configs/distill\.py(?=\s|$)",
      "--config=configs/distill.py:tiny --config.data.path={fmnist}"),
+    (r"--config=configs/distill\.py:dmd(?=\s|$)",
+     "--config=configs/distill.py:dmd-tiny --config.data.path={fmnist}"),
     (r"--num_images=\d+", "--num_images=16"),
     (r"--seeds=0-\d+", "--seeds=0-7"),
     (r"--batch=\d+", "--batch=8"),
