@@ -165,22 +165,14 @@ class ConsistencyDistillation:
 
     def check(self) -> None:
         """Raise ValueError naming the flag when the student's grid is not one."""
-        g = grid_settings(self.distill)
-        try:
-            check_schedule("consistency", g["steps"], g["teacher_steps"], g["sigma_min"],
-                           g["sigma_max"], g["rho"])
-        except ValueError as e:
-            raise ValueError(f"--config.distill: {e} (distill.steps={g['steps']}, "
-                             f"distill.teacher_steps={g['teacher_steps']})") from None
+        check_grid(self.distill)
 
     def init_network(self) -> tuple[str, str]:
         """The teacher: `(distill.teacher, distill.teacher_ema)`."""
-        return str(self.distill["teacher"]), str(self.distill.get("teacher_ema", "") or "")
+        return teacher_source(self.distill)
 
     def describe(self) -> str:
-        ema = str(self.distill.get("teacher_ema", "") or "")
-        return (f"Teacher: {self.distill['teacher']}" + (f" (EMA {ema})" if ema else "")
-                + f"; student: {self.distill['steps']} step(s) on a grid of "
+        return (teacher_line(self.distill) + f"; student: {self.distill['steps']} step(s) on a grid of "
                 f"{self.distill['teacher_steps']} Heun steps")
 
     def state_extras(self, params: Any) -> dict:
@@ -203,6 +195,29 @@ class ConsistencyDistillation:
     def sampler_kwargs(self, heun_steps: int) -> dict:
         """The student's few-step sampler (its own steps, whatever `heun_steps`)."""
         return consistency.sampler_kwargs(self.distill)
+
+
+def check_grid(distill: Any) -> None:
+    """Raise ValueError naming the `--config.distill` flags when the few-step sampler's
+    grid of `distill` (`grid_settings`) is not one (`sampler.check_schedule`)."""
+    g = grid_settings(distill)
+    try:
+        check_schedule("consistency", g["steps"], g["teacher_steps"], g["sigma_min"],
+                       g["sigma_max"], g["rho"])
+    except ValueError as e:
+        raise ValueError(f"--config.distill: {e} (distill.steps={g['steps']}, "
+                         f"distill.teacher_steps={g['teacher_steps']})") from None
+
+
+def teacher_source(distill: Any) -> tuple[str, str]:
+    """`(distill.teacher, distill.teacher_ema)`: where a distillation run's teacher is read."""
+    return str(distill["teacher"]), str(distill.get("teacher_ema", "") or "")
+
+
+def teacher_line(distill: Any) -> str:
+    """'Teacher: PATH (EMA X)', the first part of a distillation objective's description."""
+    path, ema = teacher_source(distill)
+    return f"Teacher: {path}" + (f" (EMA {ema})" if ema else "")
 
 
 def grid_settings(distill: Any) -> dict:

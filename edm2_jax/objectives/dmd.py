@@ -48,9 +48,9 @@ import optax
 from edm2_jax.model import loss as loss_lib
 from edm2_jax.model.mp import force_normalize
 from edm2_jax.model.networks import Precond
-from edm2_jax.objectives.distill import grid_index, grid_settings
+from edm2_jax.objectives.distill import (check_grid, grid_index, grid_settings,
+                                         teacher_line, teacher_source)
 from edm2_jax.sampling import consistency
-from edm2_jax.sampling.sampler import check_schedule
 
 Array = jax.Array
 DenoiseFn = Callable[[Array, Array], Array]  # (x [B,H,W,C], sigma [B]) -> D [B,H,W,C]
@@ -245,25 +245,17 @@ class DistributionMatching:
     def check(self) -> None:
         """Raise ValueError naming the flag when the sampler's grid is not one or the
         fake denoiser's learning rate is not positive."""
-        g = grid_settings(self.distill)
-        try:
-            check_schedule("consistency", g["steps"], g["teacher_steps"], g["sigma_min"],
-                           g["sigma_max"], g["rho"])
-        except ValueError as e:
-            raise ValueError(f"--config.distill: {e} (distill.steps={g['steps']}, "
-                             f"distill.teacher_steps={g['teacher_steps']})") from None
+        check_grid(self.distill)
         if not float(self.distill.get("fake_lr", 0.01)) > 0:
             raise ValueError(f"--config.distill.fake_lr={self.distill.get('fake_lr')}: the "
                              f"fake denoiser's learning rate must be positive, e.g. 0.01")
 
     def init_network(self) -> tuple[str, str]:
         """The teacher: `(distill.teacher, distill.teacher_ema)`."""
-        return str(self.distill["teacher"]), str(self.distill.get("teacher_ema", "") or "")
+        return teacher_source(self.distill)
 
     def describe(self) -> str:
-        ema = str(self.distill.get("teacher_ema", "") or "")
-        return (f"Teacher: {self.distill['teacher']}" + (f" (EMA {ema})" if ema else "")
-                + f"; distribution matching (DMD2): a {self.distill['steps']}-step generator, "
+        return (teacher_line(self.distill) + f"; distribution matching (DMD2): a {self.distill['steps']}-step generator, "
                 f"fake denoiser at learning rate {float(self.distill.get('fake_lr', 0.01))}")
 
     def state_extras(self, params: Any) -> dict:
