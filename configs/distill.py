@@ -13,13 +13,15 @@
     # distribution matching (DMD2, objectives/dmd.py): a 1-step generator (32 kimg)
     python -m edm2_jax.main --config=configs/distill.py:dmd --workdir=runs/fmnist-dmd1 \
         --config.distill.teacher=runs/fmnist
+    python -m edm2_jax.main --config=configs/distill.py:dmd-img64-s --workdir=runs/img64-s-dmd1 \
+        --config.distill.teacher=nets/img64-s
 
 The student is the teacher's network (its architecture is read from the teacher; the
 config's `network` is replaced), initialised from its weights; `distill.steps` is the
 number of sampling steps it is trained for. Variants: 'fashion_mnist' (default), 'tiny',
-'dmd' (Fashion-MNIST, distribution matching), 'dmd-tiny', or a preset of configs/img64.py
-/ configs/img512.py ('img64-s', 'img512-xs', ...; `--config.distill.objective=dmd` for
-distribution matching).
+'dmd' (Fashion-MNIST, distribution matching), 'dmd-tiny', a preset of configs/img64.py /
+configs/img512.py ('img64-s', 'img512-xs', ...), or 'dmd-' and a preset
+('dmd-img64-s': distribution matching of that preset's network).
 """
 import importlib.util
 import os
@@ -48,6 +50,8 @@ def get_config(variant: str = "fashion_mnist"):
         if variant == "dmd":
             c.total_kimg = 32   # fd_cls 11.4 at 1 step (docs/distillation.md)
         return c
+    if variant.startswith("dmd-") and variant[4:] in presets.NETWORK_PRESETS:
+        return _dmd_preset(get_config(variant[4:]))
     if variant in ("fashion_mnist", "tiny"):
         c = _distill(_fashion_mnist_config("tiny" if variant == "tiny" else "default"))
         # Fine-tuning from a trained network: the teacher's final learning rate after a
@@ -65,8 +69,9 @@ def get_config(variant: str = "fashion_mnist"):
         c.checkpoint_kimg = c.snapshot_kimg = 4
         return c
     if variant not in presets.NETWORK_PRESETS:
-        raise ValueError(f"unknown variant {variant!r}; use 'fashion_mnist', 'tiny' or a "
-                         f"preset: {', '.join(sorted(presets.NETWORK_PRESETS))}")
+        raise ValueError(f"unknown variant {variant!r}; use 'fashion_mnist', 'tiny', 'dmd', "
+                         f"'dmd-tiny', a preset or 'dmd-' and a preset; presets: "
+                         f"{', '.join(sorted(presets.NETWORK_PRESETS))}")
     c = _distill(configs.preset_config(variant))
     t = presets.TRAINING_PRESETS[variant]
     if variant.startswith("img512"):
@@ -91,3 +96,15 @@ def _dmd(c):
     c.optim.ref_lr = 0.002
     return c
 
+
+
+def _dmd_preset(c):
+    """Distribution matching of a release preset: a 1-step generator from noise at sigma
+    2.5 (SiD's generator input level, Zhou et al. 2024, arXiv:2404.04057; DMD2 starts
+    from 80, with its GAN head), the generator at the teacher's final learning rate and
+    the fake denoiser at ten times it (the ratio measured on Fashion-MNIST; DMD2 gives
+    the fake five updates per generator update instead), for the consistency presets'
+    5 % of the teacher's training images (DMD2's ImageNet-64 generator: 200k iterations
+    of batch 280, 56 M images, against the img64 teachers' 1 to 2 G)."""
+    c.distill.update(objective="dmd", steps=1, sigma_max=2.5, fake_lr=10 * c.optim.ref_lr)
+    return c

@@ -208,8 +208,8 @@ def test_from_config_picks_the_objective_and_its_sampler():
 
 
 def test_dmd_configs_validate_and_a_bad_objective_is_named():
-    """configs/distill.py:dmd and :dmd-tiny are valid DMD configs (a 1-step generator from
-    sigma 2.5); an unknown `distill.objective` or a fake learning rate of 0 is refused
+    """configs/distill.py:dmd, :dmd-tiny and :dmd-img64-s are valid DMD configs (a 1-step
+    generator from sigma 2.5); an unknown variant is named; an unknown `distill.objective` or a fake learning rate of 0 is refused
     naming the flag."""
     from edm2_jax import configs
     from tests.test_train import _config_file
@@ -219,6 +219,18 @@ def test_dmd_configs_validate_and_a_bad_objective_is_named():
         configs.validate(c)
         assert objectives.from_config(c).name == "dmd" and c.total_kimg == kimg
         assert c.distill.steps == 1 and c.distill.sigma_max == 2.5
+    # A preset's generator: the teacher's final rate (img64-s: 0.01 at t_ref 35000 batches
+    # of 2048, decayed as 1/sqrt over 2^30 images), the fake denoiser at ten times it.
+    p = _config_file("distill", "dmd-img64-s")
+    p.distill.teacher = "teacher"
+    configs.validate(p)
+    end_lr = 0.01 / (2**30 / 2048 / 35000) ** 0.5
+    assert objectives.from_config(p).name == "dmd" and p.network.model_channels == 192
+    assert p.distill.steps == 1 and p.distill.sigma_max == 2.5
+    assert p.optim.ref_lr == pytest.approx(end_lr, rel=1e-12)
+    assert p.distill.fake_lr == pytest.approx(10 * end_lr, rel=1e-12)
+    with pytest.raises(ValueError, match="dmd-img64-xxl"):
+        _config_file("distill", "dmd-img64-xxl")
     c.distill.objective = "gan"
     with pytest.raises(ValueError, match="distill.objective"):
         configs.validate(c)
@@ -343,3 +355,24 @@ def test_dmd_generator_images_depend_only_on_the_seed_and_generate_finds_its_sam
     b = np.asarray(sampling.sample_images(net, variables, np.array([4, 1]), **kw))
     np.testing.assert_array_equal(a[[4, 1]], b)
     assert a.std() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_post_hoc_ema_of_a_generator_is_sampled_as_the_generator(dmd_runs, tmp_path):
+    """A post-hoc EMA of a DMD run is a generator: `nets.net_sampler` and the post-hoc EMA
+    sweep give it the run's few-step sampler, and its image of a seed is the sampler's."""
+    from edm2_jax import nets
+    from edm2_jax.ema import posthoc, sweep
+    from edm2_jax.sampling import sampler as sampling
+    run = str(dmd_runs["full"])
+    out, = posthoc.reconstruct(run, [0.07], out_dir=str(tmp_path / "phema"), progress=False)
+    kw = nets.net_sampler(run)
+    assert nets.net_sampler(out) == kw and kw["sampler"] == "consistency"
+    assert sweep.sampler_kwargs(out) == kw
+    net, variables, _ = nets.load_net(out)
+    a = np.asarray(sampling.sample_images(net, variables, np.arange(3), **kw))
+    b = np.asarray(sampling.sample_images(net, variables, np.array([2]), **kw))
+    np.testing.assert_array_equal(a[[2]], b)
+    heun = np.asarray(sampling.sample_images(net, variables, np.array([2]), num_steps=2))
+    assert a.shape == (3, 8, 8, 1) and not np.array_equal(heun, b)
