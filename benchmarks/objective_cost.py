@@ -30,7 +30,6 @@ if __name__ == "__main__":  # first: the host allocator and CPU devices of edm2_
     process.setup_entry_point()
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
