@@ -376,3 +376,49 @@ def test_post_hoc_ema_of_a_generator_is_sampled_as_the_generator(dmd_runs, tmp_p
     np.testing.assert_array_equal(a[[2]], b)
     heun = np.asarray(sampling.sample_images(net, variables, np.array([2]), num_steps=2))
     assert a.shape == (3, 8, 8, 1) and not np.array_equal(heun, b)
+
+
+# Slow (~70 s on 2 cores): four steps compiled.
+@pytest.mark.slow
+@pytest.mark.ci
+def test_forward_passes_are_the_ratio_of_xla_flop_counts():
+    """`Objective.forward_passes` (the plan's model flops: passes x the forward pass's)
+    relative to the EDM2 step's 3 is the ratio of XLA's own flop counts of the compiled
+    steps (`cost_analysis`, the model's kernels on XLA:CPU): 6/3 for a consistency
+    student, (K + 7)/3 for a K-step generator. XLA counts a forward pass alone at 0.90 to
+    0.91 of the model's count (a forward and backward pass at 0.99 of 3: measured on
+    this network), so the ratios come out 1.91, 2.64 and 3.55 against 2, 2.67 and 3.67;
+    a count off by one pass moves them by a third or more. Bound: 10 %."""
+    from edm2_jax.training import sharding as shard_lib
+    from edm2_jax.training import state as state_lib
+    from edm2_jax.training import optim as optim_lib
+    from edm2_jax.training import step as step_lib
+    from tests.test_train import step_config
+    B = 64   # images enough that the per-image work outweighs the per-weight (Adam, EMAs)
+    config = step_config(batch_size=B)
+    config.backend.kernels = "xla"
+    net = state_lib.make_network(config)
+    tx = optim_lib.make_optimizer(config.optim, B)
+    mesh = shard_lib.make_mesh(1)
+    r, c, L = net.img_resolution, net.img_channels, net.label_dim
+    batch = {"image": jax.ShapeDtypeStruct((B, r, r, c), jnp.float32),
+             "label": jax.ShapeDtypeStruct((B, L), jnp.float32)}
+    flops, passes = {}, {}
+    for name, over in (("edm2", {}), ("consistency", dict(objective="consistency", steps=2)),
+                       ("dmd1", dict(objective="dmd", steps=1)),
+                       ("dmd4", dict(objective="dmd", steps=4))):
+        cfg = config.copy_and_resolve_references()
+        if over:
+            cfg.distill.update(teacher="(in the state)", teacher_steps=4, **over)
+        obj = objectives.from_config(cfg)
+        state = jax.eval_shape(lambda k: state_lib.init_train_state(cfg, net, tx, k,
+                                                                    objective=obj),
+                               jax.random.PRNGKey(0))
+        fn = step_lib.jit_train_step(step_lib.make_train_step(cfg, net, tx, 1, objective=obj), mesh)
+        cost = fn.lower(state, batch).compile().cost_analysis()
+        flops[name] = (cost[0] if isinstance(cost, list) else cost)["flops"]
+        passes[name] = obj.forward_passes
+    assert passes == {"edm2": 3, "consistency": 6, "dmd1": 8, "dmd4": 11}
+    for name in ("consistency", "dmd1", "dmd4"):
+        assert flops[name] / flops["edm2"] == pytest.approx(passes[name] / 3, rel=0.1), (
+            name, flops)

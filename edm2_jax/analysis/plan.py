@@ -9,8 +9,8 @@ mesh, shardings and micro-batches the run uses (`training.setup.setup_model`).
 Per device (a chip; on v4, whose libtpu topology has one device per TensorCore, half a
 chip): HBM is what the compiled program holds at its peak (`memory_analysis`: arguments,
 temporaries, outputs not aliased to a donated argument, code); the step's flops are the
-model's (every convolution and matmul of the forward jaxpr, x3 for forward and backward,
-times the images per device), whose time at the chip's peak is a lower bound on the
+model's (every convolution and matmul of the forward jaxpr, x the objective's forward
+passes: 3 for EDM2's, times the images per device), whose time at the chip's peak is a lower bound on the
 step's. XLA's own per-device count (`cost_analysis()['flops']`, printed beside it) agrees
 without FSDP: img64-xs on a v5e 2x2, 304 GFLOP at 1 image per chip against the model's
 270, 2,075 at 8 against 2,157 (elementwise work added, input gradients left out); with
@@ -370,7 +370,8 @@ def lower_step(config: ml_collections.ConfigDict, model: setup.Model) -> Any:
 def _compile_step(config: ml_collections.ConfigDict, model: setup.Model) -> Program:
     compiled, seconds = _compile(lower_step(config, model))
     images = int(config.batch_size) // model.mesh.size
-    return Program.of(compiled, seconds, 3 * forward_flops(model.net, 1) * images)
+    passes = model.start.objective.forward_passes   # 3 for EDM2: forward and backward
+    return Program.of(compiled, seconds, passes * forward_flops(model.net, 1) * images)
 
 
 def lower_sampler(model: setup.Model, objective: objectives.Objective, batch: int,

@@ -54,6 +54,9 @@ class Objective(Protocol):
         metadata (`'distill'`), or None.
       init_role, init_flag: what the network of `init_network` is to the run ('teacher')
         and the flag that names it, for messages; None without one.
+      forward_passes: the network's forward passes per training image that one step
+        computes, a backward pass counted as two (the EDM2 step's: 3); times the
+        forward pass's flops, the step's model flops (`analysis.plan`).
     """
 
     name: str
@@ -63,6 +66,7 @@ class Objective(Protocol):
     metadata_key: str | None
     init_role: str | None
     init_flag: str | None
+    forward_passes: int
 
     def check(self) -> None:
         """Raise ValueError naming the flag when the objective's settings are not valid."""

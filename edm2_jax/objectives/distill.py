@@ -159,6 +159,9 @@ class ConsistencyDistillation:
     num_draws = 1
     metadata_key = "distill"
     init_role, init_flag = "teacher", "--config.distill.teacher"
+    # The teacher's Heun step (2), the stopped student at x_r (1; computed for every
+    # image, used where r > s), the student's forward and backward pass (3).
+    forward_passes = 6
 
     def __init__(self, distill: Any, sigma_data: float = 0.5):
         self.distill, self.sigma_data = distill, float(sigma_data)

@@ -242,6 +242,13 @@ class DistributionMatching:
                                  float(optim.get("beta1", 0.9)), float(optim.get("beta2", 0.99)),
                                  float(optim.get("eps", 1e-8)))
 
+    @property
+    def forward_passes(self) -> int:
+        """The generator's `K - 1` stopped steps (computed for every image, masked) and
+        its forward and backward pass (3), the real and the fake denoiser at `x_t` (2),
+        the fake's forward and backward pass (3): `K + 7`."""
+        return int(self.distill["steps"]) + 7
+
     def check(self) -> None:
         """Raise ValueError naming the flag when the sampler's grid is not one or the
         fake denoiser's learning rate is not positive."""

@@ -23,6 +23,7 @@ class EDM2:
     num_draws = 1
     metadata_key = None
     init_role = init_flag = None
+    forward_passes = 3   # the network's forward and backward pass
 
     def __init__(self, loss_config: Any):
         self.loss_config = loss_config
