@@ -35,11 +35,18 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 
-def _line(name: str, compiled, seconds: float) -> dict:
+def memory_gib(compiled) -> dict:
+    """`compiled.memory_analysis()` in GiB: temp, argument, output, alias, and the peak
+    they give (arguments + temp + outputs - aliased)."""
     m = compiled.memory_analysis()
     gib = {k: getattr(m, f"{k}_size_in_bytes") / 2**30
            for k in ("temp", "argument", "output", "alias")}
     gib["peak"] = gib["argument"] + gib["temp"] + gib["output"] - gib["alias"]
+    return gib
+
+
+def _line(name: str, compiled, seconds: float) -> dict:
+    gib = memory_gib(compiled)
     print(f"{name}: temp {gib['temp']:.2f} GiB, arguments {gib['argument']:.2f} GiB, outputs "
           f"{gib['output']:.2f} GiB, aliased {gib['alias']:.2f} GiB -> about {gib['peak']:.2f} "
           f"GiB at peak (compiled in {seconds:.0f} s)", flush=True)

@@ -35,6 +35,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from gpu_table import build_config  # noqa: E402
+from memory import memory_gib  # noqa: E402
 from train_throughput import load_config, random_train_state  # noqa: E402
 
 from edm2_jax import objectives  # noqa: E402
@@ -109,11 +110,8 @@ def memory(config, spec: str) -> dict:
     """`memory_analysis()` of the objective's compiled step, GiB."""
     fn, state, batch = objective_step(config, spec, abstract=True)
     t = time.perf_counter()
-    m = fn.lower(state, batch).compile().memory_analysis()
-    gib = {k: getattr(m, f"{k}_size_in_bytes") / 2**30
-           for k in ("temp", "argument", "output", "alias")}
-    gib["peak"] = gib["argument"] + gib["temp"] + gib["output"] - gib["alias"]
-    gib["compile_s"] = time.perf_counter() - t
+    compiled = fn.lower(state, batch).compile()
+    gib = {**memory_gib(compiled), "compile_s": time.perf_counter() - t}
     return gib
 
 

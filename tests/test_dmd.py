@@ -209,8 +209,8 @@ def test_from_config_picks_the_objective_and_its_sampler():
 
 def test_dmd_configs_validate_and_a_bad_objective_is_named():
     """configs/distill.py:dmd, :dmd-tiny and :dmd-img64-s are valid DMD configs (a 1-step
-    generator from sigma 2.5); an unknown variant is named; an unknown `distill.objective` or a fake learning rate of 0 is refused
-    naming the flag."""
+    generator from sigma 2.5); an unknown variant is named; an unknown `distill.objective`
+    or a fake learning rate of 0 is refused naming the flag."""
     from edm2_jax import configs
     from tests.test_train import _config_file
     for variant, kimg in (("dmd", 32), ("dmd-tiny", 0.256)):

@@ -10,7 +10,7 @@ Per device (a chip; on v4, whose libtpu topology has one device per TensorCore, 
 chip): HBM is what the compiled program holds at its peak (`memory_analysis`: arguments,
 temporaries, outputs not aliased to a donated argument, code); the step's flops are the
 model's (every convolution and matmul of the forward jaxpr, x the objective's forward
-passes: 3 for EDM2's, times the images per device), whose time at the chip's peak is a lower bound on the
+passes, 3 for EDM2's, x the images per device), whose time at the chip's peak bounds the
 step's. XLA's own per-device count (`cost_analysis()['flops']`, printed beside it) agrees
 without FSDP: img64-xs on a v5e 2x2, 304 GFLOP at 1 image per chip against the model's
 270, 2,075 at 8 against 2,157 (elementwise work added, input gradients left out); with
