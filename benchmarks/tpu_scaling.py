@@ -4,13 +4,13 @@ rent, from XLA's TPU compiler on this machine (libtpu; `edm2_jax/analysis/plan.p
     python benchmarks/tpu_scaling.py > table.md                      # array sizes only: seconds
     python benchmarks/tpu_scaling.py --compile=img512-xxl:v5p-64:1:8 # one compiled row
 
-Without `--compile`, for each preset (img64 xs-xl, img512 xxs-xxl) and chip (v5e, v6e,
-v4, v5p): the parameters, the model flops per training image (3 x the forward pass's
-convolutions and matmuls), the train state (params, Adam moments, the two power EMAs)
-per chip unsplit, and the smallest slice of 8 or more chips (16 to 256) with the smallest
-`mesh.fsdp` that leaves the state at most half a chip's HBM (the rest is for activations,
-which only a compile tells), with that slice's flops-bound img/s at the chip's bf16 peak
-(a lower bound on the time, an upper bound on img/s).
+Without `--compile`, for each preset (img64 xs-xl, img512 xxs-xxl) and chip (v5e, v6e, v4,
+v5p): the parameters, the model flops per training image (`Objective.forward_passes`, 3 for
+the EDM2 step, x the forward pass's convolutions and matmuls), the train state (params, Adam
+moments, the two power EMAs) per chip unsplit, and the smallest slice of 8 or more chips (16
+to 256) with the smallest `mesh.fsdp` that leaves the state at most half a chip's HBM (the
+rest is for activations, which only a compile tells), with that slice's flops-bound img/s at
+the chip's bf16 peak (a lower bound on the time, an upper bound on img/s).
 
 `--compile=PRESET:SLICE:FSDP:BATCH_PER_DEVICE` compiles one run's step (no sampler) and
 prints its row: HBM per chip of the compiled step and the compile time here. Real presets
@@ -43,6 +43,7 @@ def preset_config(name: str):
 def sizes_row(name: str) -> str:
     """The array-size row of preset `name` (module docstring)."""
     import jax
+    from edm2_jax import objectives
     from edm2_jax.analysis import plan, tpu_slices
     from edm2_jax.model.networks import count_params
     from edm2_jax.training import optim, state as state_lib
@@ -51,7 +52,7 @@ def sizes_row(name: str) -> str:
     tx = optim.make_optimizer(config.optim, 2048)
     abstract = jax.eval_shape(lambda r: state_lib.init_train_state(config, net, tx, r),
                               jax.random.PRNGKey(0))
-    per_image = 3 * plan.forward_flops(net, 1)
+    per_image = objectives.from_config(config).forward_passes * plan.forward_flops(net, 1)
     cells = [name, f"{count_params(net) / 1e6:.0f}", f"{per_image / 1e9:.0f}",
              f"{plan.state_bytes(abstract, 1) / 2**30:.1f}"]
     for generation in ("v5e", "v6e", "v4", "v5p"):
