@@ -32,7 +32,8 @@ LAYERS = (
     ("edm2_jax.ema",),                                      # power EMA, post-hoc EMA and its sweep
     ("edm2_jax.configs",),                                  # ml_collections configs, presets
     ("edm2_jax.training",),                                 # train state, step, loop
-    ("edm2_jax.analysis",),                                 # training-dynamics analysis, 2D toy
+    ("edm2_jax.toy",),                                      # the 2D toy of the paper's ideas
+    ("edm2_jax.analysis",),                                 # training-dynamics analysis, TPU plan
     ("edm2_jax.modes",),                                    # command-line modes (flags + orchestration)
     ("edm2_jax.process", "edm2_jax.main", "edm2_jax"),      # entry points and process setup
 )

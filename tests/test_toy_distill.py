@@ -1,4 +1,4 @@
-"""The 2D toy distilled into few steps (edm2_jax/analysis/toy_distill.py): multistep
+"""The 2D toy distilled into few steps (edm2_jax/toy/distill.py): multistep
 consistency distillation (Heek et al. 2024, arXiv:2403.06807) of the toy's denoiser into
 1, 2, 4 and 8-step students, on the tiny setting (`DistillSettings.tiny`), run once
 through the CLI."""
@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from edm2_jax.analysis import toy_distill
+from edm2_jax.toy import distill as toy_distill
 
 # Slow: every test reads the one tiny distillation run (~45 s on 2 cores).
 pytestmark = [pytest.mark.slow, pytest.mark.ci]
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ci]
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """`python -m edm2_jax.analysis.toy_distill --out=... --tiny`: the teacher trained,
+    """`python -m edm2_jax.toy.distill --out=... --tiny`: the teacher trained,
     four students distilled, nine sample sets measured, the figure drawn."""
     out = str(tmp_path_factory.mktemp("toy_distill"))
     return toy_distill.main([f"--out={out}", "--tiny"])
@@ -111,7 +111,7 @@ def test_students_and_their_points_depend_only_on_the_seed(tiny_run):
 
 
 def test_distribution_matching_generators_beat_the_teachers_ddim(tiny_run):
-    # Distribution matching (toy_dmd, DMD2 without its GAN head) trains each generator to
+    # Distribution matching (toy.dmd, DMD2 without its GAN head) trains each generator to
     # sample the class's density, not the teacher's ODE map: in 1 evaluation its points
     # lie on the branches and cover them where the teacher's DDIM averages them onto the
     # trunk (at 1024 steps, seed 0: on branches 0.71 against 0.002, coverage 0.95 against

@@ -1,7 +1,6 @@
 """Analysis: the training dynamics of runs (plots and comparisons of the diagnostics the
-training loop logs, `diagnostics.py`; Sec. 2, Figures 2-3), the 2D toy of
-autoguidance (`toy.py`), and a run's plan on a TPU slice compiled without one (`plan.py`,
-`tpu_slices.py`).
+training loop logs, `diagnostics.py`; Sec. 2, Figures 2-3), and a run's plan on a TPU
+slice compiled without one (`plan.py`, `tpu_slices.py`).
 
 May import every subpackage below it (model, data, run, release, sampling, evaluation,
 ema, configs, training); never `modes` or the entry points.

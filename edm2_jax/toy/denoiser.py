@@ -7,7 +7,7 @@
 
 `train_denoiser`: Adam, the inverse-sqrt learning rate of `training.optim.learning_rate`,
 forced weight normalisation, a power EMA (docs/recipe.md §4, §5), regressing the ideal
-denoiser of `toy_data` (no sampling noise in the target: the toy trains in seconds).
+denoiser of `data` (no sampling noise in the target: the toy trains in seconds).
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from edm2_jax.analysis.toy_data import Mixture, broadcast_sigma, ideal_denoiser, sample_mixture
 from edm2_jax.ema import power as ema_lib
 from edm2_jax.model import mp
 from edm2_jax.model import networks
+from edm2_jax.toy.data import Mixture, broadcast_sigma, ideal_denoiser, sample_mixture
 from edm2_jax.training import optim
 
 Array = jax.Array
@@ -45,7 +45,7 @@ class ToyDenoiser(nn.Module):
 
     Call: `x [B, 2]`, `sigma` scalar or `[B]` (> 0), `labels [B, label_dim]` one-hot or
     None (zeros: the unconditional slot) -> `D [B, 2]` float32. Same signature as
-    `Precond`, so `sampling.make_denoiser` guides it.
+    `Precond`, so `sampling.guidance.make_denoiser` guides it.
     """
 
     label_dim: int = 0

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from edm2_jax.analysis.toy_data import ideal_denoiser, log_prob
-from edm2_jax.sampling import sampler as sampling
+from edm2_jax.sampling import guidance as guidance_lib
+from edm2_jax.toy.data import ideal_denoiser, log_prob
 
 
 def plot_guidance(result: dict, path: str | None = None, guidance: float = 3.0,
@@ -40,7 +40,7 @@ def plot_guidance(result: dict, path: str | None = None, guidance: float = 3.0,
     net, variables = nets["main"]
 
     def field(guide):
-        denoise = jax.jit(sampling.make_denoiser(net, variables, *(guide or (None, None)),
+        denoise = jax.jit(guidance_lib.make_denoiser(net, variables, *(guide or (None, None)),
                                                  guidance if guide else 1.0))
         return (np.asarray(denoise(apts, sigma_field, labels)) - apts) / sigma_field**2
 

@@ -6,27 +6,26 @@ denoiser guided by an unconditional model (classifier-free guidance, CFG) pushes
 away from the other class and collapses them onto a few outer tips, while a denoiser
 guided by a smaller, shorter-trained version of itself (autoguidance) pulls the samples
 that the main model smears between branches back onto the branches and keeps their
-variety. The guided denoiser is `D_w = D_g + w (D - D_g)` (Eq. 1), `sampling.make_denoiser`.
+variety. The guided denoiser is `D_w = D_g + w (D - D_g)` (Eq. 1), `guidance_lib.make_denoiser`.
 CFG is also sampled with a guidance interval (Kynkaeaenniemi et al. 2024, arXiv:2404.07724):
 guided only on the sampler steps with `sigma_lo < t_i <= sigma_hi`, unguided on the others.
 
-In data-flow order:
-- `toy_data`: the data, two classes of binary trees, each branch a chain of elongated
+In data-flow order (the modules of `edm2_jax.toy`):
+- `data`: the data, two classes of binary trees, each branch a chain of elongated
   Gaussians (`tree_mixture`), with its exact noisy density `log_prob(x; sigma)` and
   ideal denoiser `ideal_denoiser(x; sigma) = x + sigma^2 grad log p_sigma(x)`.
-- `toy_denoiser`: `ToyDenoiser`, a magnitude-preserving MLP in EDM preconditioning, and
+- `denoiser`: `ToyDenoiser`, a magnitude-preserving MLP in EDM preconditioning, and
   `train_denoiser` (Adam, inverse-sqrt decay, forced weight normalisation, power EMA).
 - here: `sample_points`, `sample_metrics`: the EDM Heun sampler on points; on-manifold
   fraction, coverage and mean log-likelihood under the true class density; `run`: all
   of it (the CLI and `colabs/toy_2d.ipynb` call this); `interval_sweep`: CFG over a grid
   of guidance intervals, and the one `ToySettings.guidance_interval` was chosen by.
-- `toy_plot`: `plot_guidance`, samples and score fields of unguided / CFG / autoguidance
+- `plot`: `plot_guidance`, samples and score fields of unguided / CFG / autoguidance
   / CFG with the guidance interval.
-The names of `toy_data`, `toy_denoiser` and `toy_plot` are re-exported here.
 
-    python -m edm2_jax.analysis.toy --out=toy_out          # 73 s of CPU time (2 cores: 2 min)
-    python -m edm2_jax.analysis.toy --out=/tmp/toy --tiny  # about a third of that, for tests
-    python -m edm2_jax.analysis.toy --out=/tmp/toy --tiny --interval_sweep   # + 25 intervals
+    python -m edm2_jax.toy.autoguidance --out=toy_out         # 73 s of CPU time (2 cores: 2 min)
+    python -m edm2_jax.toy.autoguidance --out=/tmp/toy --tiny # about a third of that, for tests
+    python -m edm2_jax.toy.autoguidance --out=/tmp/toy --tiny --interval_sweep  # + 25 intervals
 """
 from __future__ import annotations
 
@@ -43,18 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from edm2_jax.analysis.toy_data import (CLASS_ANGLES, Mixture, distance_to_branches,
-                                        ideal_denoiser, log_prob, sample_mixture, tree_mixture)
-from edm2_jax.analysis.toy_denoiser import (ToyDenoiser, TrainSettings, denoiser_loss,
-                                            eval_loss, init_denoiser, train_denoiser)
-from edm2_jax.analysis.toy_plot import plot_guidance
-from edm2_jax.sampling import sampler as sampling
-
-__all__ = ["CLASS_ANGLES", "Mixture", "ToyDenoiser", "ToySettings", "TrainSettings",
-           "denoiser_loss", "distance_to_branches", "eval_loss", "ideal_denoiser",
-           "init_denoiser", "interval_sweep", "log_prob", "main", "plot_guidance", "run",
-           "sample_metrics", "sample_mixture", "sample_points", "train_denoiser",
-           "tree_mixture"]
+from edm2_jax.sampling import guidance as guidance_lib
+from edm2_jax.sampling import solvers
+from edm2_jax.toy.data import Mixture, distance_to_branches, log_prob, sample_mixture, tree_mixture
+from edm2_jax.toy.denoiser import ToyDenoiser, TrainSettings, train_denoiser
+from edm2_jax.toy.plot import plot_guidance
 
 
 # ---------------------------------------------------------------------------------------
@@ -64,23 +56,23 @@ __all__ = ["CLASS_ANGLES", "Mixture", "ToyDenoiser", "ToySettings", "TrainSettin
                                              "guidance_interval"))
 def _sample(net, variables, guide_net, guide_variables, guidance, noise, labels, num_steps,
             sigma_max, guidance_interval=None):
-    denoise = sampling.make_denoiser(net, variables, guide_net, guide_variables,
+    denoise = guidance_lib.make_denoiser(net, variables, guide_net, guide_variables,
                                      1.0 if guide_net is None else guidance, guidance_interval)
-    return sampling.edm_sampler(denoise, noise, labels, num_steps=num_steps, sigma_max=sigma_max)
+    return solvers.edm_sampler(denoise, noise, labels, num_steps=num_steps, sigma_max=sigma_max)
 
 
 def sample_points(net: ToyDenoiser, variables: dict, n: int, cls: int | None = 0, *,
                   guide: tuple[ToyDenoiser, dict] | None = None, guidance: float = 1.0,
                   seed: int = 1, num_steps: int = 32, sigma_max: float = 5.0,
                   guidance_interval: tuple[float, float] | None = None) -> np.ndarray:
-    """`n` points from the EDM Heun sampler (`sampling.edm_sampler`) with the guided
-    denoiser `D_g + w (D - D_g)` (`sampling.make_denoiser`; `guide=None` or `w = 1`:
+    """`n` points from the EDM Heun sampler (`solvers.edm_sampler`) with the guided
+    denoiser `D_g + w (D - D_g)` (`guidance_lib.make_denoiser`; `guide=None` or `w = 1`:
     unguided). The guide gets the labels only if it is conditional (autoguidance); an
     unconditional guide gives CFG. `guidance_interval=(sigma_lo, sigma_hi)`: guided only
-    on the steps with `sigma_lo < t_i <= sigma_hi` (`sampling.guided_steps`).
+    on the steps with `sigma_lo < t_i <= sigma_hi` (`guidance_lib.guided_steps`).
     Returns `[n, 2]` float32 (NumPy).
     Raises: ValueError on a bad interval, or one without a guide or at `w = 1`."""
-    interval = sampling.check_guidance_interval(guidance_interval)
+    interval = guidance_lib.check_guidance_interval(guidance_interval)
     if interval is not None and (guide is None or guidance == 1):
         raise ValueError(f"guidance_interval={interval} needs a guide and guidance != 1")
     noise = jax.random.normal(jax.random.PRNGKey(seed), (n, 2))
@@ -235,7 +227,7 @@ def interval_sweep(result: dict, settings: ToySettings, seed: int = 0,
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m edm2_jax.analysis.toy",
+    parser = argparse.ArgumentParser(prog="python -m edm2_jax.toy.autoguidance",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory for toy_2d.png and metrics.json")
     parser.add_argument("--tiny", action="store_true", help="seconds-long settings (tests, CI)")
@@ -259,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         except ValueError:
             parser.error(f"--guidance_interval={args.guidance_interval}: give LO,HI, e.g. 0,0.02")
         try:
-            sampling.check_guidance_interval((lo, hi))
+            guidance_lib.check_guidance_interval((lo, hi))
         except ValueError as e:
             parser.error(str(e))
         settings = dataclasses.replace(settings, guidance_interval=(lo, hi))

@@ -1,10 +1,10 @@
 """The 2D toy's denoiser distilled by distribution matching (DMD2 without its GAN head,
 `objectives.dmd`; docs/toy_2d.md, "Distilled into few steps"), beside the consistency
-students of `toy_distill`.
+students of `toy.distill`.
 
-The teacher is `toy_distill`'s (the toy's conditional main denoiser). A `K`-step
+The teacher is `toy.distill`'s (the toy's conditional main denoiser). A `K`-step
 generator and its fake denoiser are both copies of it, initialised from its weights and
-trained together with one Adam (`toy_denoiser.optimizer`: per-weight, so each network's
+trained together with one Adam (`denoiser.optimizer`: per-weight, so each network's
 updates are its own; forced weight normalisation; the generator's returned weights a
 power EMA) on
 
@@ -13,9 +13,9 @@ power EMA) on
     loss_G   = dm_loss(x0, dm_gradient(sg x0, D_teacher(x_t), sg D_fake(x_t)))
     loss_F   = lambda(t_f) |D_fake(sg(x0) + t_f n_f; t_f) - sg(x0)|^2
 
-(`toy_denoiser.denoiser_loss`'s weight: the toy's net has no learned uncertainty), the
+(`denoiser.denoiser_loss`'s weight: the toy's net has no learned uncertainty), the
 class labels drawn from the mixture. Its points are sampled with the few-step sampler of
-the consistency students (`toy_distill.consistency_points`) on the same grid.
+the consistency students (`toy.distill.consistency_points`) on the same grid.
 """
 from __future__ import annotations
 
@@ -28,15 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from edm2_jax.analysis.toy_data import Mixture, sample_mixture
-from edm2_jax.analysis.toy_denoiser import ToyDenoiser, optimizer, optimizer_steps
 from edm2_jax.ema import power as ema_lib
 from edm2_jax.model import mp
 from edm2_jax.objectives import dmd
 from edm2_jax.objectives.distill import grid_index
+from edm2_jax.toy.data import Mixture, sample_mixture
+from edm2_jax.toy.denoiser import ToyDenoiser, optimizer, optimizer_steps
 
 Array = jax.Array
-# The noise levels of `dm_sigma` on the toy: its sampler's range (`toy_distill`'s grid).
+# The noise levels of `dm_sigma` on the toy: its sampler's range (`toy.distill`'s grid).
 TOY_DM_SCHEDULE = dict(sigma_min=0.002, sigma_max=5.0, rho=7.0)
 
 
@@ -108,7 +108,7 @@ def _dmd_chunk(net, settings, steps, grid_items, mix, teacher_params, carry, rng
 
 
 def _optimizer(settings: DMDSettings) -> optax.GradientTransformation:
-    """The generator's `toy_denoiser.optimizer`, the fake's Adam at `fake_lr`."""
+    """The generator's `denoiser.optimizer`, the fake's Adam at `fake_lr`."""
     fake = optax.adam(settings.fake_lr, b1=0.9, b2=0.99, eps=1e-8)
     return optax.multi_transform({"gen": optimizer(settings), "fake": fake},
                                  {"gen": "gen", "fake": "fake"})

@@ -5,9 +5,9 @@ Multistep consistency distillation (Heek, Hoogeboom & Salimans 2024, arXiv:2403.
 Alg. 1; `K = 1` is the consistency distillation of Song et al. 2023, arXiv:2303.01469,
 Eq. 7) in EDM's sigma parametrisation, with the pieces of `objectives.distill` and the
 sampler of `sampling.consistency`. The teacher is the toy's conditional main denoiser
-(`toy.run`'s 'main': same net, training and seed); each student is a copy of it,
+(`autoguidance.run`'s 'main': same net, training and seed); each student is a copy of it,
 initialised from its weights and trained with Adam (inverse-sqrt decay, forced weight
-normalisation, power EMA, as `toy_denoiser.train_denoiser`) on
+normalisation, power EMA, as `denoiser.train_denoiser`) on
 
     t, r, s  = consistency_draws(z)          grid point, the teacher's next one, segment end
     x_t      = y + t n                       y ~ the class's mixture, n ~ N(0, I)
@@ -16,19 +16,19 @@ normalisation, power EMA, as `toy_denoiser.train_denoiser`) on
     loss     = lambda(t) |D_student(x_t; t) - x0_hat*|^2,   lambda(t) = (t^2 + sigma_data^2)
                                                                         / (t sigma_data)^2
 
-(`toy_denoiser.denoiser_loss`'s weight: the toy's net has no learned uncertainty). The
+(`denoiser.denoiser_loss`'s weight: the toy's net has no learned uncertainty). The
 grid is the teacher's sampler: `num_steps` Heun steps from `sigma_max = 5` to
 `sigma_min = 0.002`, `rho = 7`. Class-0 samples of each student with
-`consistency_sampler` at `K` evaluations are measured (`toy.sample_metrics`: on-branch
+`consistency_sampler` at `K` evaluations are measured (`autoguidance.sample_metrics`: on-branch
 fraction, coverage, mean log-likelihood under the true density) against the teacher's
 Heun sampler (`2 num_steps - 1` evaluations) and the teacher under the same `K`-step
 sampler (DDIM on the same segments), all from the same noise, and by the distance of each
 point to the teacher's Heun point from that noise (what distillation drives to 0).
-Beside them, 1, 2 and 4-step generators distilled by distribution matching (`toy_dmd`,
+Beside them, 1, 2 and 4-step generators distilled by distribution matching (`toy.dmd`,
 DMD2 without its GAN head), sampled with the same few-step sampler from the same noise.
 
-    python -m edm2_jax.analysis.toy_distill --out=toy_distill_out  # 137 s of CPU time
-    python -m edm2_jax.analysis.toy_distill --out=/tmp/td --tiny    # 45 s, for tests
+    python -m edm2_jax.toy.distill --out=toy_distill_out  # 137 s of CPU time
+    python -m edm2_jax.toy.distill --out=/tmp/td --tiny    # 45 s, for tests
 """
 from __future__ import annotations
 
@@ -44,21 +44,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from edm2_jax.analysis.toy import ToySettings, sample_metrics, sample_points
-from edm2_jax.analysis.toy_data import Mixture, log_prob, sample_mixture, tree_mixture
-from edm2_jax.analysis.toy_dmd import DMDSettings, train_generator
-from edm2_jax.analysis.toy_denoiser import (ToyDenoiser, optimizer, optimizer_steps,
-                                            train_denoiser)
 from edm2_jax.ema import power as ema_lib
 from edm2_jax.model import mp
-from edm2_jax.sampling import consistency
-from edm2_jax.sampling import sampler as sampling
 from edm2_jax.objectives import distill
-from edm2_jax.sampling import heun
+from edm2_jax.sampling import consistency, heun
+from edm2_jax.sampling import guidance as guidance_lib
+from edm2_jax.toy.autoguidance import ToySettings, sample_metrics, sample_points
+from edm2_jax.toy.data import Mixture, log_prob, sample_mixture, tree_mixture
+from edm2_jax.toy.denoiser import ToyDenoiser, optimizer, optimizer_steps, train_denoiser
+from edm2_jax.toy.dmd import DMDSettings, train_generator
 
 Array = jax.Array
 
-# The toy's sampler grid (`toy.sample_points`: `edm_sampler` from sigma_max = 5 with its
+# The toy's sampler grid (`autoguidance.sample_points`: `edm_sampler` from sigma_max = 5 with its
 # defaults sigma_min = 0.002, rho = 7), which the students are distilled on.
 SIGMA_MIN, SIGMA_MAX, RHO = 0.002, 5.0, 7.0
 
@@ -92,7 +90,7 @@ class DistillSettings:
 
 def train_teacher(mix: Mixture, settings: ToySettings, seed: int = 0
                   ) -> tuple[ToyDenoiser, dict, np.ndarray]:
-    """The toy's main denoiser as `toy.run` trains it (conditional, `settings.hidden`
+    """The toy's main denoiser as `autoguidance.run` trains it (conditional, `settings.hidden`
     wide, `settings.num_blocks` blocks, `settings.main` training, seed `seed`): `(net,
     variables, losses [steps])`."""
     net = ToyDenoiser(label_dim=2, hidden=settings.hidden, num_blocks=settings.num_blocks)
@@ -151,7 +149,7 @@ def distill_students(net: ToyDenoiser, teacher: dict, mix: Mixture,
     """Distil the teacher (`net` with `teacher`'s `{'params', 'buffers'}`) into a `K`-step
     student for each `K` in `settings.students`: the same net initialised from the
     teacher's weights, trained on `distill_losses` for `steps` (default `settings.steps`)
-    Adam steps (`toy_denoiser.optimizer`; forced weight normalisation before each step;
+    Adam steps (`denoiser.optimizer`; forced weight normalisation before each step;
     power EMA).
     The students train side by side on shared draws, so the teacher is evaluated once
     per draw for all of them; each one's updates are those of its own loss.
@@ -187,7 +185,7 @@ def distill_students(net: ToyDenoiser, teacher: dict, mix: Mixture,
 @functools.partial(jax.jit, static_argnames=("net", "num_steps", "teacher_steps"))
 def _consistency_sample(net, variables, noise, labels, num_steps, teacher_steps):
     return consistency.consistency_sampler(
-        sampling.make_denoiser(net, variables), noise, labels, num_steps=num_steps,
+        guidance_lib.make_denoiser(net, variables), noise, labels, num_steps=num_steps,
         teacher_steps=teacher_steps, sigma_min=SIGMA_MIN, sigma_max=SIGMA_MAX, rho=RHO)
 
 
@@ -195,7 +193,7 @@ def consistency_points(net: ToyDenoiser, variables: dict, n: int, cls: int = 0, 
                        num_steps: int, teacher_steps: int, seed: int = 1) -> np.ndarray:
     """`n` points of class `cls` from `consistency.consistency_sampler` at `num_steps`
     evaluations on the grid of `teacher_steps` (a student's few-step sampler; for the
-    teacher, DDIM over the same segments), from the noise of `toy.sample_points` at the
+    teacher, DDIM over the same segments), from the noise of `autoguidance.sample_points` at the
     same `seed`. Returns `[n, 2]` float32 (NumPy)."""
     noise = jax.random.normal(jax.random.PRNGKey(seed), (n, 2))
     labels = jax.nn.one_hot(jnp.full((n,), cls), net.label_dim)
@@ -207,7 +205,7 @@ def run(out: str | None = None, settings: DistillSettings = DistillSettings(),
         seed: int = 0, verbose: bool = True) -> dict:
     """Train the teacher, distil a student per `K` in `settings.students`, sample class 0
     with the teacher's Heun sampler, the teacher's `K`-step DDIM and each `K`-step
-    student (noise seed `seed + 1`, as `toy.run`), measure them (`toy.sample_metrics`)
+    student (noise seed `seed + 1`, as `autoguidance.run`), measure them (`autoguidance.sample_metrics`)
     and, with `out`, write `out/toy_2d_distill.png` (`plot_distill`), `out/metrics.json`
     and `out/samples.npz`.
 
@@ -216,7 +214,7 @@ def run(out: str | None = None, settings: DistillSettings = DistillSettings(),
     2]}, 'samples': {name: [n, 2]}, 'metrics': {name: dict}, 'to_heun': {name: float},
     'evaluations': {name: int}, 'train_s': {'teacher' | 'students' | 'dmd': s}, 'plot'}`;
     the sample names are 'data', 'heun', 'ddim_K', 'student_K' and 'dmd_K' (the
-    distribution-matching generators of `settings.dmd`, `toy_dmd`). `to_heun`: for the few-step samples, the mean distance from each point
+    distribution-matching generators of `settings.dmd`, `toy.dmd`). `to_heun`: for the few-step samples, the mean distance from each point
     to the teacher's Heun point from the same noise (0 for a student that reproduces the
     teacher's ODE map, which distillation aims at).
     """
@@ -241,7 +239,7 @@ def run(out: str | None = None, settings: DistillSettings = DistillSettings(),
     t0 = time.perf_counter()
     grid = dict(teacher_steps=N, sigma_min=SIGMA_MIN, sigma_max=SIGMA_MAX, rho=RHO)
     generators = {}
-    for K in settings.dmd.students:   # distribution matching (toy_dmd), the same grid
+    for K in settings.dmd.students:   # distribution matching (toy.dmd), the same grid
         generators[K], losses[f"dmd_{K}"] = train_generator(net, teacher, mix, K, grid,
                                                             settings.dmd, seed=seed + 200 + K)
     train_s["dmd"] = time.perf_counter() - t0
@@ -293,9 +291,9 @@ def run(out: str | None = None, settings: DistillSettings = DistillSettings(),
 def plot_distill(result: dict, path: str | None = None,
                  center: tuple[float, float] = (0.45, 0.45), view: float = 0.95) -> Any:
     """Class-0 samples over the true class-0 density (shaded) and class 1 (grey), as
-    `toy_plot.plot_guidance`: top row the teacher's Heun sampler, then its `K`-step DDIM
+    `plot.plot_guidance`: top row the teacher's Heun sampler, then its `K`-step DDIM
     for each `K`; bottom row the data, then the `K`-step students below their teacher's
-    DDIM (`K` steps: `K` evaluations). Each title gives `toy.sample_metrics`. Saves a PNG at
+    DDIM (`K` steps: `K` evaluations). Each title gives `autoguidance.sample_metrics`. Saves a PNG at
     `path` if given; returns the matplotlib figure."""
     import matplotlib.pyplot as plt
 
@@ -340,7 +338,7 @@ def plot_distill(result: dict, path: str | None = None,
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m edm2_jax.analysis.toy_distill",
+    parser = argparse.ArgumentParser(prog="python -m edm2_jax.toy.distill",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True,
                         help="directory for toy_2d_distill.png, metrics.json, samples.npz")
