@@ -12,7 +12,7 @@ Fashion-MNIST batches (`data.make_iterator`; a fixed synthetic set where the dat
 installed); the same state rng gives every run the same noise levels and noise:
 
   f32      `network.dtype = float32`;
-  bf16     `network.dtype = bfloat16` (the policy of `edm2_jax/model/precision.py`);
+  bf16     `network.dtype = bfloat16` (the policy of `edm2_jax/analysis/precision.py`);
   control  float32, its initial U-Net weights rounded to bfloat16 as the bf16 network
            rounds them (every layer outside `precision.FLOAT32_LAYERS`): one perturbation
            of relative size up to u, then exact float32.
@@ -96,7 +96,7 @@ from train_throughput import load_config  # noqa: E402
 
 from edm2_jax import data  # noqa: E402
 from edm2_jax.model import loss as loss_lib  # noqa: E402
-from edm2_jax.model import precision  # noqa: E402
+from edm2_jax.analysis import precision  # noqa: E402
 from edm2_jax.model.mp import force_normalize  # noqa: E402
 from edm2_jax.model.networks import precond_coefficients  # noqa: E402
 from edm2_jax.sampling import sampler as sampler_lib  # noqa: E402

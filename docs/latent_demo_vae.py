@@ -6,7 +6,7 @@
 import json, os, sys
 import jax, jax.numpy as jnp, numpy as np
 from safetensors.numpy import save_file
-from edm2_jax.model import vae as V
+from edm2_jax.encoders import vae as V
 cfg = V.VAEConfig(block_out_channels=(32, 64, 128, 128), layers_per_block=2, norm_num_groups=32)
 params = V.AutoencoderKL(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 3)))["params"]
 sd = {}

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 
 from edm2_jax import objectives, paths
-from edm2_jax.model import vae as vae_lib
+from edm2_jax.encoders import vae as vae_lib
 from edm2_jax.model.networks import Precond, precond_from_config
 from edm2_jax.run import checkpoints, layout, records, snapshots
 from edm2_jax.run import network_dir as ckpt_lib

@@ -20,7 +20,8 @@ PACKAGE = ROOT / "edm2_jax"
 # first prefix that matches a module name gives its layer.
 LAYERS = (
     ("edm2_jax.paths",),                                    # storage paths (local, gs://)
-    ("edm2_jax.model",),                                    # the paper's math: MP layers, U-Net, loss, VAE
+    ("edm2_jax.model",),                                    # the paper's math: MP layers, U-Net, loss
+    ("edm2_jax.encoders",),                                 # SD VAE, PyTorch weight files
     ("edm2_jax.backends",),                                 # hardware kernels the model receives
     ("edm2_jax.data",),                                     # sources and the batch pipeline
     ("edm2_jax.run",),                                      # run directory: files, lock, checkpoints, stats
@@ -33,12 +34,12 @@ LAYERS = (
     ("edm2_jax.configs",),                                  # ml_collections configs, presets
     ("edm2_jax.training",),                                 # train state, step, loop
     ("edm2_jax.toy",),                                      # the 2D toy of the paper's ideas
-    ("edm2_jax.analysis",),                                 # training-dynamics analysis, TPU plan
+    ("edm2_jax.analysis",),                                 # dynamics, precision audit, TPU plan
     ("edm2_jax.modes",),                                    # command-line modes (flags + orchestration)
     ("edm2_jax.process", "edm2_jax.main", "edm2_jax"),      # entry points and process setup
 )
 # Third-party network definitions (ported layer by layer) may be longer.
-LONG_OK = {"edm2_jax/model/vae.py", "edm2_jax/evaluation/inception.py",
+LONG_OK = {"edm2_jax/encoders/vae.py", "edm2_jax/evaluation/inception.py",
            "edm2_jax/evaluation/dinov2.py"}
 MAX_LINES = 400
 

@@ -62,7 +62,7 @@ def test_latent_standin_is_drawn_by_the_pipeline(tmp_path):
     """--latents: raw [8, R, R] latents that `LatentFolder` reads, and batches of the
     pipeline's 4-channel draws, mean + N(0, 1) std scaled as `vae.encode_latents`."""
     from edm2_jax.data.latents import LatentFolder
-    from edm2_jax.model import vae
+    from edm2_jax.encoders import vae
     res = data_pipeline.main([f"--workdir={tmp_path}", "--latents", "--images=8",
                               "--resolution=8", "--classes=2", "--batch=4", "--batches=1",
                               "--repeats=1", "--workers=1"])

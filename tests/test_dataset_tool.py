@@ -15,9 +15,9 @@ import PIL.Image
 import pytest
 
 from edm2_jax.data import dataset_tool as DT
-from edm2_jax.model import vae as V
 from edm2_jax.data.image_folder import ImageFolder
 from edm2_jax.data.latents import LatentFolder
+from edm2_jax.encoders import vae as V
 
 TINY = V.VAEConfig(block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

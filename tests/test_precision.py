@@ -1,4 +1,4 @@
-"""The precision policy (edm2_jax/model/precision.py, docs/recipe.md "Precision"), checked
+"""The precision policy (edm2_jax/analysis/precision.py, docs/recipe.md "Precision"), checked
 on the traced programs without a GPU: in a bfloat16 network every convolution and matmul
 of the training step (forward and backward) and of the sampler takes bfloat16 operands
 and gives a bfloat16 result, except the float32 embedding and uncertainty layers; a
@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from edm2_jax.model import mp, precision
+from edm2_jax.analysis import precision
+from edm2_jax.model import mp
 from edm2_jax.model.networks import precond_from_config
 from edm2_jax.sampling import sampler as sampler_lib
 from edm2_jax.training import optim as optim_lib

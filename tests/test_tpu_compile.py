@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 
 from edm2_jax import configs, objectives, process
-from edm2_jax.analysis import plan, tpu_slices
-from edm2_jax.model import precision
+from edm2_jax.analysis import plan, precision, tpu_slices
 from edm2_jax.model.networks import count_params
 from edm2_jax.training import setup
 from edm2_jax.training import sharding as shard_lib

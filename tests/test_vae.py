@@ -23,7 +23,7 @@ import pytest
 
 from edm2_jax import data, nets
 from edm2_jax.run import network_dir as checkpoint
-from edm2_jax.model import vae as V
+from edm2_jax.encoders import vae as V
 from edm2_jax.data.pipeline import latent_noise
 from edm2_jax.model.networks import init_variables, precond_from_config
 from edm2_jax.modes import generate as generate_mode

@@ -1,7 +1,9 @@
-"""Analysis: the training dynamics of runs (plots and comparisons of the diagnostics the
-training loop logs, `diagnostics.py`; Sec. 2, Figures 2-3), and a run's plan on a TPU
-slice compiled without one (`plan.py`, `tpu_slices.py`).
+"""Analysis: reading runs and programs. The training dynamics of runs (plots and
+comparisons of the diagnostics the training loop logs, `diagnostics.py`; Sec. 2, Figures
+2-3); the precision policy and its audit of a traced or compiled program's convolutions
+and matmuls (`precision.py`); a run's plan on a TPU slice compiled without one
+(`plan.py`, `tpu_slices.py`).
 
-May import every subpackage below it (model, data, run, release, sampling, evaluation,
-ema, configs, training); never `modes` or the entry points.
+May import every subpackage below it (model, encoders, data, run, release, sampling,
+evaluation, ema, configs, training); never `modes` or the entry points.
 """

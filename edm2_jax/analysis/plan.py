@@ -43,7 +43,7 @@ import numpy as np
 from edm2_jax import configs, objectives
 from edm2_jax.analysis import tpu_slices
 from edm2_jax.model.networks import init_variables
-from edm2_jax.model.precision import matmul_flops
+from edm2_jax.analysis.precision import matmul_flops
 from edm2_jax.sampling import sampler as sampler_lib
 from edm2_jax.training import setup
 from edm2_jax.training import sharding as shard_lib

@@ -1,10 +1,10 @@
 """Training data: sources behind one interface (`base.Source`), the batch pipeline, and
 the dataset tool that writes data sets in the EDM2 release's formats.
 
-Layer: above `edm2_jax.model`, below the run directory and everything after it. Modules
-here may import `edm2_jax.paths` and `edm2_jax.model` (the SD-VAE: `vae.check_encoder`,
-the latent channel counts, and the encoder/decoder of `dataset_tool encode` / `decode`),
-never run/, training/ or any later layer.
+Layer: above `edm2_jax.encoders`, below the run directory and everything after it.
+Modules here may import `edm2_jax.paths`, `edm2_jax.model` and `edm2_jax.encoders` (the
+SD-VAE: `vae.check_encoder`, the latent channel counts, and the encoder/decoder of
+`dataset_tool encode` / `decode`), never run/, training/ or any later layer.
 
   base.py            the `Source` base class, `XFlip`, the image-fitting transforms
   fashion_mnist.py, image_folder.py, latents.py, tfds_source.py    the sources
@@ -43,7 +43,7 @@ from edm2_jax.data.image_folder import ImageFolder
 from edm2_jax.data.latents import LatentFolder
 from edm2_jax.data.pipeline import StreamOrder, epoch_permutation, make_iterator
 from edm2_jax.data.tfds_source import TFDSSource, open_tfds
-from edm2_jax.model.vae import check_encoder
+from edm2_jax.encoders.vae import check_encoder
 
 SOURCES = ("fashion_mnist", "tfds", "folder")
 

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from edm2_jax.data.dataset_inputs import (DatasetToolError, make_transform, open_source,
                                          parse_resolution)
 from edm2_jax.data.latents import LatentFolder
-from edm2_jax.model import vae as vae_lib
+from edm2_jax.encoders import vae as vae_lib
 
 
 # --------------------------------------------------------------------------- destination

@@ -26,9 +26,9 @@ import io
 
 import numpy as np
 
-from edm2_jax.model import vae
 from edm2_jax.data.base import NO_LABEL
 from edm2_jax.data.image_folder import IMAGE_EXTENSIONS, ImageFolder
+from edm2_jax.encoders import vae
 
 _HEADER_BYTES = 4096  # a .npy header is a multiple of 64 bytes, ~128 for these arrays
 

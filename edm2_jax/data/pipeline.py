@@ -33,8 +33,8 @@ from typing import Iterator
 
 import numpy as np
 
-from edm2_jax.model import vae
 from edm2_jax.data.base import Source
+from edm2_jax.encoders import vae
 
 LATENT_NOISE_STREAM = 0x1A7E  # third SeedSequence word of the latent draws (module doc)
 

@@ -57,12 +57,12 @@ import jax
 
 from edm2_jax import data as data_lib
 from edm2_jax import nets, paths
+from edm2_jax.encoders import vae as vae_lib
 from edm2_jax.evaluation import dinov2 as dinov2_lib
 from edm2_jax.evaluation import fid
 from edm2_jax.evaluation import images
 from edm2_jax.evaluation import metrics as metrics_lib
 from edm2_jax.evaluation import stream
-from edm2_jax.model import vae as vae_lib
 from edm2_jax.run import layout
 from edm2_jax.sampling import seed_images
 

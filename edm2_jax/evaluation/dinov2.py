@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from edm2_jax.model import torch_weights
+from edm2_jax.encoders import torch_weights
 
 WEIGHTS_ENV = "EDM2_DINOV2_WEIGHTS"
 WEIGHTS_URL = "https://dl.fbaipublicfiles.com/dinov2/dinov2_vitl14/dinov2_vitl14_pretrain.pth"
@@ -318,7 +318,7 @@ def features_uint8(net: DINOv2, images) -> jax.Array:
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """All tensors of a DINOv2 weights file as `{name: float32 ndarray}` in torch layout
-    (`model.torch_weights.read_state_dict`: `.safetensors`, a `torch.save` zip archive
+    (`encoders.torch_weights.read_state_dict`: `.safetensors`, a `torch.save` zip archive
     read without torch, or a legacy torch file read with torch), the chunked block layout
     renamed to the plain one. Raises FileNotFoundError, ImportError naming the package to
     install, or ValueError for a file that is corrupt or holds no state dict of tensors

@@ -12,7 +12,7 @@ import PIL.Image
 
 from edm2_jax import data as data_lib
 from edm2_jax import nets, paths
-from edm2_jax.model import vae as vae_lib
+from edm2_jax.encoders import vae as vae_lib
 from edm2_jax.sampling import seed_images
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")

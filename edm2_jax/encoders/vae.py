@@ -67,7 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from edm2_jax.model import torch_weights
+from edm2_jax.encoders import torch_weights
 
 HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -2,7 +2,7 @@
 `.safetensors` (`safetensors.numpy`), `torch.save` and TorchScript zip archives (read
 without torch: `ArchiveUnpickler` rebuilds tensors from the archive's raw storages and
 refuses every other global), and legacy (non-zip) torch files (`torch.load(weights_only=
-True)`, which needs torch). Used for the SD VAE (`model/vae.py`), DINOv2
+True)`, which needs torch). Used for the SD VAE (`encoders/vae.py`), DINOv2
 (`evaluation/dinov2.py`) and the FID Inception network (`evaluation/inception.py`)."""
 from __future__ import annotations
 
