@@ -128,7 +128,7 @@ class Ours:
         t = time.perf_counter()
         for _ in range(iters):
             # Split over the devices as `--mode=generate` and the training grids do.
-            from edm2_jax.sampling.sampler import split_seeds
+            from edm2_jax.sampling.seeds import split_seeds
             seeds = split_seeds(np.arange(self.seed0, self.seed0 + batch))
             self.seed0 += batch
             self.jax.block_until_ready(self.sample_images(

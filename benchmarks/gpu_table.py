@@ -270,7 +270,8 @@ class OursSample:
         import numpy as np
         from compare_release import forward_flops
         from forward import random_variables
-        from edm2_jax.sampling.sampler import sample_images, split_seeds
+        from edm2_jax.sampling.sampler import sample_images
+        from edm2_jax.sampling.seeds import split_seeds
         from edm2_jax.training import state as state_lib
         self.jax, self.np, self.args = jax, np, args
         config = build_config(args.preset, args.batch, args.dtype)

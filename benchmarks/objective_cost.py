@@ -46,18 +46,21 @@ from edm2_jax.training import step as step_lib  # noqa: E402
 
 
 def objective_config(config, spec: str):
-    """`config` set for the objective `spec` ('edm2', 'consistency:K', 'dmd:K'): a
-    teacher path the step never opens (its weights are the train state's), `distill.steps`
-    K on a grid of at least K points."""
+    """`config` set for the objective `spec` ('NAME' or 'NAME:K', NAME any registered
+    objective, `objectives.REGISTRY`): an objective that starts from a network gets a
+    teacher path the step never opens (its weights are the train state's), and with K
+    `distill.steps` K on a grid of at least K points."""
     name, _, k = spec.partition(":")
-    if name == "edm2":
-        return config
-    if name not in ("consistency", "dmd"):
-        raise SystemExit(f"error: --objectives: unknown {spec!r}; use edm2, consistency:K, dmd:K")
+    if name not in objectives.REGISTRY:
+        raise SystemExit(f"error: --objectives: unknown {spec!r}; use one of "
+                         f"{', '.join(sorted(objectives.REGISTRY))}, with ':K' for K steps")
     c = config.copy_and_resolve_references()
-    steps = int(k or 1)
-    c.distill.update(teacher="(random weights)", objective=name, steps=steps,
-                     teacher_steps=max(int(c.distill.teacher_steps), steps))
+    c.objective = name
+    if objectives.from_config(c).start() is not None:
+        c.distill.teacher = "(random weights)"
+    if k:
+        steps = int(k)
+        c.distill.update(steps=steps, teacher_steps=max(int(c.distill.teacher_steps), steps))
     return c
 
 
@@ -73,7 +76,7 @@ def objective_step(config, spec: str, abstract: bool):
 
     def build():
         state = random_train_state(config, net, tx)
-        return {**state, **objective.state_extras(state["params"])}
+        return {**state, **objective.init_state(state["params"])}
 
     r, c, L = net.img_resolution, net.img_channels, net.label_dim
     rng = np.random.default_rng(0)

@@ -100,6 +100,8 @@ from edm2_jax.analysis import precision  # noqa: E402
 from edm2_jax.model.mp import force_normalize  # noqa: E402
 from edm2_jax.model.networks import precond_coefficients  # noqa: E402
 from edm2_jax.sampling import sampler as sampler_lib  # noqa: E402
+from edm2_jax.sampling import schedule
+from edm2_jax.sampling import seeds as seeds_lib
 from edm2_jax.training import optim as optim_lib  # noqa: E402
 from edm2_jax.training import sharding as shard_lib  # noqa: E402
 from edm2_jax.training import state as state_lib  # noqa: E402
@@ -371,9 +373,9 @@ def sampler_comparison(config, variables: dict, seeds, num_steps: int = 32) -> d
 
     # The injected errors along the f32 trajectory (the schedule and Heun steps of
     # `sampler.edm_sampler`, float32 on the device).
-    t_steps = sampler_lib.edm_sigma_steps(num_steps)
+    t_steps = schedule.edm_sigma_steps(num_steps)
     shape = (net32.img_resolution, net32.img_resolution, net32.img_channels)
-    labels = sampler_lib.random_labels(seeds, net32.label_dim) if net32.label_dim else None
+    labels = seeds_lib.random_labels(seeds, net32.label_dim) if net32.label_dim else None
 
     @jax.jit
     def evaluate(x, t):
@@ -402,7 +404,7 @@ def sampler_comparison(config, variables: dict, seeds, num_steps: int = 32) -> d
         k += 1
         return D
 
-    x = sampler_lib.seed_noise(seeds, shape) * float(t_steps[0])
+    x = seeds_lib.seed_noise(seeds, shape) * float(t_steps[0])
     for i in range(num_steps):
         t_cur, t_next = float(t_steps[i]), float(t_steps[i + 1])
         d = (x - record(x, t_cur)) / t_cur

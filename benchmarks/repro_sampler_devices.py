@@ -42,7 +42,7 @@ def case(how: str, steps: int, batch: int) -> None:
     import numpy as np
 
     sys.path.insert(0, ROOT)
-    from edm2_jax.sampling.sampler import edm_sigma_steps
+    from edm2_jax.sampling.schedule import edm_sigma_steps
     from tests.test_sampling import _load_release_net
 
     net, variables = _load_release_net("cond")

@@ -26,8 +26,11 @@ configs/img512.py ('img64-s', 'img512-xs', ...), or 'dmd-' and a preset
 import importlib.util
 import os
 
+import numpy as np
+
 from edm2_jax import configs
 from edm2_jax.model import presets
+from edm2_jax.training import optim
 
 
 def _fashion_mnist_config(variant: str):
@@ -38,8 +41,8 @@ def _fashion_mnist_config(variant: str):
     return module.get_config(variant)
 
 
-def _distill(c, steps: int = 4):
-    c.distill.update(steps=steps, teacher_steps=32, sigma_min=0.002, sigma_max=80.0, rho=7.0)
+def _distill(c):
+    c.objective = "consistency"
     return c
 
 
@@ -78,9 +81,11 @@ def get_config(variant: str = "fashion_mnist"):
         c.data.update(source="folder", encoder="sd-vae")
     else:
         c.data.update(source="tfds", name="imagenet2012")
-    # The teacher's learning rate at the end of its training (inverse-sqrt decay, Eq. 2
-    # of the paper's appendix), held constant; 5 % of the teacher's training images.
-    end_lr = t["ref_lr"] / max(t["total_kimg"] * 1000 / t["batch_size"] / t["t_ref"], 1) ** 0.5
+    # The teacher's learning rate at the end of its training (`optim.learning_rate`),
+    # held constant; 5 % of the teacher's training images.
+    end_lr = float(optim.learning_rate(t["total_kimg"] * 1000, batch_size=t["batch_size"],
+                                       ref_lr=t["ref_lr"], t_ref=t["t_ref"],
+                                       rampup_kimg=t["rampup_kimg"], xp=np))
     c.optim.update(ref_lr=end_lr, t_ref=0, rampup_kimg=t["total_kimg"] / 1000)
     c.total_kimg = 0.05 * t["total_kimg"]
     return c
@@ -92,7 +97,8 @@ def _dmd(c):
     nearly its class means, a collapsed start), on a grid of 8 points down to 0.002; the
     generator's learning rate 0.002 decaying from 6 kimg, the fake denoiser's 0.02
     (ten times: the fake must follow the generator)."""
-    c.distill.update(objective="dmd", steps=1, sigma_max=2.5, fake_lr=0.02)
+    c.objective = "dmd"
+    c.distill.update(steps=1, sigma_max=2.5, fake_lr=0.02)
     c.optim.ref_lr = 0.002
     return c
 
@@ -106,5 +112,6 @@ def _dmd_preset(c):
     the fake five updates per generator update instead), for the consistency presets'
     5 % of the teacher's training images (DMD2's ImageNet-64 generator: 200k iterations
     of batch 280, 56 M images, against the img64 teachers' 1 to 2 G)."""
-    c.distill.update(objective="dmd", steps=1, sigma_max=2.5, fake_lr=10 * c.optim.ref_lr)
+    c.objective = "dmd"
+    c.distill.update(steps=1, sigma_max=2.5, fake_lr=10 * c.optim.ref_lr)
     return c

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from edm2_jax import backends
+from edm2_jax import backends, objectives
 from edm2_jax.backends import cpu as cpu_backend
 from edm2_jax.ema import power as ema
 from edm2_jax.model import presets
@@ -44,7 +44,7 @@ def base_config() -> ml_collections.ConfigDict:
     # Optimiser: Adam + inverse-sqrt decay after t_ref batches, linear ramp-up.
     c.optim = ml_collections.ConfigDict(dict(
         ref_lr=0.0120, t_ref=35000, rampup_kimg=10_000.0,  # 10 Mimg = 1e7 images, as the release
-        beta1=0.9, beta2=0.99, eps=1e-8, grad_clip=0.0,  # grad_clip 0 = off
+        **presets.ADAM, grad_clip=0.0,  # grad_clip 0 = off
         # D->E of the paper's ablation (Sec. 2.3): forced weight normalisation of the
         # stored weights before every step (Eq. 66); False = plain Adam on unnormalised
         # weights (config D, with t_ref=0: no learning-rate decay).
@@ -106,16 +106,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.backend = ml_collections.ConfigDict(dict(kernels="auto", cpu_conv_grad="relayout",
                                                cpu_barriers=True))
 
-    # Few-step distillation (objectives/distill.py, docs/distillation.md): with `teacher`
-    # set (a run, snapshot, post-hoc EMA or converted network; `teacher_ema` picks a
-    # run's EMA, default its largest), the run trains a multistep consistency student
-    # of that network for `steps` sampling steps (1 to 8 typically), on the teacher's
-    # sampler grid of `teacher_steps` Heun steps with sigma_min, sigma_max, rho.
-    # objective: 'consistency', or 'dmd' (objectives/dmd.py: distribution matching, the
-    # generator sampled on the same grid; fake_lr its fake denoiser's learning rate).
-    c.distill = ml_collections.ConfigDict(dict(
-        teacher="", teacher_ema="", steps=4, teacher_steps=32, sigma_min=0.002,
-        sigma_max=80.0, rho=7.0, objective="consistency", fake_lr=0.01))
+    # The training objective (edm2_jax/objectives): 'edm2' (the EDM2 loss), 'consistency'
+    # (multistep consistency distillation of a teacher, objectives/distill.py) or 'dmd'
+    # (distribution matching, objectives/dmd.py; docs/distillation.md), or any objective
+    # registered with `objectives.register`. Each objective's own section follows from
+    # its `section_fields`: `distill` (teacher, teacher_ema: the network to distill and a
+    # run's EMA of it; steps: the student's sampling steps; teacher_steps, sigma_min,
+    # sigma_max, rho: the teacher's sampler grid; fake_lr: DMD's fake denoiser's
+    # learning rate).
+    c.objective = "edm2"
+    for section, fields in objectives.section_defaults().items():
+        c[section] = ml_collections.ConfigDict(fields)
 
     # Sample grids; rng: per-seed noise and labels from JAX keys ('jax') or drawn as the
     # release's per-seed torch generator draws them ('release', sampling.sample_images).
@@ -193,24 +194,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
         need(str(b.cpu_conv_grad) in cpu_backend.CONV_GRADS, "backend.cpu_conv_grad",
              f"one of {', '.join(cpu_backend.CONV_GRADS)}")
         need(isinstance(b.cpu_barriers, bool), "backend.cpu_barriers", "True or False")
-    dc = c.get("distill")
-    if dc is not None and str(dc.teacher):
-        need(isinstance(dc.steps, int) and 1 <= dc.steps, "distill.steps",
-             "a number of sampling steps >= 1, e.g. 4")
-        need(isinstance(dc.teacher_steps, int) and dc.teacher_steps >= max(2, dc.steps),
-             "distill.teacher_steps", f"the teacher's Heun steps, >= 2 and >= distill.steps "
-             f"({dc.steps}), e.g. 32")
-        v, w = number("distill.sigma_min"), number("distill.sigma_max")
-        need(v is not None and v > 0, "distill.sigma_min", "a positive noise level, e.g. 0.002")
-        need(w is not None and w > v, "distill.sigma_max",
-             f"a noise level above distill.sigma_min ({v}), e.g. 80")
-        v = number("distill.rho")
-        need(v is not None and v > 0, "distill.rho", "must be positive, e.g. 7")
-        need(str(dc.get("objective", "consistency")) in ("consistency", "dmd"),
-             "distill.objective", "'consistency' or 'dmd'")
-        v = number("distill.fake_lr") if "fake_lr" in dc else 0.01
-        need(v is not None and v > 0, "distill.fake_lr",
-             "the fake denoiser's learning rate, positive, e.g. 0.01")
+    objectives.check_config(c)
     need(str(c.network.dtype) in DTYPES, "network.dtype",
          f"one of {', '.join(DTYPES)} (auto: bfloat16 on GPU/TPU, float32 on CPU)")
     need(float(c.loss.get("sigma_data", 0.5)) == float(c.network.get("sigma_data", 0.5)),

@@ -2,7 +2,7 @@
 encoder and the sampler it is sampled with.
 
     net, variables, desc = nets.load_net("runs/fmnist", ema="0.100")
-    nets.net_sampler("runs/fmnist-4step")   # {'sampler': 'consistency', 'num_steps': 4, ...}
+    nets.net_sampler("runs/fmnist-4step")   # solvers.FewStep(num_steps=4, teacher_steps=8, ...)
 
 A path may be a network checkpoint (written by `--mode=convert` or post-hoc EMA), a
 training run directory (its latest checkpoint; `ema='0.100'` picks the power EMA,
@@ -29,6 +29,7 @@ from edm2_jax import objectives, paths
 from edm2_jax.encoders import vae as vae_lib
 from edm2_jax.model.networks import Precond, precond_from_config
 from edm2_jax.run import checkpoints, layout, records, snapshots
+from edm2_jax.sampling import solvers
 from edm2_jax.run import network_dir as ckpt_lib
 
 
@@ -101,19 +102,18 @@ def net_config(path: str) -> dict:
     return cfg
 
 
-def net_sampler(path: str, heun_steps: int = 32) -> dict:
-    """The sampler settings (`sampler.sample_images` / `seed_images.generate_images` kwargs)
-    of the network at `path` (any kind `load_net` reads), from its metadata only: those
-    of the objective it was trained with (`objectives.from_metadata`). A diffusion
-    network: `{'num_steps': heun_steps}`, the Heun sampler. A distilled student (a
-    distillation run, its snapshot, a network whose meta records `distill`, or a
+def net_sampler(path: str, heun_steps: int = 32) -> solvers.Sampler:
+    """The sampler (a `sampling.solvers` value) of the network at `path` (any kind
+    `load_net` reads), from its metadata only: that of the objective it was trained
+    with (`objectives.from_metadata`, `Objective.sampler(heun_steps)`). A diffusion
+    network: `solvers.Heun(heun_steps)`. A distilled student or generator (a
+    distillation run, its snapshot, a network whose meta records its objective, or a
     post-hoc EMA of a distillation run, whose source run's config.json records it):
-    its few-step sampler, `sampler='consistency'` with its own `num_steps`,
-    `teacher_steps`, `sigma_min`, `sigma_max`, `rho`, whatever `heun_steps`."""
+    its few-step sampler (`solvers.FewStep`) on its own grid, whatever `heun_steps`."""
     _, meta, config = _metadata(path)
     if not meta.get("distill") and meta.get("source") and meta.get("phema"):
         config = layout.read_config(str(meta["source"]))  # post-hoc EMA of a run
-    return objectives.from_metadata(meta, config).sampler_kwargs(heun_steps)
+    return objectives.from_metadata(meta, config).sampler(heun_steps)
 
 
 def net_encoder(path: str) -> str:

@@ -14,6 +14,7 @@ Claims tested:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -30,7 +31,7 @@ from edm2_jax.sampling import consistency
 from edm2_jax import nets
 from edm2_jax.sampling import sampler as sampling
 from edm2_jax.objectives import distill
-from edm2_jax.sampling import heun
+from edm2_jax.sampling import heun, solvers
 from tests.cpu_devices import tree_from_process
 from tests.test_train import xla_cache  # noqa: F401  (a fixture: the runs share compiles)
 
@@ -281,8 +282,8 @@ def distill_runs(tmp_path_factory, xla_cache):
     write_release_pickle(pkl, P.load_state_dict(convert_golden("uncond")), label_dim=0)
     teacher = C.convert(str(pkl), str(root / "teacher"))
     data = _rgb_folder(root / "data")
-    over = {"distill.teacher": teacher, "distill.steps": 2, "distill.teacher_steps": 4,
-            "data.use_labels": False, "optim.ref_lr": 0.005, "optim.t_ref": 0}
+    over = {"objective": "consistency", "distill.teacher": teacher, "distill.steps": 2,
+            "distill.teacher_steps": 4, "data.use_labels": False, "optim.ref_lr": 0.005, "optim.t_ref": 0}
     full, half = root / "full", root / "half"
     r_full = loop.train_and_evaluate(tiny_config(data, **over), str(full))
     loop.train_and_evaluate(tiny_config(data, total_kimg=0.016, **over), str(half))
@@ -322,12 +323,12 @@ def test_student_images_depend_only_on_the_seed_and_generate_finds_its_sampler(
         distill_runs, tmp_path):
     run = str(distill_runs["full"])
     kw = nets.net_sampler(run)
-    assert kw == dict(sampler="consistency", num_steps=2, teacher_steps=4, sigma_min=0.002,
-                      sigma_max=80.0, rho=7.0)
-    assert nets.net_sampler(distill_runs["teacher"]) == {"num_steps": 32}  # a diffusion net
+    assert kw == solvers.FewStep(num_steps=2, teacher_steps=4, sigma_min=0.002,
+                                 sigma_max=80.0, rho=7.0)
+    assert nets.net_sampler(distill_runs["teacher"]) == solvers.Heun(32)  # a diffusion net
     net, variables, _ = nets.load_net(run)
-    a = np.asarray(sampling.sample_images(net, variables, np.arange(6), **kw))
-    b = np.asarray(sampling.sample_images(net, variables, np.array([4, 1]), **kw))
+    a = np.asarray(sampling.sample_images(net, variables, np.arange(6), sampler=kw))
+    b = np.asarray(sampling.sample_images(net, variables, np.array([4, 1]), sampler=kw))
     np.testing.assert_array_equal(a[[4, 1]], b)
     assert a.std() > 0
     # The student's 2 steps are not the Heun sampler's.
@@ -348,16 +349,16 @@ def test_post_hoc_ema_of_a_student_is_sampled_as_a_student(distill_runs, tmp_pat
     assert nets.net_sampler(out) == nets.net_sampler(run)
     net, variables, _ = nets.load_net(out)
     imgs = np.asarray(sampling.sample_images(net, variables, np.arange(2),
-                                             **nets.net_sampler(out)))
+                                             sampler=nets.net_sampler(out)))
     assert imgs.shape == (2, 16, 16, 3)
     # `--mode=phema_sweep` measures each post-hoc EMA of a distillation run with the
     # student's few-step sampler, not with 32 Heun steps (63 evaluations of a network
     # trained for 2); a teacher keeps the Heun sampler; --steps replaces either's steps.
-    assert sweep.sampler_kwargs(out) == nets.net_sampler(run)
-    assert sweep.sampler_kwargs(out)["sampler"] == "consistency"
-    assert sweep.sampler_kwargs(out, 4) == dict(nets.net_sampler(run), num_steps=4)
-    assert sweep.sampler_kwargs(distill_runs["teacher"]) == {"num_steps": 32}
-    assert sweep.sampler_kwargs(distill_runs["teacher"], 8) == {"num_steps": 8}
+    assert sweep.net_sampler(out) == nets.net_sampler(run)
+    assert isinstance(sweep.net_sampler(out), solvers.FewStep)
+    assert sweep.net_sampler(out, 4) == dataclasses.replace(nets.net_sampler(run), num_steps=4)
+    assert sweep.net_sampler(distill_runs["teacher"]) == solvers.Heun(32)
+    assert sweep.net_sampler(distill_runs["teacher"], 8) == solvers.Heun(8)
 
 
 @pytest.mark.slow
@@ -416,6 +417,7 @@ def test_teacher_errors_are_named_before_anything_is_built(distill_runs, tmp_pat
 def _distill_step_config():
     from tests.test_train import step_config
     c = step_config()
+    c.objective = "consistency"
     c.distill.update(teacher="(in the state)", steps=2, teacher_steps=4)
     return c
 
@@ -483,7 +485,7 @@ def test_a_latent_network_distils_on_latents_and_its_student_stays_latent(tmp_pa
         distill.network_config(net), meta={"encoder": "sd-vae"})
     data = _write_latent_set(tmp_path / "lat", _arrays(8), None, as_zip=False)
     config = tiny_config(data, **{"data.encoder": "sd-vae", "data.use_labels": False,
-                                  "distill.teacher": teacher, "distill.steps": 2,
+                                  "objective": "consistency", "distill.teacher": teacher, "distill.steps": 2,
                                   "distill.teacher_steps": 4, "total_kimg": 0.016})
     r = loop.train_and_evaluate(config, str(tmp_path / "student"))
     assert r["finished"] and np.isfinite(r["loss/loss"])
@@ -493,7 +495,7 @@ def test_a_latent_network_distils_on_latents_and_its_student_stays_latent(tmp_pa
         nets.check_vae(run, None)
     net, variables, _ = nets.load_net(run)
     x = sampling.sample_images(net, variables, np.arange(2), raw=True,
-                               **nets.net_sampler(run))
+                               sampler=nets.net_sampler(run))
     assert x.shape == (2, R, R, 4) and np.all(np.isfinite(x))
 
 

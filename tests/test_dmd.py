@@ -28,7 +28,7 @@ import pytest
 
 from edm2_jax import objectives
 from edm2_jax.objectives import dmd
-from edm2_jax.sampling import consistency
+from edm2_jax.sampling import consistency, solvers
 from tests.test_train import xla_cache  # noqa: F401  (a fixture: the runs share compiles)
 
 # ---------------------------------------------------------------------------------------
@@ -194,15 +194,23 @@ def test_generator_output_at_the_last_step_is_the_samplers_image():
 
 
 def test_from_config_picks_the_objective_and_its_sampler():
-    c = {"distill": {"teacher": "t", "objective": "dmd", "steps": 2, "teacher_steps": 8,
-                     "sigma_min": 0.002, "sigma_max": 80.0, "rho": 7.0, "fake_lr": 0.02}}
+    """`config.objective` picks the objective; the config.json of a run recorded before
+    that field names it in its distillation section (`distill.objective`)."""
+    c = {"objective": "dmd", "distill": {"teacher": "t", "steps": 2, "teacher_steps": 8,
+                                         "sigma_min": 0.002, "sigma_max": 80.0, "rho": 7.0,
+                                         "fake_lr": 0.02}}
     obj = objectives.from_config(c)
-    assert isinstance(obj, dmd.DistributionMatching) and obj.trained_keys == ("fake",)
-    assert obj.sampler_kwargs(32) == dict(sampler="consistency", num_steps=2, teacher_steps=8,
-                                          sigma_min=0.002, sigma_max=80.0, rho=7.0)
-    c["distill"]["objective"] = "consistency"
-    assert objectives.from_config(c).name == "consistency"
-    c["distill"].update(objective="dmd", fake_lr=0.0)
+    assert isinstance(obj, dmd.DistributionMatching) and obj.trained == ("fake",)
+    assert obj.sampler(32) == solvers.FewStep(num_steps=2, teacher_steps=8, sigma_min=0.002,
+                                              sigma_max=80.0, rho=7.0)
+    assert objectives.from_config(dict(c, objective="consistency")).name == "consistency"
+    legacy = {"distill": dict(c["distill"], objective="dmd")}
+    assert objectives.from_config(legacy).name == "dmd"
+    legacy["distill"].pop("objective")
+    assert objectives.from_config(legacy).name == "consistency"
+    legacy["distill"]["teacher"] = ""
+    assert objectives.from_config(legacy).name == "edm2"
+    c["distill"]["fake_lr"] = 0.0
     with pytest.raises(ValueError, match="distill.fake_lr"):
         objectives.from_config(c).check()
 
@@ -231,10 +239,11 @@ def test_dmd_configs_validate_and_a_bad_objective_is_named():
     assert p.distill.fake_lr == pytest.approx(10 * end_lr, rel=1e-12)
     with pytest.raises(ValueError, match="dmd-img64-xxl"):
         _config_file("distill", "dmd-img64-xxl")
-    c.distill.objective = "gan"
-    with pytest.raises(ValueError, match="distill.objective"):
+    c.objective = "gan"
+    with pytest.raises(ValueError, match="--config.objective='gan'.*consistency, dmd, edm2"):
         configs.validate(c)
-    c.distill.update(objective="dmd", fake_lr=0.0)
+    c.objective = "dmd"
+    c.distill.fake_lr = 0.0
     with pytest.raises(ValueError, match="distill.fake_lr"):
         configs.validate(c)
 
@@ -250,10 +259,11 @@ def dmd_step(num_accum: int = 1):
     from edm2_jax.training import step as step_lib
     from tests.test_train import random_batch, random_state, step_config
     config = step_config()
-    config.distill.update(teacher="(in the state)", steps=2, teacher_steps=4, objective="dmd")
+    config.objective = "dmd"
+    config.distill.update(teacher="(in the state)", steps=2, teacher_steps=4)
     obj = objectives.from_config(config)
     state, net, tx = random_state(config, seed=0)
-    state.update(jax.device_get(obj.state_extras(state["params"])))  # numpy: donated
+    state.update(jax.device_get(obj.init_state(state["params"])))  # numpy: donated
     state["teacher"] = random_state(config, seed=7)[0]["params"]
     fn = step_lib.jit_train_step(step_lib.make_train_step(config, net, tx, num_accum),
                                  shard_lib.make_mesh(1))
@@ -306,7 +316,7 @@ def dmd_runs(tmp_path_factory, xla_cache):
                                        init_variables(net, jax.random.PRNGKey(0)),
                                        network_config(net))
     data = make_image_folder(root / "data", n=16, resolution=8)
-    over = {"distill.teacher": teacher, "distill.objective": "dmd", "distill.steps": 2,
+    over = {"distill.teacher": teacher, "objective": "dmd", "distill.steps": 2,
             "distill.teacher_steps": 4, "optim.ref_lr": 0.005, "optim.t_ref": 0}
     full, half = root / "full", root / "half"
     r_full = loop.train_and_evaluate(tiny_config(data, **over), str(full))
@@ -348,11 +358,11 @@ def test_dmd_generator_images_depend_only_on_the_seed_and_generate_finds_its_sam
     from edm2_jax.sampling import sampler as sampling
     run = str(dmd_runs["full"])
     kw = nets.net_sampler(run)
-    assert kw == dict(sampler="consistency", num_steps=2, teacher_steps=4, sigma_min=0.002,
-                      sigma_max=80.0, rho=7.0)
+    assert kw == solvers.FewStep(num_steps=2, teacher_steps=4, sigma_min=0.002,
+                                 sigma_max=80.0, rho=7.0)
     net, variables, _ = nets.load_net(run)
-    a = np.asarray(sampling.sample_images(net, variables, np.arange(6), **kw))
-    b = np.asarray(sampling.sample_images(net, variables, np.array([4, 1]), **kw))
+    a = np.asarray(sampling.sample_images(net, variables, np.arange(6), sampler=kw))
+    b = np.asarray(sampling.sample_images(net, variables, np.array([4, 1]), sampler=kw))
     np.testing.assert_array_equal(a[[4, 1]], b)
     assert a.std() > 0
 
@@ -368,11 +378,11 @@ def test_post_hoc_ema_of_a_generator_is_sampled_as_the_generator(dmd_runs, tmp_p
     run = str(dmd_runs["full"])
     out, = posthoc.reconstruct(run, [0.07], out_dir=str(tmp_path / "phema"), progress=False)
     kw = nets.net_sampler(run)
-    assert nets.net_sampler(out) == kw and kw["sampler"] == "consistency"
-    assert sweep.sampler_kwargs(out) == kw
+    assert nets.net_sampler(out) == kw and isinstance(kw, solvers.FewStep)
+    assert sweep.net_sampler(out) == kw
     net, variables, _ = nets.load_net(out)
-    a = np.asarray(sampling.sample_images(net, variables, np.arange(3), **kw))
-    b = np.asarray(sampling.sample_images(net, variables, np.array([2]), **kw))
+    a = np.asarray(sampling.sample_images(net, variables, np.arange(3), sampler=kw))
+    b = np.asarray(sampling.sample_images(net, variables, np.array([2]), sampler=kw))
     np.testing.assert_array_equal(a[[2]], b)
     heun = np.asarray(sampling.sample_images(net, variables, np.array([2]), num_steps=2))
     assert a.shape == (3, 8, 8, 1) and not np.array_equal(heun, b)
@@ -382,7 +392,7 @@ def test_post_hoc_ema_of_a_generator_is_sampled_as_the_generator(dmd_runs, tmp_p
 @pytest.mark.slow
 @pytest.mark.ci
 def test_forward_passes_are_the_ratio_of_xla_flop_counts():
-    """`Objective.forward_passes` (the plan's model flops: passes x the forward pass's)
+    """`Objective.flops_per_image` (the plan's model flops, in forward passes)
     relative to the EDM2 step's 3 is the ratio of XLA's own flop counts of the compiled
     steps (`cost_analysis`, the model's kernels on XLA:CPU): 6/3 for a consistency
     student, (K + 7)/3 for a K-step generator. XLA counts a forward pass alone at 0.90 to
@@ -405,19 +415,18 @@ def test_forward_passes_are_the_ratio_of_xla_flop_counts():
     batch = {"image": jax.ShapeDtypeStruct((B, r, r, c), jnp.float32),
              "label": jax.ShapeDtypeStruct((B, L), jnp.float32)}
     flops, passes = {}, {}
-    for name, over in (("edm2", {}), ("consistency", dict(objective="consistency", steps=2)),
-                       ("dmd1", dict(objective="dmd", steps=1)),
-                       ("dmd4", dict(objective="dmd", steps=4))):
+    for name, objective, steps in (("edm2", "edm2", 4), ("consistency", "consistency", 2),
+                                   ("dmd1", "dmd", 1), ("dmd4", "dmd", 4)):
         cfg = config.copy_and_resolve_references()
-        if over:
-            cfg.distill.update(teacher="(in the state)", teacher_steps=4, **over)
+        cfg.objective = objective
+        cfg.distill.update(teacher="(in the state)", teacher_steps=4, steps=steps)
         obj = objectives.from_config(cfg)
         state = jax.eval_shape(lambda k: state_lib.init_train_state(cfg, net, tx, k,
                                                                     objective=obj),
                                jax.random.PRNGKey(0))
         fn = step_lib.jit_train_step(step_lib.make_train_step(cfg, net, tx, 1, objective=obj), mesh)
         flops[name] = plan.Program.of(fn.lower(state, batch).compile(), 0.0, 0.0).xla_flops
-        passes[name] = obj.forward_passes
+        passes[name] = obj.flops_per_image(1.0)
     assert passes == {"edm2": 3, "consistency": 6, "dmd1": 8, "dmd4": 11}
     for name in ("consistency", "dmd1", "dmd4"):
         assert flops[name] / flops["edm2"] == pytest.approx(passes[name] / 3, rel=0.1), (

@@ -122,13 +122,16 @@ def test_release_rng_feeds_the_release_draws_to_the_sampler(net_paths):
     """`rng='release'`: the image is the sampler run on the release's draws for the seed
     (noise, class, churn noise at the steps where the release adds it)."""
     from edm2_jax.sampling import sampler as sampling
+    from edm2_jax.sampling.guidance import make_denoiser
+    from edm2_jax.sampling.schedule import edm_sigma_steps
+    from edm2_jax.sampling.solvers import edm_sampler
     net, v, _ = nets.load_net(net_paths[0])
     kw = dict(num_steps=3, S_churn=2.0, S_min=3.0, S_max=100.0)
     got = np.asarray(sampling.sample_images(net, v, [4, 2**32 + 9], rng="release", **kw))
     noise, labels, table = sampling.release_seed_draws([4, 2**32 + 9], (8, 8, 1), 3, **kw)
-    t = sampling.edm_sigma_steps(3)  # 80, 2.5, 0.002: churn at step 0 only
+    t = edm_sigma_steps(3)  # 80, 2.5, 0.002: churn at step 0 only
     assert np.all(table[1:] == 0) and np.all(table[0] != 0)
-    x = sampling.edm_sampler(sampling.make_denoiser(net, v), noise, labels,
+    x = edm_sampler(make_denoiser(net, v), noise, labels,
                              churn_noise=lambda i: jax.numpy.asarray(table)[i], **kw)
     np.testing.assert_array_equal(got, np.asarray(sampling.decode_uint8(x)))
     assert t[1] < kw["S_min"] < t[0]

@@ -17,8 +17,11 @@ import pytest
 from edm2_jax import process
 from edm2_jax.sampling import sampler
 from edm2_jax.sampling.heun import heun_sampler_reference
-from edm2_jax.sampling.sampler import (edm_sampler, edm_sigma_steps, guided_steps,
-                                       make_denoiser, sample_images, split_seeds)
+from edm2_jax.sampling.guidance import guided_steps, make_denoiser
+from edm2_jax.sampling.sampler import sample_images
+from edm2_jax.sampling.schedule import edm_sigma_steps
+from edm2_jax.sampling.seeds import split_seeds
+from edm2_jax.sampling.solvers import edm_sampler
 from tests.test_sampling import tiny_net
 from tests.tolerances import EPS32, forward_terms, reorder_tol
 

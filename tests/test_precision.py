@@ -24,6 +24,7 @@ from edm2_jax.analysis import precision
 from edm2_jax.model import mp
 from edm2_jax.model.networks import precond_from_config
 from edm2_jax.sampling import sampler as sampler_lib
+from edm2_jax.sampling import schedule, solvers
 from edm2_jax.training import optim as optim_lib
 from edm2_jax.training import state as state_lib
 from edm2_jax.training import step as step_lib
@@ -66,7 +67,7 @@ def _sampler_jaxpr(net, guide_net=None, guidance=1.0, interval=None):
     labels = jax.ShapeDtypeStruct((4, net.label_dim), jnp.float32)
     seeds = jax.ShapeDtypeStruct((4,), jnp.uint32)
     fn = functools.partial(sampler_lib._sample, net, guide_net=guide_net, guidance=guidance,
-                           sampler_kwargs=(("num_steps", 4),), guidance_interval=interval)
+                           sampler=solvers.Heun(4), guidance_interval=interval)
     return jax.make_jaxpr(lambda v, gv, s, l: fn(variables=v, guide_variables=gv, seeds=s,
                                                  labels=l))(v, gv, seeds, labels)
 
@@ -122,7 +123,7 @@ def test_bf16_sampler_runs_every_conv_and_matmul_in_bf16(guided):
     # main net in each, the guide in the middle one.
     if guided:
         from edm2_jax.sampling import guidance
-        assert guidance.guided_steps((0.3, 2.0), sampler_lib.edm_sigma_steps(4)) == (2, 3)
+        assert guidance.guided_steps((0.3, 2.0), schedule.edm_sigma_steps(4)) == (2, 3)
     assert len(convs) == _num_3x3_layers(_config("bfloat16")) * (4 if guided else 1)
     assert all(m.operand_dtypes == ("bfloat16", "bfloat16") for m in convs)
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edm2_jax.sampling import sampler as sampler_lib
+from edm2_jax.sampling import schedule, solvers
 from edm2_jax.training import state as state_lib
 
 from tests.tolerances import forward_terms, reorder_tol
@@ -91,7 +91,7 @@ def test_bf16_sampler_images_within_rounding_bound_of_f32(setup):
     # The bound's F_k come from a loop of its own over the sampler's schedule: the same
     # float32 images up to evaluation order, each evaluation's reorder error (of scale 1,
     # images in [-1, 1]) carried with the evaluation's weight.
-    _, ws = numerics.heun_weights(sampler_lib.edm_sigma_steps(32))
+    _, ws = numerics.heun_weights(schedule.edm_sigma_steps(32))
     assert s["trajectory_rms_err"] <= reorder_tol(forward_terms(params)) * ws.sum()
     assert 0 < s["eps_measured"] <= s["eps"]
     assert np.all(s["rms"] <= s["rms_bound"]), (s["rms"], s["rms_bound"])
@@ -107,7 +107,7 @@ def test_heun_weights_are_the_samplers_response_to_a_denoiser_offset():
     sampler's result moves by exactly delta sum_k w_k f(t_k): the weights of the bound
     are the sampler's own coefficients."""
     num_steps = 6
-    t_steps = sampler_lib.edm_sigma_steps(num_steps)
+    t_steps = schedule.edm_sigma_steps(num_steps)
     ts, ws = numerics.heun_weights(t_steps)
     assert len(ts) == 2 * num_steps - 1
     f = lambda t: jnp.sqrt(t)  # noqa: E731
@@ -117,7 +117,7 @@ def test_heun_weights_are_the_samplers_response_to_a_denoiser_offset():
         return x + delta * f(t)
 
     noise = jnp.zeros((1, 2, 2, 1), jnp.float32)
-    x = sampler_lib.edm_sampler(denoise, noise, num_steps=num_steps)
+    x = solvers.edm_sampler(denoise, noise, num_steps=num_steps)
     want = delta * float(np.sum(ws * np.sqrt(ts)))
     # float32: 2N - 1 positive terms, each through at most 8 roundings of relative
     # eps32 / 2 of a value no larger than the final sum

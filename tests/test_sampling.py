@@ -11,8 +11,11 @@ import PIL.Image
 import pytest
 
 from edm2_jax.model.networks import Precond, init_variables
-from edm2_jax.sampling.sampler import (decode_uint8, edm_sampler, edm_sigma_steps, make_denoiser,
-                               random_labels, sample_images, save_image_grid, seed_noise)
+from edm2_jax.sampling.guidance import make_denoiser
+from edm2_jax.sampling.sampler import decode_uint8, sample_images, save_image_grid
+from edm2_jax.sampling.schedule import edm_sigma_steps
+from edm2_jax.sampling.seeds import random_labels, seed_noise
+from edm2_jax.sampling.solvers import edm_sampler
 from tests.testdata import golden
 from tests.tolerances import forward_terms, reorder_tol
 

@@ -77,7 +77,8 @@ def test_images_equal_across_devices(tmp_path, devices, guidance):
 def _main(out: str, guidance: float, batches: list[int]) -> None:
     import jax
 
-    from edm2_jax.sampling.sampler import sample_images, split_seeds
+    from edm2_jax.sampling.sampler import sample_images
+    from edm2_jax.sampling.seeds import split_seeds
     from tests.test_sampling import _load_release_net
 
     net, variables = _load_release_net("cond")

@@ -3,7 +3,7 @@ best (the paper's Fig. 5a).
 
 Owns `sweep` (any metric function; CSV and plot), `main_sweep` (the body of
 `--mode=phema_sweep`: the metric, its reference data, the metric function over generated
-images), `sampler_kwargs` (the sampler it generates them with: the network's own,
+images), `net_sampler` (the sampler it generates them with: the network's own,
 `nets.net_sampler`) and `run_data_config` (a run's reference data when no `--config` is given).
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ from edm2_jax.run import layout
 from edm2_jax import nets
 from edm2_jax import paths as paths_lib
 from edm2_jax.ema.reconstruction import reconstruct
+from edm2_jax.sampling import solvers
 
 
 def run_data_config(workdir: str) -> dict | None:
@@ -103,15 +104,13 @@ def _plot(rows: list[dict], metric_name: str, path: str) -> None:
     paths_lib.rename(tmp, path)
 
 
-def sampler_kwargs(net_path: str, num_steps: int | None = None) -> dict:
-    """The sampler settings (`seed_images.generate_images` kwargs) the sweep generates the
-    network at `net_path` with: its own (`nets.net_sampler`: a distilled student's
-    few-step sampler, its post-hoc EMAs being students too, else the Heun sampler of 32
-    steps); `num_steps` (`--steps`), when given, replaces the steps of either."""
-    kw = dict(nets.net_sampler(net_path))
-    if num_steps is not None:
-        kw["num_steps"] = int(num_steps)
-    return kw
+def net_sampler(net_path: str, num_steps: int | None = None) -> solvers.Sampler:
+    """The sampler the sweep generates the network at `net_path` with: its own
+    (`nets.net_sampler`: a distilled student's few-step sampler, its post-hoc EMAs being
+    students too, else the Heun sampler of 32 steps); `num_steps` (`--steps`), when
+    given, replaces the steps of either."""
+    sampler = nets.net_sampler(net_path)
+    return sampler if num_steps is None else sampler.with_steps(num_steps)
 
 
 def main_sweep(workdir: str, sigma_rels: Sequence[float], *, metrics: str = "fid",
@@ -121,7 +120,7 @@ def main_sweep(workdir: str, sigma_rels: Sequence[float], *, metrics: str = "fid
                out_dir: str | None = None, per_tensor: str | None = None,
                dinov2: str | None = None, vae_path: str | None = None) -> tuple[str, str]:
     """CLI body of `--mode=phema_sweep`: reconstruct each sigma_rel, generate
-    `num_images` from it (with the run's own sampler, `sampler_kwargs`: a distillation
+    `num_images` from it (with the run's own sampler, `net_sampler`: a distillation
     run's few-step sampler, else Heun; `num_steps` None keeps its steps) and measure the
     first of `metrics` (`cls`: FD in the
     classifier's features; `fid`: FID, `fd_dinov2`: FD_DINOv2 (weights file `dinov2`),
@@ -150,7 +149,7 @@ def main_sweep(workdir: str, sigma_rels: Sequence[float], *, metrics: str = "fid
 
     def metric_fn(net_path: str) -> float:
         imgs = net_images(net_path, range(num_images), batch_size, vae=vae,
-                          **sampler_kwargs(net_path, num_steps))
+                          sampler=net_sampler(net_path, num_steps))
         return suite(np.concatenate(list(imgs)))[key]
 
     csv_path, png = sweep(workdir, sigma_rels, metric_fn, at_kimg=at_kimg, out_dir=out_dir,

@@ -49,6 +49,7 @@ reconstructions, not the original pixels; for the paper's figures give `--ref`
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any, Sequence
@@ -64,7 +65,7 @@ from edm2_jax.evaluation import images
 from edm2_jax.evaluation import metrics as metrics_lib
 from edm2_jax.evaluation import stream
 from edm2_jax.run import layout
-from edm2_jax.sampling import seed_images
+from edm2_jax.sampling import seed_images, solvers
 
 
 def _is_latent_data(data_config: Any) -> bool:
@@ -194,6 +195,10 @@ def _eval_net(net_path: str, seeds: list[int], names: list[str], *, ema: str | N
     """`main_eval` of a network: the streamed, resumable pass of `evaluation.stream`.
     Returns the results, with `_partial_state` (the path to remove once they are out)."""
     gen_kw = dict(gen_kw)
+    heun = {f.name: gen_kw.pop(f.name) for f in dataclasses.fields(solvers.Heun)
+            if f.name in gen_kw and f.name != "num_steps"}
+    sampler = gen_kw.pop("sampler", None) or solvers.Heun(num_steps, **heun)
+    num_steps = sampler.num_steps
     guide_path, guide_ema = gen_kw.pop("guide_path", None), gen_kw.pop("guide_ema", None)
     guidance = gen_kw.pop("guidance", 1.0)
     interval = gen_kw.pop("guidance_interval", None)
@@ -206,7 +211,8 @@ def _eval_net(net_path: str, seeds: list[int], names: list[str], *, ema: str | N
     settings = dict(
         net=desc, guide=guide_path and f"{guide_path} ema={guide_ema}", guidance=guidance,
         guidance_interval=interval, seeds=stream.seeds_spec(seeds), num_images=len(seeds),
-        metrics=sorted(names), num_steps=num_steps, sampler=gen_kw,
+        metrics=sorted(names), num_steps=num_steps,
+        sampler={**gen_kw, **solvers.settings(sampler)},
         vae=getattr(metric_kw.get("vae"), "path", None),
         dinov2=metric_kw.get("dinov2") if "fd_dinov2" in names else None,
         cls=[data_config, repr(metric_kw.get("classifier_config"))] if "cls" in names else None,
@@ -235,7 +241,7 @@ def _eval_net(net_path: str, seeds: list[int], names: list[str], *, ema: str | N
           + " (the first batch includes compiling the sampler and the feature networks)")
     batches = seed_images.generate_images(net, variables, todo, outdir=outdir,
                                        batch_size=batch_size, guide=guide, guidance=guidance,
-                                       num_steps=num_steps, all_processes=False, vae=vae,
+                                       sampler=sampler, all_processes=False, vae=vae,
                                        progress=log, **gen_kw)
     run = stream.stream_features(gen, batches, state_path, settings, len(share))
     images_here, seconds = stream.sum_over_processes([run["images"], run["seconds"]])

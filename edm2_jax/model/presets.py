@@ -38,6 +38,10 @@ TRAINING_PRESETS = {
                P_mean=p["P"][0], P_std=p["P"][1], total_kimg=p["dur"] * Mi / 1000)
     for name, p in _TABLE.items()}
 
+# Adam's settings in every preset (the paper's Sec. 2.3 and the release's training loop):
+# the one source of these values for the run's optimiser and any objective's own.
+ADAM = dict(beta1=0.9, beta2=0.99, eps=1e-8)
+
 # Parameter counts of the released networks (docs/recipe.md §3); tests check them.
 PARAM_COUNTS = {
     "img64-xs": 124_710_949, "img64-s": 280_209_381, "img64-m": 497_803_173,

@@ -28,6 +28,7 @@ the schedule, `--preset`, `--models`, `--guidance_interval`), as does `--mode=ph
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -37,8 +38,9 @@ from absl import app, flags
 
 from edm2_jax import nets, paths
 from edm2_jax.modes import common
-from edm2_jax.sampling import guidance, presets, seed_images
-from edm2_jax.sampling.sampler import check_schedule, save_image_grid
+from edm2_jax.sampling import guidance, presets, seed_images, solvers
+from edm2_jax.sampling.sampler import save_image_grid
+from edm2_jax.sampling.schedule import RHO, SIGMA_MAX, SIGMA_MIN
 from edm2_jax.training import sharding
 
 FLAGS = flags.FLAGS
@@ -54,13 +56,13 @@ flags.DEFINE_integer("batch", 64, "generate: images per batch (split over device
 flags.DEFINE_integer("steps", 32, "generate/eval: sampler steps N (Heun: 2N-1 network "
                      "evaluations; a few-step student's sampler: N evaluations, by default "
                      "the steps it was distilled for).")
-flags.DEFINE_enum("sampler", "auto", ["auto", "heun", "consistency"], "generate/eval: 'heun' "
-                  "(the EDM sampler), 'consistency' (the few-step sampler of a distilled "
-                  "student: --steps evaluations on the teacher's grid of --teacher_steps; of "
-                  "a diffusion net, DDIM on that grid), or 'auto': 'consistency' for a "
-                  "student (configs/distill.py), 'heun' otherwise.")
-flags.DEFINE_integer("teacher_steps", None, "generate/eval: with --sampler=consistency, the "
-                     "teacher's grid of Heun steps (default: the student's, else 32).")
+flags.DEFINE_enum("sampler", "auto", ["auto", *solvers.SAMPLERS], "generate/eval: 'heun' "
+                  "(the EDM sampler), 'few_step' (the few-step sampler of a distilled "
+                  "student or generator: --steps evaluations on the teacher's grid of "
+                  "--teacher_steps; of a diffusion net, DDIM on that grid), or 'auto': the "
+                  "sampler the network was trained for (its objective's).")
+flags.DEFINE_integer("teacher_steps", None, "generate/eval: with --sampler=few_step, the "
+                     "teacher's grid of Heun steps (default: the network's own, else 32).")
 flags.DEFINE_string("vae", None, "generate, eval, phema_sweep: the SD VAE that decodes a latent (img512) net's "
                     "samples: its diffusion_pytorch_model.safetensors / .bin or diffusers folder.")
 flags.DEFINE_string("guide", None, "generate/eval: guide network (unconditional for CFG, smaller/earlier for autoguidance).")
@@ -70,12 +72,12 @@ flags.DEFINE_float("S_churn", 0.0, "generate: stochastic churn.")
 flags.DEFINE_float("S_min", 0.0, "generate: churn lower sigma.")
 flags.DEFINE_float("S_max", float("inf"), "generate: churn upper sigma.")
 flags.DEFINE_float("S_noise", 1.0, "generate: churn noise scale.")
-flags.DEFINE_float("sigma_min", 0.002, "generate/eval: lowest noise level of the sampler's schedule.")
-flags.DEFINE_float("sigma_max", 80.0, "generate/eval: highest noise level of the sampler's schedule.")
+flags.DEFINE_float("sigma_min", SIGMA_MIN, "generate/eval: lowest noise level of the sampler's schedule.")
+flags.DEFINE_float("sigma_max", SIGMA_MAX, "generate/eval: highest noise level of the sampler's schedule.")
 flags.DEFINE_enum("rng", "jax", ["jax", "release"], "generate/eval: per-seed noise and labels "
                   "from JAX keys, or drawn as the release's per-seed torch generator does "
                   "(a converted release net then gives the release's image for a seed).")
-flags.DEFINE_float("rho", 7.0, "generate/eval: time-step exponent of the schedule (EDM Eq. 5).")
+flags.DEFINE_float("rho", RHO, "generate/eval: time-step exponent of the schedule (EDM Eq. 5).")
 
 
 def parse_guidance_interval(text) -> tuple[float, float] | None:
@@ -188,54 +190,47 @@ def network_flags(resolved: presets.ResolvedPreset | None) -> dict:
                 guide_ema=FLAGS.guide_ema, guidance=FLAGS.guidance)
 
 
-def few_step_flags() -> dict | None:
-    """The few-step sampler's settings (`seed_images.generate_images` kwargs) when
-    `--sampler` asks for it, or is 'auto' and `--net` is a distilled student
-    (`nets.net_sampler`); None for the Heun sampler. A student's own grid and
-    steps unless `--steps`, `--teacher_steps`, `--sigma_min`, `--sigma_max`, `--rho` are
-    given. Raises ValueError for Heun-only flags (churn, a guidance interval) with it."""
-    if FLAGS.sampler == "heun":
-        return None
-    own = nets.net_sampler(FLAGS.net) if FLAGS.net else {}
-    student = own if own.get("sampler") == "consistency" else None
-    if FLAGS.sampler == "auto" and student is None:
-        return None
-    kw = dict(student or dict(sampler="consistency", num_steps=4, teacher_steps=32,
-                              sigma_min=0.002, sigma_max=80.0, rho=7.0))
-    for flag, key in (("steps", "num_steps"), ("teacher_steps", "teacher_steps"),
-                      ("sigma_min", "sigma_min"), ("sigma_max", "sigma_max"), ("rho", "rho")):
-        if FLAGS[flag].present or (student is None and flag == "steps"):
-            kw[key] = getattr(FLAGS, flag)
-    if FLAGS.S_churn or FLAGS.guidance_interval:
-        raise ValueError("the few-step sampler is deterministic with one evaluation per "
-                         "step: drop --S_churn and --guidance_interval (or pass "
-                         "--sampler=heun)")
-    return dict(kw, rng=FLAGS.rng)
+def own_sampler() -> solvers.Sampler | None:
+    """The sampler `--net` was trained to be sampled with (`nets.net_sampler`), or None
+    without `--net`."""
+    return nets.net_sampler(FLAGS.net) if FLAGS.net else None
 
 
 def sampler_flags(resolved: presets.ResolvedPreset | None = None) -> dict:
-    """The sampler's settings from the flags (`seed_images.generate_images` kwargs): a
-    few-step student's (`few_step_flags`), else the EDM sampler's, with the guidance
-    interval of `resolved` when a preset is given. Checked here, before any network is
-    read or anything computed: raises ValueError naming the flags for a schedule that
-    is none (e.g. `--steps=0`)."""
-    few = few_step_flags() if resolved is None else None
-    kw = few if few is not None else dict(
-        num_steps=FLAGS.steps, sigma_min=FLAGS.sigma_min, sigma_max=FLAGS.sigma_max,
-        rho=FLAGS.rho, S_churn=FLAGS.S_churn, S_min=FLAGS.S_min, S_max=FLAGS.S_max,
-        S_noise=FLAGS.S_noise, rng=FLAGS.rng,
-        guidance_interval=(resolved.guidance_interval if resolved
-                           else FLAGS.guidance_interval))
+    """The sampler's settings from the flags (`seed_images.generate_images` kwargs:
+    `sampler`, a `solvers` value, `rng` and `guidance_interval`). `--sampler=auto`: the
+    network's own (`nets.net_sampler`), its settings replaced by those flags given;
+    `--sampler=heun` or `few_step`: that sampler from the flags over its defaults (a
+    network's own grid for `few_step` where it has one). A preset: the Heun sampler with
+    its guidance interval. Checked here, before any network is read or anything
+    computed: raises ValueError naming the flags for a schedule that is none (e.g.
+    `--steps=0`), or for churn or a guidance interval with a sampler without them."""
+    interval = resolved.guidance_interval if resolved else FLAGS.guidance_interval
+    own = None if resolved else own_sampler()
+    name = FLAGS.sampler if FLAGS.sampler != "auto" else (own.name if own else "heun")
+    cls = solvers.SAMPLERS[name]
+    base = own if isinstance(own, cls) else None
+    fields = {f.name for f in dataclasses.fields(cls)}
+    given = {f: getattr(FLAGS, f) for f in SAMPLER_FLAGS if f in fields
+             and (FLAGS[f].present or base is None) and getattr(FLAGS, f) is not None}
+    if FLAGS["steps"].present or base is None:
+        given["num_steps"] = FLAGS.steps
+    if cls is not solvers.Heun and (FLAGS.S_churn or interval):
+        raise ValueError(f"--sampler={name} is deterministic with one evaluation per step: "
+                         f"drop --S_churn and --guidance_interval (or pass --sampler=heun)")
     try:
-        check_schedule(kw.get("sampler", "heun"), kw["num_steps"], kw.get("teacher_steps"),
-                       kw["sigma_min"], kw["sigma_max"], kw["rho"])
+        sampler = dataclasses.replace(base, **given) if base else cls(**given)
     except ValueError as e:
-        raise ValueError(f"--steps={kw['num_steps']} --sigma_min={kw['sigma_min']} "
-                         f"--sigma_max={kw['sigma_max']} --rho={kw['rho']}"
-                         + (f" --teacher_steps={kw['teacher_steps']}"
-                            if "teacher_steps" in kw else "")
-                         + f": {e}") from None
-    return kw
+        shown = " ".join(f"--{f}={getattr(FLAGS, f)}" for f in SHOWN_FLAGS
+                         if f == "steps" or f in fields and getattr(FLAGS, f) is not None)
+        raise ValueError(f"{shown}: {e}") from None
+    return dict(sampler=sampler, rng=FLAGS.rng, guidance_interval=interval)
+
+
+# The flags that set a sampler's field of the same name (`solvers.Heun`, `FewStep`).
+SAMPLER_FLAGS = ("teacher_steps", "sigma_min", "sigma_max", "rho", "S_churn", "S_min",
+                 "S_max", "S_noise")
+SHOWN_FLAGS = ("steps", "sigma_min", "sigma_max", "rho", "teacher_steps")  # in its errors
 
 
 def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | None = None,
@@ -258,10 +253,8 @@ def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | N
         paths.check_output_file(grid, "--grid")
     vae = nets.check_vae(net_path, vae_path, guide_path)
     net, variables, desc = nets.load_net(net_path, ema)
-    steps = sampler_kw.get("num_steps", 32)
-    how = (f"the few-step sampler, {steps} evaluation(s)"
-           if sampler_kw.get("sampler") == "consistency" else
-           f"the Heun sampler, {steps} steps ({2 * steps - 1} evaluations)")
+    sampler = sampler_kw.get("sampler") or solvers.Heun(sampler_kw.get("num_steps", 32))
+    how = sampler.describe()
     print(f"Generating {len(seed_list)} images from {desc} with {how}"
           + (f", decoded by the SD VAE {vae.path}" if vae else ""))
     guide = nets.load_guide(guide_path, guide_ema, guidance)

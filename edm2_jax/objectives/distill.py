@@ -36,9 +36,10 @@ import jax.numpy as jnp
 
 from edm2_jax.model import loss as loss_lib
 from edm2_jax.model.networks import CONFIG_FIELDS, Precond
-from edm2_jax.sampling import consistency
+from edm2_jax.objectives.base import Objective, StartNetwork, field
+from edm2_jax.sampling import consistency, solvers
 from edm2_jax.sampling.heun import heun_step
-from edm2_jax.sampling.sampler import check_schedule
+from edm2_jax.sampling.schedule import RHO, SIGMA_MAX, SIGMA_MIN
 
 Array = jax.Array
 DenoiseFn = Callable[[Array, Array], Array]  # (x [B,H,W,C], sigma [B]) -> D [B,H,W,C]
@@ -143,91 +144,121 @@ def distill_objective(params: Any, buffers: Any, net: Precond, teacher_params: A
 # --------------------------------------------------------------------------------------
 # The objective
 
+# The distillation objectives' config section `distill` (and a student network's record
+# of it): the teacher (a run, snapshot, post-hoc EMA or converted network; `teacher_ema`
+# a run's EMA, default its largest), the student's `steps` and the teacher's sampler
+# grid of `teacher_steps` EDM steps of sigma_min, sigma_max, rho.
+DISTILL_FIELDS = dict(teacher="", teacher_ema="", steps=4, teacher_steps=32,
+                      sigma_min=SIGMA_MIN, sigma_max=SIGMA_MAX, rho=RHO)
+TEACHER_FLAG = "--config.distill.teacher"
 
-class ConsistencyDistillation:
-    """The `Objective` of a distillation run (`objectives.Objective`): the student starts
-    as the teacher `distill.teacher` (EMA `distill.teacher_ema`), whose weights the train
-    state keeps frozen as `'teacher'`; the loss is `distill_objective`; its networks are
-    sampled with the few-step sampler of its grid (`sampling.consistency`).
 
-    `distill`: the `config.distill` section (or the dict a config.json or network.json
-    records); `sigma_data`: the loss's (`config.loss.sigma_data`)."""
+class ConsistencyDistillation(Objective):
+    """Multistep consistency distillation (`config.objective='consistency'`): the student
+    starts as the teacher `distill.teacher` (EMA `distill.teacher_ema`), whose weights
+    the train state keeps frozen as `'teacher'`; the loss is `distill_objective` with
+    `config.loss.sigma_data`; its networks are sampled with the few-step sampler of its
+    grid (`solvers.FewStep`)."""
 
     name = "consistency"
-    state_keys: tuple[str, ...] = ("teacher",)
-    trained_keys: tuple[str, ...] = ()
-    num_draws = 1
-    metadata_key = "distill"
-    init_role, init_flag = "teacher", "--config.distill.teacher"
-    # The teacher's Heun step (2), the stopped student at x_r (1; computed for every
-    # image, used where r > s), the student's forward and backward pass (3).
-    forward_passes = 6
+    section = "distill"
 
-    def __init__(self, distill: Any, sigma_data: float = 0.5):
-        self.distill, self.sigma_data = distill, float(sigma_data)
+    @classmethod
+    def section_fields(cls) -> dict:
+        return dict(DISTILL_FIELDS)
 
     def check(self) -> None:
         """Raise ValueError naming the flag when the student's grid is not one."""
-        check_grid(self.distill)
+        check_distill(self.config)
 
-    def init_network(self) -> tuple[str, str]:
-        """The teacher: `(distill.teacher, distill.teacher_ema)`."""
-        return teacher_source(self.distill)
+    def start(self) -> StartNetwork:
+        """The teacher: `distill.teacher`, `distill.teacher_ema`."""
+        return teacher_network(self.config)
 
     def describe(self) -> str:
-        return (teacher_line(self.distill) + f"; student: {self.distill['steps']} step(s) on a grid of "
-                f"{self.distill['teacher_steps']} Heun steps")
+        return (teacher_line(self.config) + f"; student: {self.get('distill.steps')} step(s) "
+                f"on a grid of {self.get('distill.teacher_steps')} Heun steps")
 
-    def state_extras(self, params: Any) -> dict:
+    def init_state(self, params: Any) -> dict:
         """The teacher's frozen weights: the student's initial `params`."""
         return {"teacher": params}
 
-    def loss(self, params: Any, buffers: Any, net: Any, extras: dict, images: Array,
-             labels: Array | None, *, rnd_normal: Array, noise_unit: Array,
-             dropout_rng: Array | None, batch_size: int) -> tuple[Array, dict]:
-        """`distill_objective` with the teacher `extras['teacher']` on the grid."""
+    def loss(self, params: Any, buffers: Any, net: Any, state: dict, images: Array,
+             labels: Array | None, *, draws: dict, dropout_rng: Array | None,
+             batch_size: int) -> tuple[Array, dict]:
+        """`distill_objective` with the teacher `state['teacher']` on the grid."""
         return distill_objective(
-            params, buffers, net, extras["teacher"], images, labels, rnd_normal=rnd_normal,
-            noise_unit=noise_unit, dropout_rng=dropout_rng, sigma_data=self.sigma_data,
-            batch_size=batch_size, **grid_settings(self.distill))
+            params, buffers, net, state["teacher"], images, labels,
+            rnd_normal=draws["rnd_normal"], noise_unit=draws["noise_unit"],
+            dropout_rng=dropout_rng, sigma_data=float(self.get("loss.sigma_data", 0.5)),
+            batch_size=batch_size, **grid_settings(self.config))
 
-    def apply_gradients(self, extras: dict, grads: dict, nimg: Any) -> tuple[dict, dict]:
-        """Nothing: no train-state entry of its own is trained."""
-        return {}, {}
-
-    def sampler_kwargs(self, heun_steps: int) -> dict:
+    def sampler(self, heun_steps: int) -> solvers.FewStep:
         """The student's few-step sampler (its own steps, whatever `heun_steps`)."""
-        return consistency.sampler_kwargs(self.distill)
+        return few_step_sampler(self.config)
+
+    def flops_per_image(self, forward_flops: float) -> float:
+        """The teacher's Heun step (2 passes), the stopped student at `x_r` (1; computed
+        for every image, used where `r > s`), the student's forward and backward (3)."""
+        return 6 * forward_flops
 
 
-def check_grid(distill: Any) -> None:
-    """Raise ValueError naming the `--config.distill` flags when the few-step sampler's
-    grid of `distill` (`grid_settings`) is not one (`sampler.check_schedule`)."""
-    g = grid_settings(distill)
+def check_distill(config: Any) -> None:
+    """Raise ValueError naming the `--config.distill` flag when a field of the `distill`
+    section is out of range or the few-step sampler's grid is not one."""
+    d = field(config, "distill", {})
+
+    def need(ok: bool, name: str, what: str) -> None:
+        if not ok:
+            raise ValueError(f"--config.distill.{name}={d.get(name)!r}: {what}")
+
+    def number(name: str) -> float | None:
+        v = d.get(name)
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    steps = d.get("steps")
+    need(isinstance(steps, int) and steps >= 1, "steps",
+         "a number of sampling steps >= 1, e.g. 4")
+    need(isinstance(d.get("teacher_steps"), int) and d["teacher_steps"] >= max(2, steps),
+         "teacher_steps", f"the teacher's Heun steps, >= 2 and >= distill.steps ({steps}), "
+         f"e.g. 32")
+    lo, hi = number("sigma_min"), number("sigma_max")
+    need(lo is not None and lo > 0, "sigma_min", "a positive noise level, e.g. 0.002")
+    need(hi is not None and hi > lo, "sigma_max",
+         f"a noise level above distill.sigma_min ({lo}), e.g. 80")
+    need((number("rho") or 0) > 0, "rho", "must be positive, e.g. 7")
     try:
-        check_schedule("consistency", g["steps"], g["teacher_steps"], g["sigma_min"],
-                       g["sigma_max"], g["rho"])
+        few_step_sampler(config)
     except ValueError as e:
-        raise ValueError(f"--config.distill: {e} (distill.steps={g['steps']}, "
-                         f"distill.teacher_steps={g['teacher_steps']})") from None
+        raise ValueError(f"--config.distill: {e} (distill.steps={steps}, "
+                         f"distill.teacher_steps={d.get('teacher_steps')})") from None
 
 
-def teacher_source(distill: Any) -> tuple[str, str]:
-    """`(distill.teacher, distill.teacher_ema)`: where a distillation run's teacher is read."""
-    return str(distill["teacher"]), str(distill.get("teacher_ema", "") or "")
+def teacher_network(config: Any) -> StartNetwork:
+    """The teacher a distillation run starts from (`distill.teacher`, `teacher_ema`)."""
+    return StartNetwork(str(field(config, "distill.teacher", "")),
+                        str(field(config, "distill.teacher_ema", "") or ""), "teacher",
+                        TEACHER_FLAG)
 
 
-def teacher_line(distill: Any) -> str:
+def teacher_line(config: Any) -> str:
     """'Teacher: PATH (EMA X)', the first part of a distillation objective's description."""
-    path, ema = teacher_source(distill)
-    return f"Teacher: {path}" + (f" (EMA {ema})" if ema else "")
+    t = teacher_network(config)
+    return f"Teacher: {t.path}" + (f" (EMA {t.ema})" if t.ema else "")
 
 
-def grid_settings(distill: Any) -> dict:
-    """The student's sampler settings (`GRID_FIELDS`) of a `distill` section (a
+def grid_settings(config: Any) -> dict:
+    """The student's sampler settings (`GRID_FIELDS`) of a config's `distill` section (a
     ConfigDict or the dict of a config.json/network.json)."""
-    return {k: (int if k in ("steps", "teacher_steps") else float)(distill[k])
-            for k in GRID_FIELDS}
+    d = field(config, "distill", {})
+    return {k: (int if k in ("steps", "teacher_steps") else float)(d[k]) for k in GRID_FIELDS}
+
+
+def few_step_sampler(config: Any) -> solvers.FewStep:
+    """The few-step sampler of a config's `distill` grid. Raises ValueError where the
+    grid or the step count is none."""
+    g = grid_settings(config)
+    return solvers.FewStep(g.pop("steps"), **g)
 
 
 def network_config(net: Precond) -> dict:

@@ -46,11 +46,15 @@ import numpy as np
 import optax
 
 from edm2_jax.model import loss as loss_lib
+from edm2_jax.model import presets
 from edm2_jax.model.mp import force_normalize
 from edm2_jax.model.networks import Precond
-from edm2_jax.objectives.distill import (check_grid, grid_index, grid_settings,
-                                         teacher_line, teacher_source)
-from edm2_jax.sampling import consistency
+from edm2_jax.objectives.base import Objective, StartNetwork
+from edm2_jax.objectives.distill import (DISTILL_FIELDS, check_distill, few_step_sampler,
+                                         grid_index, grid_settings, teacher_line,
+                                         teacher_network)
+from edm2_jax.sampling import consistency, solvers
+from edm2_jax.sampling.schedule import RHO, SIGMA_MAX, SIGMA_MIN
 
 Array = jax.Array
 DenoiseFn = Callable[[Array, Array], Array]  # (x [B,H,W,C], sigma [B]) -> D [B,H,W,C]
@@ -60,7 +64,7 @@ DenoiseFn = Callable[[Array, Array], Array]  # (x [B,H,W,C], sigma [B]) -> D [B,
 # sigma 80 to 0.002, rho 7 (DMD, arXiv:2311.18828, Sec. 4: timesteps 20 to 980 of 1000),
 # whatever the generator's own grid.
 DM_RANGE = (0.02, 0.98)
-DM_SCHEDULE = dict(sigma_min=0.002, sigma_max=80.0, rho=7.0)
+DM_SCHEDULE = dict(sigma_min=SIGMA_MIN, sigma_max=SIGMA_MAX, rho=RHO)
 # The smallest DMD normaliser (mean |x0 - D_real|): guards against division by zero.
 MIN_SCALE = 1e-8
 # Draws per image (`rnd_normal` [B, 3], `noise_unit` [B, 3, H, W, C]): the generator's
@@ -202,10 +206,11 @@ def dmd_objective(params: Any, buffers: Any, net: Precond, extras: dict,
     return jnp.sum(per_image) / n, metrics
 
 
-def fake_optimizer(fake_lr: float, beta1: float = 0.9, beta2: float = 0.99,
-                   eps: float = 1e-8) -> optax.GradientTransformation:
+def fake_optimizer(fake_lr: float, beta1: float = presets.ADAM["beta1"],
+                   beta2: float = presets.ADAM["beta2"],
+                   eps: float = presets.ADAM["eps"]) -> optax.GradientTransformation:
     """The fake denoiser's optimiser: non-finite gradient entries set to 0, then Adam at
-    the constant learning rate `fake_lr` (the EDM2 optimiser's betas and eps)."""
+    the constant learning rate `fake_lr` (by default the EDM2 optimiser's betas and eps)."""
     finite = optax.stateless(lambda g, _: jax.tree.map(
         lambda x: jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x)), g))
     return optax.chain(finite, optax.scale_by_adam(b1=beta1, b2=beta2, eps=eps),
@@ -215,82 +220,94 @@ def fake_optimizer(fake_lr: float, beta1: float = 0.9, beta2: float = 0.99,
 # --------------------------------------------------------------------------------------
 # The objective
 
+# The fake denoiser's learning rate by default (`distill.fake_lr`).
+FAKE_LR = 0.01
 
-class DistributionMatching:
-    """The `Objective` of a DMD2 run (`objectives.Objective`; `distill.objective='dmd'`):
-    the generator starts as the teacher `distill.teacher` (EMA `distill.teacher_ema`),
-    whose weights the train state keeps frozen as `'teacher'`; the fake denoiser
-    `'fake'` starts as the teacher too and is trained by the same loss with its Adam
-    state `'fake_opt'` (`fake_optimizer`, `distill.fake_lr`); the loss is
-    `dmd_objective`; its networks are sampled with the few-step sampler of its grid.
 
-    `distill`: the `config.distill` section (or the dict a config.json or network.json
-    records); `sigma_data`: the loss's; `optim`: the run's `config.optim` (its betas and
-    eps), or None for the defaults."""
+class DistributionMatching(Objective):
+    """DMD2's distribution matching (`config.objective='dmd'`): the generator starts as
+    the teacher `distill.teacher` (EMA `distill.teacher_ema`), whose weights the train
+    state keeps frozen as `'teacher'`; the fake denoiser `'fake'` starts as the teacher
+    too and is trained by the same loss with its Adam state `'fake_opt'`
+    (`fake_optimizer` at `distill.fake_lr`, the betas and eps of `config.optim`); the
+    loss is `dmd_objective`; its networks are sampled with the few-step sampler of its
+    grid."""
 
     name = "dmd"
-    state_keys: tuple[str, ...] = ("teacher", "fake", "fake_opt")
-    trained_keys: tuple[str, ...] = ("fake",)
-    num_draws = NUM_DRAWS
-    metadata_key = "distill"
-    init_role, init_flag = "teacher", "--config.distill.teacher"
+    section = "distill"
+    trained = ("fake",)
 
-    def __init__(self, distill: Any, sigma_data: float = 0.5, optim: Any = None):
-        self.distill, self.sigma_data = distill, float(sigma_data)
-        optim = optim or {}
-        self.tx = fake_optimizer(float(distill.get("fake_lr", 0.01)),
-                                 float(optim.get("beta1", 0.9)), float(optim.get("beta2", 0.99)),
-                                 float(optim.get("eps", 1e-8)))
+    def __init__(self, config: Any):
+        super().__init__(config)
+        adam = {k: float(self.get(f"optim.{k}", v)) for k, v in presets.ADAM.items()}
+        self.tx = fake_optimizer(self.fake_lr, **adam)
 
     @property
-    def forward_passes(self) -> int:
-        """The generator's `K - 1` stopped steps (computed for every image, masked) and
-        its forward and backward pass (3), the real and the fake denoiser at `x_t` (2),
-        the fake's forward and backward pass (3): `K + 7`."""
-        return int(self.distill["steps"]) + 7
+    def fake_lr(self) -> float:
+        return float(self.get("distill.fake_lr", FAKE_LR))
+
+    @classmethod
+    def section_fields(cls) -> dict:
+        return dict(DISTILL_FIELDS, fake_lr=FAKE_LR)
 
     def check(self) -> None:
         """Raise ValueError naming the flag when the sampler's grid is not one or the
         fake denoiser's learning rate is not positive."""
-        check_grid(self.distill)
-        if not float(self.distill.get("fake_lr", 0.01)) > 0:
-            raise ValueError(f"--config.distill.fake_lr={self.distill.get('fake_lr')}: the "
-                             f"fake denoiser's learning rate must be positive, e.g. 0.01")
+        check_distill(self.config)
+        v = self.get("distill.fake_lr", FAKE_LR)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+            raise ValueError(f"--config.distill.fake_lr={v!r}: the fake denoiser's "
+                             f"learning rate, positive, e.g. {FAKE_LR}")
 
-    def init_network(self) -> tuple[str, str]:
-        """The teacher: `(distill.teacher, distill.teacher_ema)`."""
-        return teacher_source(self.distill)
+    def start(self) -> StartNetwork:
+        """The teacher: `distill.teacher`, `distill.teacher_ema`."""
+        return teacher_network(self.config)
 
     def describe(self) -> str:
-        return (teacher_line(self.distill) + f"; distribution matching (DMD2): a {self.distill['steps']}-step generator, "
-                f"fake denoiser at learning rate {float(self.distill.get('fake_lr', 0.01))}")
+        return (teacher_line(self.config) + f"; distribution matching (DMD2): a "
+                f"{self.get('distill.steps')}-step generator, fake denoiser at learning "
+                f"rate {self.fake_lr}")
 
-    def state_extras(self, params: Any) -> dict:
+    def init_state(self, params: Any) -> dict:
         """The teacher's frozen weights (the generator's initial `params`), the fake
         denoiser (the same, force-normalised) and its Adam state."""
         fake = force_normalize(params)
         return {"teacher": params, "fake": fake, "fake_opt": self.tx.init(fake)}
 
-    def loss(self, params: Any, buffers: Any, net: Any, extras: dict, images: Array,
-             labels: Array | None, *, rnd_normal: Array, noise_unit: Array,
-             dropout_rng: Array | None, batch_size: int) -> tuple[Array, dict]:
+    def draws(self, k_sigma: Array, k_noise: Array, images_shape: tuple[int, ...]) -> dict:
+        """`NUM_DRAWS` per image: `rnd_normal` `[B, 3]`, `noise_unit` `[B, 3, H, W, C]`."""
+        shape = (images_shape[0], NUM_DRAWS)
+        return {"rnd_normal": jax.random.normal(k_sigma, shape, jnp.float32),
+                "noise_unit": jax.random.normal(k_noise, shape + tuple(images_shape[1:]),
+                                                jnp.float32)}
+
+    def loss(self, params: Any, buffers: Any, net: Any, state: dict, images: Array,
+             labels: Array | None, *, draws: dict, dropout_rng: Array | None,
+             batch_size: int) -> tuple[Array, dict]:
         """`dmd_objective` (the clean `images` are not read: the generator and the fake
         denoiser see only generated images; the labels are the data's)."""
-        return dmd_objective(params, buffers, net, extras, labels, rnd_normal=rnd_normal,
-                             noise_unit=noise_unit, dropout_rng=dropout_rng,
-                             sigma_data=self.sigma_data, batch_size=batch_size,
-                             **grid_settings(self.distill))
+        return dmd_objective(params, buffers, net, state, labels,
+                             rnd_normal=draws["rnd_normal"], noise_unit=draws["noise_unit"],
+                             dropout_rng=dropout_rng,
+                             sigma_data=float(self.get("loss.sigma_data", 0.5)),
+                             batch_size=batch_size, **grid_settings(self.config))
 
-    def apply_gradients(self, extras: dict, grads: dict, nimg: Array) -> tuple[dict, dict]:
+    def update(self, state: dict, grads: dict, nimg: Array) -> tuple[dict, dict]:
         """The fake denoiser's Adam step on its gradient `grads['fake']`, its weights
         force-normalised after it (so that the next loss sees normalised weights, as
         the generator's step does, EDM2 Eq. 66). Returns the new `'fake'`, `'fake_opt'`
         and the logged `fake_grad_norm`."""
-        updates, opt = self.tx.update(grads["fake"], extras["fake_opt"], extras["fake"])
-        fake = force_normalize(optax.apply_updates(extras["fake"], updates))
+        updates, opt = self.tx.update(grads["fake"], state["fake_opt"], state["fake"])
+        fake = force_normalize(optax.apply_updates(state["fake"], updates))
         return ({"fake": fake, "fake_opt": opt},
                 {"fake_grad_norm": optax.tree.norm(grads["fake"])})
 
-    def sampler_kwargs(self, heun_steps: int) -> dict:
+    def sampler(self, heun_steps: int) -> solvers.FewStep:
         """The generator's few-step sampler (its own steps, whatever `heun_steps`)."""
-        return consistency.sampler_kwargs(self.distill)
+        return few_step_sampler(self.config)
+
+    def flops_per_image(self, forward_flops: float) -> float:
+        """The generator's `K - 1` stopped steps (computed for every image, masked) and
+        its forward and backward pass (3), the real and the fake denoiser at `x_t` (2),
+        the fake's forward and backward pass (3): `K + 7` passes."""
+        return (int(self.get("distill.steps")) + 7) * forward_flops

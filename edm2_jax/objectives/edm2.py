@@ -8,54 +8,25 @@ from typing import Any
 import jax
 
 from edm2_jax.model import loss as loss_lib
+from edm2_jax.objectives.base import Objective
 
 Array = jax.Array
 
 
-class EDM2:
-    """The `Objective` of an EDM2 training run (`objectives.Objective`).
-
-    `loss_config`: a mapping with `P_mean`, `P_std`, `sigma_data` (`config.loss`)."""
+class EDM2(Objective):
+    """The objective of an EDM2 training run: `model.loss.edm2_objective` with the
+    settings of `config.loss` (`P_mean`, `P_std`, `sigma_data`). Everything else is the
+    interface's default (`base.Objective`)."""
 
     name = "edm2"
-    state_keys: tuple[str, ...] = ()
-    trained_keys: tuple[str, ...] = ()
-    num_draws = 1
-    metadata_key = None
-    init_role = init_flag = None
-    forward_passes = 3   # the network's forward and backward pass
 
-    def __init__(self, loss_config: Any):
-        self.loss_config = loss_config
-
-    def check(self) -> None:
-        """Nothing beyond `configs.validate`."""
-
-    def init_network(self) -> None:
-        """A freshly initialised network."""
-        return None
-
-    def describe(self) -> None:
-        return None
-
-    def state_extras(self, params: Any) -> dict:
-        return {}
-
-    def loss(self, params: Any, buffers: Any, net: Any, extras: dict, images: Array,
-             labels: Array | None, *, rnd_normal: Array, noise_unit: Array,
-             dropout_rng: Array | None, batch_size: int) -> tuple[Array, dict]:
+    def loss(self, params: Any, buffers: Any, net: Any, state: dict, images: Array,
+             labels: Array | None, *, draws: dict, dropout_rng: Array | None,
+             batch_size: int) -> tuple[Array, dict]:
         """`model.loss.edm2_objective` at the step's draws (`rnd_normal` `[B]` the noise
         levels' normal draws, `noise_unit` `[B, H, W, C]`)."""
-        lc = self.loss_config
         return loss_lib.edm2_objective(
-            params, buffers, net, images, labels, P_mean=lc["P_mean"], P_std=lc["P_std"],
-            sigma_data=lc["sigma_data"], train=True, rnd_normal=rnd_normal,
-            noise_unit=noise_unit, dropout_rng=dropout_rng, batch_size=batch_size)
-
-    def apply_gradients(self, extras: dict, grads: dict, nimg: Any) -> tuple[dict, dict]:
-        """Nothing: no train-state entry of its own is trained."""
-        return {}, {}
-
-    def sampler_kwargs(self, heun_steps: int) -> dict:
-        """The EDM Heun sampler of `heun_steps` steps."""
-        return {"num_steps": int(heun_steps)}
+            params, buffers, net, images, labels, P_mean=self.get("loss.P_mean"),
+            P_std=self.get("loss.P_std"), sigma_data=self.get("loss.sigma_data"),
+            train=True, rnd_normal=draws["rnd_normal"], noise_unit=draws["noise_unit"],
+            dropout_rng=dropout_rng, batch_size=batch_size)

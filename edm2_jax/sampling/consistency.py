@@ -20,34 +20,22 @@ image depends on its seed alone.
 """
 from __future__ import annotations
 
-from typing import Mapping
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from edm2_jax.sampling.guidance import Denoiser
-from edm2_jax.sampling.schedule import edm_sigma_steps
+from edm2_jax.sampling.schedule import RHO, SIGMA_MAX, SIGMA_MIN, edm_sigma_steps
 
 Array = jax.Array
 
 
-def sampler_kwargs(distill: Mapping) -> dict:
-    """The `sampler.sample_images` settings of a student from its `distill` record (a
-    run's `config.distill`, or a student network's metadata): `sampler='consistency'`,
-    `num_steps` (its `steps`), `teacher_steps`, `sigma_min`, `sigma_max`, `rho`."""
-    return dict(sampler="consistency", num_steps=int(distill["steps"]),
-                teacher_steps=int(distill["teacher_steps"]),
-                sigma_min=float(distill["sigma_min"]), sigma_max=float(distill["sigma_max"]),
-                rho=float(distill["rho"]))
-
-
-def grid_sigmas(teacher_steps: int = 32, sigma_min: float = 0.002, sigma_max: float = 80.0,
-                rho: float = 7.0) -> np.ndarray:
+def grid_sigmas(teacher_steps: int = 32, sigma_min: float = SIGMA_MIN,
+                sigma_max: float = SIGMA_MAX, rho: float = RHO) -> np.ndarray:
     """The teacher's noise levels `sigma_0 > ... > sigma_{N-1} = sigma_min > sigma_N = 0`,
     `N = teacher_steps`: the EDM sampler's schedule (Karras et al. 2022, Eq. 5).
 
-    Returns host float64 `[N + 1]`. Raises ValueError as `sampler.edm_sigma_steps`
+    Returns host float64 `[N + 1]`. Raises ValueError as `schedule.edm_sigma_steps`
     (`N >= 2`, `0 < sigma_min < sigma_max`, `rho > 0`)."""
     return edm_sigma_steps(teacher_steps, sigma_min, sigma_max, rho)
 
@@ -81,15 +69,16 @@ def ddim_step(x_t: Array, x0_hat: Array, t: Array, s: Array) -> Array:
 
 
 def consistency_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
-                        num_steps: int = 4, teacher_steps: int = 32, sigma_min: float = 0.002,
-                        sigma_max: float = 80.0, rho: float = 7.0) -> Array:
+                        num_steps: int = 4, teacher_steps: int = 32,
+                        sigma_min: float = SIGMA_MIN, sigma_max: float = SIGMA_MAX,
+                        rho: float = RHO) -> Array:
     """The multistep consistency sampler (arXiv:2403.06807, Algorithm 2, deterministic):
     `num_steps` network evaluations from `x = sigma_max * noise` to a clean image.
 
     Args:
       denoise: `denoise(x [B,H,W,C] f32, sigma scalar f32, labels) -> x0_hat` (the
         student, e.g. `guidance.make_denoiser`; guided if that denoiser is).
-      noise: `[B, H, W, C]` unit Gaussian noise (e.g. `sampler.seed_noise`).
+      noise: `[B, H, W, C]` unit Gaussian noise (e.g. `seeds.seed_noise`).
       labels: passed to `denoise` unchanged.
       num_steps: `K`, the number of segments (and evaluations).
       teacher_steps, sigma_min, sigma_max, rho: the grid the student was distilled on

@@ -2,7 +2,7 @@
 ("Elucidating the Design Space of Diffusion-Based Generative Models", Algorithms 1-2):
 one step (`heun_step`, per image; the teacher's step of consistency distillation,
 `objectives/distill.py`) and the whole sampler as a plain loop (`heun_sampler_reference`,
-the reference that `sampler.edm_sampler`, one `fori_loop` of network evaluations, is
+the reference that `solvers.edm_sampler`, one `fori_loop` of network evaluations, is
 tested equal to)."""
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from edm2_jax.sampling.guidance import Denoiser, guided_steps
-from edm2_jax.sampling.sampler import (_churn_gamma, _churn_source, _denoised, _raise_noise,
+from edm2_jax.sampling.solvers import (_churn_gamma, _churn_source, _denoised, _raise_noise,
                                        _sampler_interval)
-from edm2_jax.sampling.schedule import edm_sigma_steps
+from edm2_jax.sampling.schedule import RHO, SIGMA_MAX, SIGMA_MIN, edm_sigma_steps
 
 Array = jax.Array
 DenoiseFn = Callable[[Array, Array], Array]  # (x [B,H,W,C], sigma [B] or []) -> D(x; sigma)
@@ -44,8 +44,8 @@ def _evaluate(denoise: Denoiser, x: Array, sigma: Array, *, labels, guided: bool
 
 
 def heun_sampler_reference(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
-                           num_steps: int = 32, sigma_min: float = 0.002,
-                           sigma_max: float = 80.0, rho: float = 7.0, S_churn: float = 0.0,
+                           num_steps: int = 32, sigma_min: float = SIGMA_MIN,
+                           sigma_max: float = SIGMA_MAX, rho: float = RHO, S_churn: float = 0.0,
                            S_min: float = 0.0, S_max: float = float("inf"),
                            S_noise: float = 1.0,
                            churn_noise: Callable[[Array], Array] | None = None,

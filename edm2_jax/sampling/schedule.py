@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
+# The EDM schedule's defaults (Karras et al. 2022, Table 1: sigma_min 0.002, sigma_max 80,
+# rho 7), the one source of these values for every sampler and grid.
+SIGMA_MIN, SIGMA_MAX, RHO = 0.002, 80.0, 7.0
 
-def edm_sigma_steps(num_steps: int = 32, sigma_min: float = 0.002, sigma_max: float = 80.0,
-                    rho: float = 7.0) -> np.ndarray:
+
+def edm_sigma_steps(num_steps: int = 32, sigma_min: float = SIGMA_MIN,
+                    sigma_max: float = SIGMA_MAX, rho: float = RHO) -> np.ndarray:
     """Noise levels of the EDM sampler (Karras et al. 2022, Eq. 5), with `t_N = 0`.
 
     `t_i = (sigma_max^(1/rho) + i / (N-1) (sigma_min^(1/rho) - sigma_max^(1/rho)))^rho`

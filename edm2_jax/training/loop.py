@@ -139,7 +139,7 @@ class StepLoop:
         self.state, self.batch_size = run.state, int(config.batch_size)
         self.step0 = self.step = stop.step = int(run.state["step"])
         self.sched = Schedule.from_config(config)
-        self.sampler = model.start.objective.sampler_kwargs(int(config.sample.num_steps))
+        self.sampler = model.start.objective.sampler(int(config.sample.num_steps))
         self.sample_key = ema_lib.ema_key(max(config.ema.sigma_rels))
         self.snapshot_keys = [self.sample_key] + ([run.eval_key] if run.eval_key else [])
         self.consensus = preemption.StopConsensus(stop, model.mesh)

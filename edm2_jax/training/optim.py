@@ -29,11 +29,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from edm2_jax.model import presets
+
 Array = jax.Array
 
 
 def learning_rate(nimg: Any, *, batch_size: int, ref_lr: float, t_ref: float,
-                  rampup_kimg: float) -> Array:
+                  rampup_kimg: float, xp: Any = jnp) -> Array:
     """EDM2 learning-rate schedule (paper Eq. 13 region, Sec. 2.4; release
     `learning_rate_schedule`).
 
@@ -49,16 +51,19 @@ def learning_rate(nimg: Any, *, batch_size: int, ref_lr: float, t_ref: float,
       ref_lr: base learning rate (alpha_ref).
       t_ref: decay start in batches (70k for img512, 35k for img64).
       rampup_kimg: ramp-up length in kimg (the release uses 10 Mimg = 10,000 kimg).
-    Returns: float32 scalar (JAX array).
+      xp: `jax.numpy` (the step's float32 schedule) or `numpy` (the same formula in
+        float64 on the host, e.g. a config's learning rate at a given image count).
+    Returns: float32 scalar (JAX array); with `xp=numpy` a float64 NumPy scalar.
     """
     if batch_size <= 0:
         raise ValueError(f"learning_rate: batch_size must be positive, got {batch_size}")
-    nimg = jnp.asarray(nimg, jnp.float32)
-    lr = jnp.asarray(ref_lr, jnp.float32)
+    dtype = xp.float32 if xp is jnp else xp.float64
+    nimg = xp.asarray(nimg, dtype)
+    lr = xp.asarray(ref_lr, dtype)
     if t_ref > 0:
-        lr = lr / jnp.sqrt(jnp.maximum(nimg / (float(t_ref) * batch_size), 1.0))
+        lr = lr / xp.sqrt(xp.maximum(nimg / (float(t_ref) * batch_size), 1.0))
     if rampup_kimg > 0:
-        lr = lr * jnp.minimum(nimg / (float(rampup_kimg) * 1e3), 1.0)
+        lr = lr * xp.minimum(nimg / (float(rampup_kimg) * 1e3), 1.0)
     return lr
 
 
@@ -172,8 +177,7 @@ def make_optimizer(optim_cfg: Any, batch_size: int,
         first = optax.GradientTransformation(lambda params: optax.EmptyState(),
                                              _stateless_update(first))
     chain = [first]
-    chain.append(optax.scale_by_adam(b1=float(_get(optim_cfg, "beta1", 0.9)),
-                                     b2=float(_get(optim_cfg, "beta2", 0.99)),
-                                     eps=float(_get(optim_cfg, "eps", 1e-8))))
+    adam = {k: float(_get(optim_cfg, k, v)) for k, v in presets.ADAM.items()}
+    chain.append(optax.scale_by_adam(b1=adam["beta1"], b2=adam["beta2"], eps=adam["eps"]))
     chain.append(scale_by_nimg_schedule(lr_fn))
     return optax.chain(*chain)

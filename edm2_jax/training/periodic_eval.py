@@ -60,8 +60,8 @@ class TrainingEval:
         self.vae = self.vae_of(config)
         # The objective's sampler: a distillation run's student's own few-step sampler.
         objective = objective or objectives.from_config(config)
-        self.sampler = objective.sampler_kwargs(self.num_steps)
-        self.num_steps = self.sampler["num_steps"]
+        self.sampler = objective.sampler(self.num_steps)
+        self.num_steps = self.sampler.num_steps
         t = time.time()
         if log:
             print(f"Evaluation during training: preparing the references of "
@@ -100,7 +100,7 @@ class TrainingEval:
         t = time.time()
         seeds = list(range(self.seed, self.seed + self.num_images))
         imgs = np.concatenate([b for _, b in seed_images.generate_images(
-            net, variables, seeds, batch_size=self.batch_size, **self.sampler,
+            net, variables, seeds, batch_size=self.batch_size, sampler=self.sampler,
             progress=False, all_processes=False, vae=self.vae)])
         res = self.metrics(imgs)
         out = {f"eval/{k}": float(v) for k, v in res.items() if not k.startswith("time_")}

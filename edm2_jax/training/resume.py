@@ -16,23 +16,36 @@ import os
 
 import ml_collections
 
+from edm2_jax import objectives
 from edm2_jax.run import layout, records
 from edm2_jax.run.records import KEPT_CONFIG  # kept in each checkpoint's record
 
-# Fields that must not change when resuming in the same workdir ...
+# Fields that must not change when resuming in the same workdir (with the config
+# section of every objective, `objectives.section_defaults`) ...
 RESUME_FIELDS = ("network", "loss", "optim", "ema", "batch_size", "seed", "data.source",
-                 "data.name", "data.split", "data.resolution", "data.use_labels", "distill")
+                 "data.name", "data.split", "data.resolution", "data.use_labels", "objective",
+                 *objectives.section_defaults())
 # ... except these prefixes: they change no array of the train state (optim.make_optimizer
 # keeps the state's structure whatever grad_clip is).
 CHANGEABLE_ON_RESUME = ("optim.",)
 # Fields added after runs existed: a config.json without one recorded this value (the
-# ablation switches at config G, docs/ablation.md).
+# ablation switches at config G, docs/ablation.md; the objectives' sections' defaults).
 ADDED_FIELDS = {"network.mp_learned_layers": True, "network.group_norm": False,
                 "network.mp_fixed_layers": True, "optim.forced_wn": True,
-                "distill.teacher": "", "distill.teacher_ema": "", "distill.steps": 4,
-                "distill.teacher_steps": 32, "distill.sigma_min": 0.002,
-                "distill.sigma_max": 80.0, "distill.rho": 7.0,
-                "distill.objective": "consistency", "distill.fake_lr": 0.01}
+                **{f"{section}.{k}": v for section, fields in
+                   objectives.section_defaults().items() for k, v in fields.items()}}
+
+
+def upgrade(config: dict) -> dict:
+    """A config.json's dict in the fields of today's configs: the objective of a run
+    recorded before `objective` was a field of its own (`objectives.name_of`), the
+    distillation section's former `objective` field dropped."""
+    config = json.loads(json.dumps(config))
+    if config.get("objective") is None:
+        config["objective"] = objectives.name_of(config)
+    if isinstance(config.get("distill"), dict):
+        config["distill"].pop("objective", None)
+    return config
 
 
 def _lookup(d: dict, dotted: str):
@@ -52,6 +65,7 @@ def config_differences(saved: dict, current: dict) -> tuple[list[str], list[str]
     `saved` and `current` config dicts, as `'field: checkpoint A vs now B'` lines, split
     by `CHANGEABLE_ON_RESUME`."""
     diffs = []
+    saved, current = upgrade(saved), upgrade(current)
     for field in RESUME_FIELDS:
         a, b = _normalise_json(_lookup(saved, field)), _normalise_json(_lookup(current, field))
         if a is None and isinstance(b, dict):  # a section added after the run started

@@ -44,13 +44,16 @@ def precision(dtype: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Start:
     """What a run starts from: its objective (`edm2_jax.objectives`), and the network
-    the objective starts it from, if any (`init_network`: path and EMA, its network
-    config read from its metadata; its weights are read only when a fresh train state
-    is made)."""
+    the objective starts it from, if any (`Objective.start()`: path, EMA, its role and
+    flag; its network config read from its metadata; its weights are read only when a
+    fresh train state is made)."""
     objective: objectives.Objective
-    init_path: str | None = None
-    init_ema: str = ""
+    network: objectives.StartNetwork | None = None
     init_config: dict | None = None
+
+    @property
+    def init_path(self) -> str | None:
+        return self.network.path if self.network else None
 
 
 def setup_objective(config: ml_collections.ConfigDict, workdir: str) -> Start:
@@ -59,25 +62,26 @@ def setup_objective(config: ml_collections.ConfigDict, workdir: str) -> Start:
     config.json there), the one config.json records, so that a resume needs nothing but
     the run; else the network's own, from its metadata alone. Raises ValueError naming
     the flag for bad settings, FileNotFoundError (naming the flag) where the network to
-    start from is not there."""
-    objective = objectives.from_config(config)
-    objective.check()
-    init = objective.init_network()
-    if init is None:
+    start from is not given or not there."""
+    objective = objectives.check_config(config)
+    network = objective.start()
+    if network is None:
         return Start(objective)
-    path, ema = init
+    if not network.path:
+        raise ValueError(f"{network.flag} is empty: the run starts from its {network.role}; "
+                         f"set {network.flag}=PATH (a run, snapshot or network checkpoint)")
     recorded = (layout.read_config(workdir) or {}).get("network")
     if recorded and layout.step_dirs(os.path.join(workdir, layout.CHECKPOINTS)):
         init_config = recorded  # a resume: the weights are in the train state
     else:
         try:
-            init_config = nets.net_config(path)
+            init_config = nets.net_config(network.path)
         except FileNotFoundError as e:
-            raise FileNotFoundError(f"{objective.init_flag}={path}: {e}") from None
+            raise FileNotFoundError(f"{network.flag}={network.path}: {e}") from None
     line = objective.describe()
     if line:
         print(line, flush=True)
-    return Start(objective, path, ema, dict(init_config))
+    return Start(objective, network, dict(init_config))
 
 
 def setup_data(config: ml_collections.ConfigDict) -> data_lib.Source:
@@ -113,7 +117,7 @@ def run_config(config: ml_collections.ConfigDict, workdir: str, start: Start,
         if config.network.get(k) == v:
             continue
         if start.init_config is not None:
-            raise ValueError(f"the {start.objective.init_role} {start.init_path} has "
+            raise ValueError(f"the {start.network.role} {start.network.path} has "
                              f"network.{k}={config.network.get(k)}, the data {source.name} "
                              f"{v}; train it on data of its own kind (--config.data.*)")
         print(f"network.{k}: {config.network.get(k)} -> {v} (from the data)")
@@ -205,10 +209,10 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Model,
     if state is not None:
         return state, True, managers
     start, variables = model.start, None
-    if start.init_path is not None:  # the network the objective starts from
-        role = start.objective.init_role
-        print(f"Loading the {role} {start.init_path}...", flush=True)
-        _, variables, desc = nets.load_net(start.init_path, start.init_ema or None)
+    if start.network is not None:  # the network the objective starts from
+        role = start.network.role
+        print(f"Loading the {role} {start.network.path}...", flush=True)
+        _, variables, desc = nets.load_net(start.network.path, start.network.ema or None)
         variables = jax.tree.map(np.asarray, dict(variables))
         print(f"{role.capitalize()}: {desc}", flush=True)
     init_fn = jax.jit(lambda r, v: init_train_state(config, model.net, model.tx, r, v,

@@ -15,6 +15,8 @@ from edm2_jax import paths
 from edm2_jax.model.networks import Precond
 from edm2_jax.run import layout
 from edm2_jax.sampling import sampler as sampling
+from edm2_jax.sampling import solvers
+from edm2_jax.sampling.seeds import split_seeds
 from edm2_jax.training import preemption
 from edm2_jax.training import sharding as shard_lib
 
@@ -28,16 +30,16 @@ def emas_on_host(state: dict, keys: list[str]) -> dict:
 
 
 def save_sample_grid(config: ml_collections.ConfigDict, net: Precond, variables: dict,
-                     path: str, sampler: dict) -> None:
+                     path: str, sampler: solvers.Sampler) -> None:
     """A `config.sample` grid of images of `variables` (one class per column) at `path`,
-    sampled with `sampler` (`sample_images` kwargs: the objective's sampler)."""
+    sampled with `sampler` (the objective's, `Objective.sampler`)."""
     rows, cols = int(config.sample.grid_rows), int(config.sample.grid_cols)
     seeds = np.arange(rows * cols) + int(config.sample.seed)
     labels = None
     if net.label_dim:
         labels = jax.nn.one_hot(np.arange(rows * cols) % net.label_dim, net.label_dim)
-    imgs = sampling.sample_images(net, variables, sampling.split_seeds(seeds), labels,
-                                  rng=str(config.sample.get("rng", "jax")), **sampler)
+    imgs = sampling.sample_images(net, variables, split_seeds(seeds), labels,
+                                  rng=str(config.sample.get("rng", "jax")), sampler=sampler)
     while not imgs.is_ready():  # waits in Python: a signal is acknowledged at once
         time.sleep(0.05)
     paths.write_through_local(  # PIL writes local files
@@ -55,7 +57,7 @@ def eval_line(nimg: int, ema_key: str, res: dict) -> str:
 def grid_and_eval(config: ml_collections.ConfigDict, net: Precond, state: dict, workdir: str,
                   nimg: int, step: int, stop: preemption.StopRequest, sample_key: str,
                   snapshot_keys: list[str], evaluator: Any, logger: Any, is_main: bool,
-                  sampler: dict) -> None:
+                  sampler: solvers.Sampler) -> None:
     """At a snapshot: the sample grid of EMA `sample_key` (process 0; `sampler`, the
     objective's) and the evaluation (`evaluator`, process 0, when configured), each
     announced as it starts, through the bar. A signal meanwhile is acknowledged at once
@@ -64,7 +66,7 @@ def grid_and_eval(config: ml_collections.ConfigDict, net: Precond, state: dict, 
     host = emas_on_host(state, snapshot_keys)  # every process
     if is_main:
         t, n = time.time(), int(config.sample.grid_rows) * int(config.sample.grid_cols)
-        steps = sampler["num_steps"]
+        steps = sampler.num_steps
         tqdm.write(f"Sample grid: {n} images of EMA sigma_rel={sample_key}, "
                    f"{steps} steps...")
         path = layout.samples_path_at(workdir, nimg)

@@ -9,7 +9,7 @@ The train state is one plain pytree (a dict):
      'params': online weights, 'buffers': MPFourier buffers (never trained),
      'opt_state': optax state, 'ema': {'power': {'0.050': ..., '0.100': ...}[, 'traditional']},
      'rng': PRNG key, plus the entries the run's objective adds (a distillation run's
-     frozen 'teacher' weights: `edm2_jax.objectives`)}
+     frozen 'teacher' weights: `edm2_jax.objectives`, `Objective.init_state`)}
 """
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ from edm2_jax.ema import power as ema_lib
 from edm2_jax.model.networks import Precond, init_variables, precond_from_config
 
 Array = jax.Array
+
+# The entries of every train state; any other is the objective's own (`init_state`).
+BASE_KEYS = ("step", "params", "buffers", "opt_state", "ema", "rng")
 
 
 def make_network(config: ml_collections.ConfigDict) -> Precond:
@@ -47,7 +50,7 @@ def init_train_state(config: ml_collections.ConfigDict, net: Precond,
     `variables` (`{'params', 'buffers'}`, e.g. a distillation run's teacher) are given,
     those as float32 (`rng` is then the state's key itself: nothing is drawn for an
     init); Adam's state; every EMA equal to the weights; and the entries `objective`
-    adds (`objectives.Objective.state_extras` of the weights; none when None)."""
+    adds (`objectives.Objective.init_state` of the weights; none when None)."""
     if variables is None:
         init_rng, state_rng = jax.random.split(rng)
         variables = init_variables(net, init_rng)
@@ -63,5 +66,5 @@ def init_train_state(config: ml_collections.ConfigDict, net: Precond,
         "ema": ema_lib.init_ema_state(params, tuple(config.ema.sigma_rels),
                                       float(config.ema.trad_halflife_kimg)),
         "rng": state_rng,
-        **(objective.state_extras(params) if objective is not None else {}),
+        **(objective.init_state(params) if objective is not None else {}),
     }

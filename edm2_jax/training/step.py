@@ -5,7 +5,7 @@
     state, metrics = step_fn(state, batch)
 
 One step: force-normalise the online weights (Eq. 66) -> the objective's loss (the EDM2
-loss, or another of `edm2_jax.objectives`, with the train-state entries it names) and
+loss, or another of `edm2_jax.objectives`, with the train-state entries it adds) and
 gradients (accumulated over micro-batches with `lax.scan` when `batch_per_device` is set)
 -> Adam with the inverse-sqrt learning rate at the images seen *before* the step -> power
 EMAs with the post-update weights at the images seen *after* it.
@@ -25,6 +25,7 @@ from edm2_jax.model.mp import force_normalize
 from edm2_jax.model.networks import Precond
 from edm2_jax.training import optim as optim_lib
 from edm2_jax.training import sharding as shard_lib
+from edm2_jax.training import state as state_lib
 
 
 def num_micro_batches(config: ml_collections.ConfigDict, num_devices: int) -> int:
@@ -68,74 +69,44 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
     """Build `train_step(state, batch) -> (state, metrics)` (not yet jitted).
 
     `batch` = `{'image': f32 [B, H, W, C] in [-1, 1], 'label': f32 [B, L]}` with
-    `B = config.batch_size`. Noise levels and noise are drawn for the whole global batch
-    from the state's rng, so the result does not depend on device count or on
+    `B = config.batch_size`. The objective's random draws are drawn for the whole global
+    batch from the state's rng, so the result does not depend on device count or on
     `num_accum` (identical math, different summation order). `objective`: what the step
-    minimises (default `objectives.from_config(config)`); `lr_fn`: the learning rate at
-    `nimg` that `tx` applies, logged as `lr` (default the schedule of `config.optim`,
-    `optim.learning_rate_schedule`). Metrics are a flat dict of float32 scalars.
+    minimises (default `objectives.from_config(config)`); the train-state entries beyond
+    `state.BASE_KEYS` are its own, those of `objective.trained` trained by its `update`.
+    `lr_fn`: the learning rate at `nimg` that `tx` applies, logged as `lr` (default the
+    schedule of `config.optim`, `optim.learning_rate_schedule`). Metrics are a flat dict
+    of float32 scalars.
     """
     batch_size = int(config.batch_size)
     sigma_rels = tuple(config.ema.sigma_rels)
     forced_wn = bool(config.optim.get("forced_wn", True))  # False: config D and before
     ema_kw = dict(sigma_rels=sigma_rels, trad_halflife_kimg=float(config.ema.trad_halflife_kimg),
                   trad_rampup_ratio=config.ema.trad_rampup_ratio)
-    # Unrolled where the backend runs an unrolled body faster (`backends.Backend`); the
-    # sums are the same in the same order either way. Likewise the logged norms' form.
+    # The logged norms' form is the backend's choice (`backends.Backend`): equal values.
     backend = backends.from_config(config)
-    unroll = num_accum if backend.unroll_micro_batches else 1
     norm = global_norm if backend.norms_in_one_reduction else optax.tree.norm
     objective = objective or objectives.from_config(config)
     lr_fn = lr_fn or optim_lib.learning_rate_schedule(config.optim, batch_size)
-
-    def loss_fn(params, trained, buffers, images, labels, rnd_normal, noise_unit,
-                dropout_rng, extras):
-        return objective.loss(params, buffers, net, {**extras, **trained}, images,
-                              labels if net.label_dim else None, rnd_normal=rnd_normal,
-                              noise_unit=noise_unit, dropout_rng=dropout_rng,
-                              batch_size=batch_size)
-
-    # The gradients in the weights and in the objective's own trained entries.
-    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
-    draws = (batch_size,) if objective.num_draws == 1 else (batch_size, objective.num_draws)
+    gradients = _gradients_fn(net, objective, batch_size, num_accum,
+                              num_accum if backend.unroll_micro_batches else 1)
 
     def train_step(state, batch):
         images, labels = batch["image"], batch["label"]
         rng, k_sigma, k_noise, k_drop = jax.random.split(state["rng"], 4)
-        rnd_normal = jax.random.normal(k_sigma, draws, jnp.float32)
-        noise_unit = jax.random.normal(k_noise, draws + images.shape[1:], jnp.float32)
+        draws = objective.draws(k_sigma, k_noise, images.shape)
         params = force_normalize(state["params"]) if forced_wn else state["params"]
-        buffers = state["buffers"]
-        trained = {k: state[k] for k in objective.trained_keys}
-        extras = {k: state[k] for k in objective.state_keys if k not in trained}  # frozen
-
-        if num_accum == 1:
-            (loss, aux), (grads, tgrads) = grad_fn(params, trained, buffers, images, labels,
-                                                   rnd_normal, noise_unit, k_drop, extras)
-        else:
-            def split(x):
-                # Micro-batch k takes every num_accum-th image, so each device's shard of
-                # the batch contributes equally to every micro-batch (no resharding).
-                return jnp.swapaxes(x.reshape(batch_size // num_accum, num_accum, *x.shape[1:]), 0, 1)
-            micro = jax.tree.map(split, (images, labels, rnd_normal, noise_unit))
-            drop_keys = jax.random.split(k_drop, num_accum)
-
-            def body(carry, xs):
-                (img, lab, rnd, noi), dk = xs
-                (l, a), g = grad_fn(params, trained, buffers, img, lab, rnd, noi, dk, extras)
-                return (jax.tree.map(jnp.add, carry[0], g), carry[1] + l), a
-
-            zeros = (jax.tree.map(jnp.zeros_like, (params, trained)), jnp.zeros((), jnp.float32))
-            ((grads, tgrads), loss), auxs = jax.lax.scan(body, zeros, (micro, drop_keys),
-                                                         unroll=unroll)
-            aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxs)
-
+        own = {k: v for k, v in state.items() if k not in state_lib.BASE_KEYS}
+        trained = {k: own[k] for k in objective.trained}
+        frozen = {k: v for k, v in own.items() if k not in trained}
+        (loss, aux), (grads, tgrads) = gradients(params, trained, frozen, state["buffers"],
+                                                 images, labels, draws, k_drop)
         nimg = state["step"].astype(jnp.float32) * batch_size
         updates, opt_state = tx.update(grads, state["opt_state"], params, nimg=nimg)
         new_params = optax.apply_updates(params, updates)
-        nimg_after = nimg + batch_size
-        ema = ema_lib.update_ema(state["ema"], new_params, nimg_after, batch_size, **ema_kw)
-        updated, obj_metrics = objective.apply_gradients({**extras, **trained}, tgrads, nimg)
+        ema = ema_lib.update_ema(state["ema"], new_params, nimg + batch_size, batch_size,
+                                 **ema_kw)
+        updated, obj_metrics = objective.update(own, tgrads, nimg)
         metrics = {"objective": loss, "lr": jnp.asarray(lr_fn(nimg), jnp.float32),
                    "grad_norm": norm(grads),
                    "update_norm": norm(updates),
@@ -146,6 +117,43 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
         return new_state, metrics
 
     return train_step
+
+
+def _gradients_fn(net: Precond, objective: objectives.Objective, batch_size: int,
+                  num_accum: int, unroll: int) -> Callable:
+    """`gradients(params, trained, frozen, buffers, images, labels, draws, dropout_rng)
+    -> ((loss, aux), (grads, trained_grads))`: the objective's loss and its gradients in
+    the weights and in its `trained` entries, summed over `num_accum` micro-batches
+    (`lax.scan`, unrolled `unroll` times; the sums are the same in the same order
+    either way) and the logged means averaged over them."""
+    def loss_fn(params, trained, buffers, images, labels, draws, dropout_rng, frozen):
+        return objective.loss(params, buffers, net, {**frozen, **trained}, images,
+                              labels if net.label_dim else None, draws=draws,
+                              dropout_rng=dropout_rng, batch_size=batch_size)
+
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+
+    def gradients(params, trained, frozen, buffers, images, labels, draws, k_drop):
+        if num_accum == 1:
+            return grad_fn(params, trained, buffers, images, labels, draws, k_drop, frozen)
+
+        def split(x):
+            # Micro-batch k takes every num_accum-th image, so each device's shard of
+            # the batch contributes equally to every micro-batch (no resharding).
+            return jnp.swapaxes(x.reshape(batch_size // num_accum, num_accum, *x.shape[1:]), 0, 1)
+        micro = jax.tree.map(split, (images, labels, draws))
+        drop_keys = jax.random.split(k_drop, num_accum)
+
+        def body(carry, xs):
+            (img, lab, drw), dk = xs
+            (l, a), g = grad_fn(params, trained, buffers, img, lab, drw, dk, frozen)
+            return (jax.tree.map(jnp.add, carry[0], g), carry[1] + l), a
+
+        zeros = (jax.tree.map(jnp.zeros_like, (params, trained)), jnp.zeros((), jnp.float32))
+        (grads, loss), auxs = jax.lax.scan(body, zeros, (micro, drop_keys), unroll=unroll)
+        return (loss, jax.tree.map(lambda a: jnp.mean(a, axis=0), auxs)), grads
+
+    return gradients
 
 
 def jit_train_step(train_step: Callable, mesh, state_sharding=None) -> Callable:

@@ -1,0 +1,273 @@
+"""The samplers as values: each is a frozen (hashable) dataclass holding its settings,
+called as `sampler(denoise, noise, labels, churn_noise=None) -> x_0`, that the image
+functions (`sampler.sample_images`, `seed_images.generate_images`) run without asking
+which it is, and that an objective returns for its networks (`objectives`).
+
+- `Heun`: the EDM sampler (Karras et al. 2022, Algorithms 1-2; `edm_sampler`, one
+  `fori_loop` of network evaluations), with churn and the guidance interval.
+- `FewStep`: `K` evaluations on a teacher's grid, a DDIM step to each segment end
+  (`consistency.consistency_sampler`): a distilled student's or generator's sampler,
+  or DDIM on any diffusion network.
+
+`SAMPLERS` names them for the command line (`--sampler`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+
+from edm2_jax.sampling import consistency
+from edm2_jax.sampling.guidance import Denoiser, check_guidance_interval, guided_steps
+from edm2_jax.sampling.schedule import RHO, SIGMA_MAX, SIGMA_MIN, edm_sigma_steps
+
+Array = jax.Array
+
+
+def edm_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
+                num_steps: int = 32, sigma_min: float = SIGMA_MIN, sigma_max: float = SIGMA_MAX,
+                rho: float = RHO, S_churn: float = 0.0, S_min: float = 0.0,
+                S_max: float = float("inf"), S_noise: float = 1.0,
+                churn_noise: Callable[[Array], Array] | None = None,
+                rng: Array | None = None,
+                guidance_interval: tuple[float, float] | None = None) -> Array:
+    """EDM Heun sampler (Karras et al. 2022, Algorithms 1 and 2) from unit noise to `x_0`.
+
+    Starts at `x = noise * t_0` and integrates the probability-flow ODE
+    `dx/dt = (x - D(x; t)) / t` over `edm_sigma_steps(...)` with Heun's 2nd-order method;
+    the last step (to `t_N = 0`) is a plain Euler step, so `denoise` is evaluated
+    `2 N - 1` times. Steps with `S_min <= t_i <= S_max` first raise the noise level to
+    `t_hat = (1 + gamma) t_i`, `gamma = min(S_churn / N, sqrt(2) - 1)`, by adding
+    `sqrt(t_hat^2 - t_i^2) S_noise eps`, `eps ~ N(0, I)` (`S_churn = 0`: deterministic).
+    The `2 N - 1` evaluations are one `lax.fori_loop` whose body evaluates `denoise` once
+    (even iterations: the Euler predictor of step `i`, odd: Heun's corrector), so the
+    compiled program holds one copy of the network; with a guidance interval
+    (`guided_steps`), one loop for each of the up to three ranges unguided / guided /
+    unguided, and the unguided ones call `denoise(..., guided=False)` (the main net alone:
+    the guide is not evaluated there). A predictor and a corrector differ only in what they
+    select: the arithmetic is Algorithm 1's as `heun.heun_sampler_reference` writes it.
+
+    Args:
+      denoise: `denoise(x [B,H,W,C] f32, sigma scalar f32, labels) -> D [B,H,W,C]`,
+        e.g. from `make_denoiser`; with an interval that leaves steps unguided it must
+        also take `guided=False` (the main net alone), as `make_denoiser`'s do.
+      noise: `[B, H, W, C]` unit Gaussian noise (e.g. `seed_noise`).
+      labels: passed through to `denoise` unchanged (`[B, label_dim]` one-hot or None).
+      num_steps, sigma_min, sigma_max, rho: the schedule `N`, see `edm_sigma_steps`.
+      S_churn, S_min, S_max, S_noise: stochasticity (Karras et al. 2022, Sec. 4).
+      churn_noise: `churn_noise(i int32 scalar) -> eps` of `noise.shape` for step `i`
+        (e.g. `seed_churn_noise`, independent of batch size); or else
+      rng: a PRNG key; step `i` then draws from `fold_in(rng, i)` for the whole batch.
+      guidance_interval: `(sigma_lo, sigma_hi)` (`guided_steps`), by default that of
+        `denoise` (`make_denoiser(guidance_interval=...)`); None: every step as `denoise`.
+    Returns: `x_0` `[B, H, W, C]` float32.
+    Raises: ValueError when `S_churn > 0` and neither `churn_noise` nor `rng` is given,
+      on a bad interval (`guided_steps`), or one other than `denoise`'s.
+    """
+    t_host = edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)
+    a, b = guided_steps(_sampler_interval(denoise, guidance_interval), t_host)
+    t_steps = jnp.asarray(t_host, jnp.float32)
+    churn = _churn_source(S_churn, churn_noise, rng, noise.shape)
+
+    def increase_noise(i, x_cur, t_cur):
+        if churn is None:
+            return x_cur, t_cur
+        gamma_i = jnp.where((S_min <= t_cur) & (t_cur <= S_max),
+                            _churn_gamma(S_churn, num_steps), 0.0)
+        return _raise_noise(x_cur, t_cur, gamma_i, churn(i).astype(jnp.float32), S_noise)
+
+    def evaluation(e, carry, guided=True):
+        # Evaluation e of the 2N-1: the predictor of step i = e // 2 when e is even (from
+        # x = x_i; also the last step's Euler step), its corrector when e is odd (at the
+        # predictor's x = x_{i+1}^Euler). Carry: x (x_i, or the predictor's Euler estimate
+        # after a predictor), x_hat, t_hat and d_cur of step i's predictor.
+        x, x_hat, t_hat, d_cur = carry
+        i, corrector = e // 2, e % 2 == 1
+        t_cur, t_next = t_steps[i], t_steps[i + 1]
+        x_hat_i, t_hat_i = increase_noise(i, x, t_cur)
+        x_hat = jnp.where(corrector, x_hat, x_hat_i)
+        t_hat = jnp.where(corrector, t_hat, t_hat_i)
+        x_in = jnp.where(corrector, x, x_hat)
+        t_in = jnp.where(corrector, t_next, t_hat)
+        d = (x_in - _denoised(denoise, x_in, t_in, labels, guided)) / t_in  # or d_prime
+        euler = x_hat + (t_next - t_hat) * d
+        heun = x_hat + (t_next - t_hat) * (0.5 * d_cur + 0.5 * d)
+        return (jnp.where(corrector, heun, euler), x_hat, t_hat,
+                jnp.where(corrector, d_cur, d))
+
+    x = jnp.asarray(noise, jnp.float32) * t_steps[0]
+    carry = (x, x, t_steps[0], jnp.zeros_like(x))
+    evaluations = 2 * num_steps - 1  # the last step (to t_N = 0) is Euler only
+    for start, stop, guided in ((0, 2 * a, False), (2 * a, 2 * b, True),
+                                (2 * b, evaluations, False)):
+        if min(stop, evaluations) > start:
+            carry = jax.lax.fori_loop(start, min(stop, evaluations), functools.partial(
+                evaluation, guided=guided), carry)
+    return carry[0]
+
+
+def _sampler_interval(denoise: Denoiser,
+                      guidance_interval: tuple[float, float] | None) -> Any:
+    """The sampler's guidance interval: the one given, else the denoiser's own
+    (`make_denoiser(guidance_interval=...)`). Raises: ValueError when both are given and
+    differ."""
+    own = getattr(denoise, "guidance_interval", None)
+    if guidance_interval is None:
+        return own
+    if own is not None and check_guidance_interval(guidance_interval) != own:
+        raise ValueError(f"guidance_interval={guidance_interval} but the denoiser's is {own}; "
+                         f"pass it once (to make_denoiser)")
+    return guidance_interval
+
+
+def _churn_source(S_churn: float, churn_noise: Callable[[Array], Array] | None,
+                  rng: Array | None, shape: Sequence[int]) -> Callable[[Array], Array] | None:
+    """`i -> eps` of `shape`, the unit noise of step `i`'s churn: `churn_noise` if given,
+    else drawn from `fold_in(rng, i)`; None when `S_churn <= 0` (a deterministic sampler).
+    Raises: ValueError when `S_churn > 0` and neither is given."""
+    if not S_churn > 0:
+        return None
+    if churn_noise is not None:
+        return churn_noise
+    if rng is None:
+        raise ValueError("S_churn > 0 needs churn noise: pass churn_noise="
+                         "seed_churn_noise(seeds, shape) or rng=jax.random.PRNGKey(...)")
+    return lambda i: jax.random.normal(jax.random.fold_in(rng, i), shape)
+
+
+def _churn_gamma(S_churn: float, num_steps: int) -> float:
+    """`gamma = min(S_churn / N, sqrt(2) - 1)` (Karras et al. 2022, Algorithm 2)."""
+    return min(S_churn / num_steps, math.sqrt(2) - 1)
+
+
+def _raise_noise(x: Array, t: Array, gamma_i: Array, eps: Array,
+                 S_noise: float) -> tuple[Array, Array]:
+    """Churn (Karras et al. 2022, Algorithm 2): `(x_hat, t_hat)`, `t_hat = (1 + gamma_i) t`
+    and `x_hat = x + sqrt(t_hat^2 - t^2) S_noise eps`; `x`, `eps` `[B, H, W, C]`, `t`,
+    `gamma_i` float32 scalars."""
+    t_hat = t + gamma_i * t
+    # sqrt(t_hat^2 - t^2) written without the cancellation, which under XLA's fused
+    # multiply-adds can go slightly negative (NaN) when gamma_i = 0.
+    std = t * jnp.sqrt(gamma_i * (2 + gamma_i))
+    return x + std * S_noise * eps, t_hat
+
+
+def _denoised(denoise: Denoiser, x: Array, sigma: Array, labels: Array | None,
+              guided: bool) -> Array:
+    """`D(x; sigma)` as float32: guided, or (`guided=False`, a Python bool) the main net
+    alone, `denoise(..., guided=False)`."""
+    out = denoise(x, sigma, labels) if guided else denoise(x, sigma, labels, guided=False)
+    return out.astype(jnp.float32)
+
+
+
+# ---------------------------------------------------------------------------------------
+# The samplers as values.
+
+@dataclasses.dataclass(frozen=True)
+class Heun:
+    """The EDM Heun sampler (`edm_sampler`) of `num_steps` steps, `2 num_steps - 1`
+    network evaluations, on the schedule `sigma_min`, `sigma_max`, `rho` (EDM Eq. 5),
+    with churn `S_churn`, `S_min`, `S_max`, `S_noise` (EDM Sec. 4; 0: deterministic).
+    Raises ValueError at construction for a schedule that is none (`edm_sigma_steps`)."""
+
+    name = "heun"
+    num_steps: int = 32
+    sigma_min: float = SIGMA_MIN
+    sigma_max: float = SIGMA_MAX
+    rho: float = RHO
+    S_churn: float = 0.0
+    S_min: float = 0.0
+    S_max: float = float("inf")
+    S_noise: float = 1.0
+
+    def __post_init__(self):
+        _normalise(self, num_steps=int, sigma_min=float, sigma_max=float, rho=float,
+                   S_churn=float, S_min=float, S_max=float, S_noise=float)
+        edm_sigma_steps(self.num_steps, self.sigma_min, self.sigma_max, self.rho)
+
+    @property
+    def evaluations(self) -> int:
+        """Network evaluations per image: two per step, one for the last."""
+        return 2 * self.num_steps - 1
+
+    @property
+    def stochastic(self) -> bool:
+        return self.S_churn > 0
+
+    @property
+    def schedule_steps(self) -> int:
+        """The steps of the schedule the release's per-seed churn draws follow."""
+        return self.num_steps
+
+    def with_steps(self, num_steps: int) -> "Heun":
+        return dataclasses.replace(self, num_steps=int(num_steps))
+
+    def describe(self) -> str:
+        return (f"the Heun sampler, {self.num_steps} steps ({self.evaluations} "
+                f"evaluations)")
+
+    def __call__(self, denoise: Denoiser, noise: Array, labels: Array | None = None, *,
+                 churn_noise: Callable[[Array], Array] | None = None) -> Array:
+        """`edm_sampler` with these settings: `[B, H, W, C]` float32."""
+        return edm_sampler(denoise, noise, labels, churn_noise=churn_noise,
+                           **dataclasses.asdict(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class FewStep:
+    """The few-step sampler (`consistency.consistency_sampler`): `num_steps` network
+    evaluations, a DDIM step to each of the segment ends of the grid of `teacher_steps`
+    EDM steps of `sigma_min`, `sigma_max`, `rho`. Deterministic; no guidance interval.
+    Raises ValueError at construction for a grid or a step count that is none."""
+
+    name = "few_step"
+    num_steps: int = 4
+    teacher_steps: int = 32
+    sigma_min: float = SIGMA_MIN
+    sigma_max: float = SIGMA_MAX
+    rho: float = RHO
+
+    def __post_init__(self):
+        _normalise(self, num_steps=int, teacher_steps=int, sigma_min=float, sigma_max=float,
+                   rho=float)
+        consistency.segment_bounds(self.num_steps, self.teacher_steps)
+        consistency.grid_sigmas(self.teacher_steps, self.sigma_min, self.sigma_max, self.rho)
+
+    evaluations = property(lambda self: self.num_steps)
+    stochastic = False
+
+    @property
+    def schedule_steps(self) -> int:
+        return self.teacher_steps
+
+    def with_steps(self, num_steps: int) -> "FewStep":
+        return dataclasses.replace(self, num_steps=int(num_steps))
+
+    def describe(self) -> str:
+        return f"the few-step sampler, {self.num_steps} evaluation(s)"
+
+    def __call__(self, denoise: Denoiser, noise: Array, labels: Array | None = None, *,
+                 churn_noise: Any = None) -> Array:
+        """`consistency.consistency_sampler` with these settings: `[B, H, W, C]` float32."""
+        return consistency.consistency_sampler(denoise, noise, labels,
+                                               **dataclasses.asdict(self))
+
+
+Sampler = Union[Heun, FewStep]
+# The samplers by the name the command line gives them (`--sampler`).
+SAMPLERS = {cls.name: cls for cls in (Heun, FewStep)}
+
+
+def settings(sampler: Sampler) -> dict:
+    """`{'sampler': name, **fields}`: a sampler as JSON (records, resumable state)."""
+    return {"sampler": sampler.name, **dataclasses.asdict(sampler)}
+
+
+def _normalise(obj: Any, **types: Any) -> None:
+    for k, t in types.items():   # ints and floats as such: equal settings, equal hashes
+        object.__setattr__(obj, k, t(getattr(obj, k)))
