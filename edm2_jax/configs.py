@@ -103,8 +103,7 @@ def base_config() -> ml_collections.ConfigDict:
     # 'xla' or 'cpu'; cpu_conv_grad: the 3x3-conv weight-gradient path of the CPU
     # kernels ('relayout', 'xla', 'matmul': `python benchmarks/conv_grad.py` says which
     # is fastest); cpu_barriers: the CPU kernels' fusion barriers.
-    c.backend = ml_collections.ConfigDict(dict(kernels="auto", cpu_conv_grad="relayout",
-                                               cpu_barriers=True))
+    c.backend = ml_collections.ConfigDict(dict(backends.DEFAULTS))
 
     # The training objective (edm2_jax/objectives): 'edm2' (the EDM2 loss), 'consistency'
     # (multistep consistency distillation of a teacher, objectives/distill.py) or 'dmd'

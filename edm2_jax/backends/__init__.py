@@ -28,7 +28,9 @@ from edm2_jax.backends import cpu
 from edm2_jax.model.mp import MODEL_MATH, Kernels
 
 NAMES = ("auto", "xla", "cpu")
-DEFAULTS = {"kernels": "auto", "cpu_conv_grad": "relayout", "cpu_barriers": True}
+# `config.backend`'s defaults, the one source of them.
+DEFAULTS = {"kernels": "auto", "cpu_conv_grad": cpu.DEFAULT_CONV_GRAD,
+            "cpu_barriers": cpu.DEFAULT_BARRIERS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +58,12 @@ class Backend:
     kernels: Kernels
     unroll_micro_batches: bool
     norms_in_one_reduction: bool
-    cpu_conv_grad: str = "relayout"
-    cpu_barriers: bool = True
+    cpu_conv_grad: str = cpu.DEFAULT_CONV_GRAD
+    cpu_barriers: bool = cpu.DEFAULT_BARRIERS
 
 
-def select(name: str = "auto", *, cpu_conv_grad: str = "relayout",
-           cpu_barriers: bool = True) -> Backend:
+def select(name: str = "auto", *, cpu_conv_grad: str = cpu.DEFAULT_CONV_GRAD,
+           cpu_barriers: bool = cpu.DEFAULT_BARRIERS) -> Backend:
     """The backend `name`: 'xla', 'cpu', or 'auto' ('cpu' when `jax.default_backend()` is
     'cpu', else 'xla'). `cpu_conv_grad` ('relayout' | 'xla' | 'matmul') and
     `cpu_barriers` set the CPU kernels (`backends/cpu.py`). Raises ValueError for any

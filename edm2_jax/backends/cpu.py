@@ -33,6 +33,8 @@ from edm2_jax.model import mp
 from edm2_jax.model.mp import Array, Kernels
 
 CONV_GRADS = ("relayout", "xla", "matmul")
+# The CPU kernels' defaults (benchmarks/README.md measures each choice).
+DEFAULT_CONV_GRAD, DEFAULT_BARRIERS = "relayout", True
 
 
 def barrier(fn, *args: Array, key: Array | None = None):
@@ -156,7 +158,7 @@ def _conv_matmul_bwd(res, dy):
 conv_matmul.defvjp(_conv_fwd, _conv_matmul_bwd)
 
 
-def kernels(conv_grad: str = "relayout", barriers: bool = True) -> Kernels:
+def kernels(conv_grad: str = DEFAULT_CONV_GRAD, barriers: bool = DEFAULT_BARRIERS) -> Kernels:
     """The CPU kernel set: the 3x3 convolution's weight gradient by `conv_grad` (one of
     `CONV_GRADS`), and with `barriers` the residuals of `mp_silu` and `clip_act`
     behind `barrier` (else the model's math). Raises ValueError for another

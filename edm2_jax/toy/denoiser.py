@@ -24,7 +24,7 @@ import optax
 
 from edm2_jax.ema import power as ema_lib
 from edm2_jax.model import mp
-from edm2_jax.model import networks
+from edm2_jax.model import networks, presets
 from edm2_jax.toy.data import Mixture, broadcast_sigma, ideal_denoiser, sample_mixture
 from edm2_jax.training import optim
 
@@ -144,7 +144,8 @@ def _learning_rate(settings: TrainSettings, step: Array) -> Array:
 def optimizer(settings) -> optax.GradientTransformation:
     """Adam, betas (0.9, 0.99), with `_learning_rate(settings, step)` (docs/recipe.md §4).
     `settings`: a `TrainSettings`, or any settings with `batch`, `ref_lr` and `t_ref`."""
-    return optax.adam(functools.partial(_learning_rate, settings), b1=0.9, b2=0.99, eps=1e-8)
+    return optax.adam(functools.partial(_learning_rate, settings), b1=presets.ADAM["beta1"],
+                      b2=presets.ADAM["beta2"], eps=presets.ADAM["eps"])
 
 
 def optimizer_steps(grads_fn, tx: optax.GradientTransformation, batch: int,

@@ -49,6 +49,7 @@ from edm2_jax.model import mp
 from edm2_jax.objectives import distill
 from edm2_jax.sampling import consistency, heun
 from edm2_jax.sampling import guidance as guidance_lib
+from edm2_jax.sampling.schedule import RHO, SIGMA_MIN
 from edm2_jax.toy.autoguidance import ToySettings, sample_metrics, sample_points
 from edm2_jax.toy.data import Mixture, log_prob, sample_mixture, tree_mixture
 from edm2_jax.toy.denoiser import ToyDenoiser, optimizer, optimizer_steps, train_denoiser
@@ -58,7 +59,7 @@ Array = jax.Array
 
 # The toy's sampler grid (`autoguidance.sample_points`: `edm_sampler` from sigma_max = 5 with its
 # defaults sigma_min = 0.002, rho = 7), which the students are distilled on.
-SIGMA_MIN, SIGMA_MAX, RHO = 0.002, 5.0, 7.0
+SIGMA_MAX = 5.0
 
 
 @dataclasses.dataclass(frozen=True)

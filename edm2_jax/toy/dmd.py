@@ -29,15 +29,16 @@ import numpy as np
 import optax
 
 from edm2_jax.ema import power as ema_lib
-from edm2_jax.model import mp
+from edm2_jax.model import mp, presets
 from edm2_jax.objectives import dmd
 from edm2_jax.objectives.distill import grid_index
+from edm2_jax.sampling.schedule import RHO, SIGMA_MIN
 from edm2_jax.toy.data import Mixture, sample_mixture
 from edm2_jax.toy.denoiser import ToyDenoiser, optimizer, optimizer_steps
 
 Array = jax.Array
 # The noise levels of `dm_sigma` on the toy: its sampler's range (`toy.distill`'s grid).
-TOY_DM_SCHEDULE = dict(sigma_min=0.002, sigma_max=5.0, rho=7.0)
+TOY_DM_SCHEDULE = dict(sigma_min=SIGMA_MIN, sigma_max=5.0, rho=RHO)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,7 @@ class DMDSettings:
     steps: int = 4096
     batch: int = 512
     ref_lr: float = 3e-3
-    fake_lr: float = 1e-2
+    fake_lr: float = dmd.FAKE_LR
     t_ref: int = 512
     ema_sigma_rel: float = 0.05
     chunk: int = 128
@@ -109,7 +110,8 @@ def _dmd_chunk(net, settings, steps, grid_items, mix, teacher_params, carry, rng
 
 def _optimizer(settings: DMDSettings) -> optax.GradientTransformation:
     """The generator's `denoiser.optimizer`, the fake's Adam at `fake_lr`."""
-    fake = optax.adam(settings.fake_lr, b1=0.9, b2=0.99, eps=1e-8)
+    fake = optax.adam(settings.fake_lr, b1=presets.ADAM["beta1"], b2=presets.ADAM["beta2"],
+                      eps=presets.ADAM["eps"])
     return optax.multi_transform({"gen": optimizer(settings), "fake": fake},
                                  {"gen": "gen", "fake": "fake"})
 
