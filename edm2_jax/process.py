@@ -13,12 +13,12 @@ EPYC, `benchmarks/README.md`):
   flag and would refuse to start). Never combined with several CPU devices: with the
   batch split over 2 CPU devices, programs that run many network evaluations (the
   32-step sampler, a few training steps) give wrong rows, up to 0.4 in [-1, 1] on
-  jaxlib 0.10.2, while one device is exact (`python benchmarks/repro_sampler_devices.py`,
-  `tests/test_sampling_devices.py`). So the flag is left out when `XLA_FLAGS` or
-  `EDM2_JAX_CPU_DEVICES` ask for more than one CPU device, and `auto` devices is 1 while
-  the flag is in effect; a user's `XLA_FLAGS` holding both get a warning. Sampling-only
-  modes (`--mode=generate`, `--mode=eval`) leave the flag out and use 2 devices, which
-  is faster there (`SAMPLING_MODES`).
+  jaxlib 0.10.2, while one device is exact (`tests/test_sampling_devices.py`; measured
+  with `benchmarks/repro_sampler_devices.py` of commit fe06f58). So the flag is left out
+  when `XLA_FLAGS` or `EDM2_JAX_CPU_DEVICES` ask for more than one CPU device, and `auto`
+  devices is 1 while the flag is in effect; a user's `XLA_FLAGS` holding both get a
+  warning. Sampling-only modes (`--mode=generate`, `--mode=eval`) leave the flag out and
+  use 2 devices, which is faster there (`SAMPLING_MODES`).
 - **`EDM2_JAX_MALLOC`**: the host allocator. glibc serves XLA:CPU's per-step temporary
   buffer (all activations: 368 MB for the Fashion-MNIST step) with a fresh `mmap` each
   step, faulting in ~90,000 pages: 544-595 ms per step under glibc, 414-511 ms under

@@ -10,7 +10,7 @@ The claims:
   resumes from the previous one and ends bitwise equal to an uninterrupted run.
 - A failed save (disk full) is an error naming the cause; the earlier checkpoints are
   intact and the rerun after freeing space ends bitwise equal.
-- `benchmarks/chaos.py` (slow): random SIGKILL/SIGTERM, byte flips in checkpoints and
+- `tests/chaos.py` (slow): random SIGKILL/SIGTERM, byte flips in checkpoints and
   snapshots, a second trainer started beside the first: no checkpoint corrupt or lost,
   no flip unnoticed, final state bitwise equal to an uninterrupted run.
 - Integrity: a byte flip in a checkpoint's array data is set aside and the
@@ -42,6 +42,7 @@ import jax
 import numpy as np
 import pytest
 
+from edm2_jax.run import checkpoints
 from edm2_jax.training import loop
 from tests.test_train import (FMNIST_CONFIG, REPO, TINY_OVERRIDES, _restore, _steps,
                               tiny_config, xla_cache)  # noqa: F401
@@ -117,7 +118,7 @@ def test_disk_full_while_saving_is_an_error_and_keeps_earlier_checkpoints(
     with monkeypatch.context() as m:
         m.setattr(async_path, "write_text", disk_full)
         m.setattr(async_path, "write_bytes", disk_full)
-        with pytest.raises(loop.CheckpointSaveError,
+        with pytest.raises(checkpoints.CheckpointSaveError,
                            match=r"step 4 .*No space left on device.*\[2\] are intact.*"
                                  r"disk .* GiB free of .* free disk space"):
             loop.train_and_evaluate(tiny_config(full_run["data"]), str(run))
@@ -170,7 +171,7 @@ def test_a_failed_asynchronous_save_is_reported_at_the_next_step(full_run, tmp_p
     monkeypatch.setattr(async_path, "write_text", failing(write_text))
     monkeypatch.setattr(loop.data_lib, "make_iterator", iterator)
     config = tiny_config(full_run["data"], total_kimg=0.064, snapshot_kimg=0.064)
-    with pytest.raises(loop.CheckpointSaveError,
+    with pytest.raises(checkpoints.CheckpointSaveError,
                        match=r"saving the checkpoint of step 4 .*No space left on device.*"
                              r"\[2\] are intact.*disk .* GiB free of .* free disk space"):
         loop.train_and_evaluate(config, str(run))
@@ -231,11 +232,10 @@ def test_sigterm_checkpoints_within_one_step_and_exits_0(full_run, tmp_path, xla
 
 @pytest.mark.slow
 def test_chaos_short(tmp_path, xla_cache):
-    """benchmarks/chaos.py with 4 kills, each followed by a byte flip, and a second
-    trainer started beside the first when there is time (the benchmark itself uses
-    >= 12 faults)."""
+    """tests/chaos.py with 4 kills, each followed by a byte flip, and a second trainer
+    started beside the first when there is time (the full chaos run uses >= 12 faults)."""
     r = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "chaos.py"), f"--workdir={tmp_path}",
+        [sys.executable, str(REPO / "tests" / "chaos.py"), f"--workdir={tmp_path}",
          "--kills=4", "--steps=40", "--p_flip=1", "--p_concurrent=1", f"--cache={xla_cache}",
          f"--json={tmp_path / 'r.json'}"],
         capture_output=True, text=True, cwd=REPO, timeout=1800)
