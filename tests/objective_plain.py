@@ -6,7 +6,6 @@ generation and the plan with no file of the package edited (docs/architecture.md
 "Adding a training objective")."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from edm2_jax import objectives

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from edm2_jax.training import loop
+from edm2_jax.training import loop, rescue
 from tests.test_cli_errors import assert_one_error, run_cli, tmpfs  # noqa: F401
 from tests.test_train import (FMNIST_CONFIG, REPO, TINY_OVERRIDES, _steps, make_image_folder,
                               tiny_config, xla_cache)  # noqa: F401
@@ -428,13 +428,13 @@ def test_rescue_advice_names_the_config_files_rate_when_no_rate_of_the_run_train
     from edm2_jax import configs
     cfg = tiny_config("/nonexistent", **{"optim.ref_lr": 1e30})
     only = [{"step": 0, "ref_lr": 1e30, "grad_clip": 0.0}]
-    flags, why = loop.rescue_flags(2, only, cfg, default_ref_lr=0.01)
+    flags, why = rescue.rescue_flags(2, only, cfg, default_ref_lr=0.01)
     assert flags == ["--config.resume_step=2", "--config.optim.ref_lr=0.01"], flags
     assert "config file's own" in why, why
-    flags, _ = loop.rescue_flags(2, only, cfg)
+    flags, _ = rescue.rescue_flags(2, only, cfg)
     assert flags[1] == f"--config.optim.ref_lr={configs.base_config().optim.ref_lr:g}"
     trained = [{"step": 0, "ref_lr": 0.003, "grad_clip": 0.0}, {**only[0], "step": 2}]
-    flags, _ = loop.rescue_flags(2, trained, cfg, default_ref_lr=0.01)
+    flags, _ = rescue.rescue_flags(2, trained, cfg, default_ref_lr=0.01)
     assert flags[1] == "--config.optim.ref_lr=0.003"
 
 

@@ -28,13 +28,11 @@ from edm2_jax import data as data_lib
 from edm2_jax import paths
 from edm2_jax.ema import power as ema_lib
 from edm2_jax.run import checkpoints, layout, lock
-from edm2_jax.run.checkpoints import CheckpointSaveError  # noqa: F401 (raised by train_and_evaluate)
 from edm2_jax.run.stats import StatsLogger
 from edm2_jax.training import preemption
 from edm2_jax.training import probes
 from edm2_jax.training import resume
-from edm2_jax.training.rescue import (default_rate, optim_history, rescue_flags,  # noqa: F401
-                                      rescue_hint)
+from edm2_jax.training.rescue import optim_history, rescue_hint
 from edm2_jax.training import setup
 from edm2_jax.training import sharding as shard_lib
 from edm2_jax.training import step as step_lib
@@ -334,7 +332,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     `log_line()`, a line to print about the process (or None). None: all devices.
     `default_ref_lr`: the config file's own `optim.ref_lr`, before overrides (the CLI
     passes it), which the advice after a divergence names when no lower rate of the run
-    has trained (`default_rate`).
+    has trained (`rescue.default_rate`).
 
     Faults: SIGTERM/SIGINT finish the current step (or sample grid; a snapshot's grid not
     yet begun is skipped), save a checkpoint and return (all processes stop at the same
