@@ -13,14 +13,15 @@ Modes (`--mode`; each with its flags in `edm2_jax/modes/`):
 Config fields are overridden with `--config.field=value`, e.g. `--config.total_kimg=100`.
 
 Sets up the process first (`process.py`: XLA flags, host allocator, CPU devices, the
-compilation cache, a bounded exit), then runs the mode; an error a user can act on is
-one `error:` line, exit status 1 (`modes/common.py`).
+compilation cache), then runs the mode and ends within a bounded time
+(`process_exit.py`); an error a user can act on is one `error:` line, exit status 1
+(`modes/common.py`).
 """
 from __future__ import annotations
 
 import sys
 
-from edm2_jax import process
+from edm2_jax import process, process_exit
 
 
 def start_line(argv: list[str]) -> str | None:
@@ -75,10 +76,10 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["verbosity"].present:
-        process.quiet_background_errors()
+        process_exit.quiet_background_errors()
     process.enable_compilation_cache()
     rc = common.report_errors(_dispatch)
-    process.exit_bounded(rc)
+    process_exit.exit_bounded(rc)
     return rc
 
 

@@ -53,9 +53,8 @@ EPYC, `benchmarks/README.md`):
 The allocator and the device count must be in place before the process starts, so
 `reexec()` restarts it once (same PID, same command line) with them.
 
-How `python -m edm2_jax.main` ends is set here too: `quiet_background_errors` (Orbax's
-background noise summarised in one line) and `exit_bounded` (background threads still
-running `EXIT_GRACE_S` after the end are abandoned with one line, never waited for).
+This module sets the process up; how it ends (Orbax's background noise summarised in one
+line, an exit bounded in time) is `process_exit.py`'s.
 """
 from __future__ import annotations
 
@@ -65,8 +64,6 @@ import platform
 import sys
 from importlib import metadata
 from typing import Callable
-
-from edm2_jax.process_exit import exit_bounded, quiet_background_errors  # noqa: F401
 
 MALLOC_ENV = "EDM2_JAX_MALLOC"
 DEVICES_ENV = "EDM2_JAX_CPU_DEVICES"

@@ -1,6 +1,7 @@
-"""How an entry point's process ends (`edm2_jax.main` calls these through `process`):
-Orbax's background noise after a failed save or restore kept to one line, and an exit
-bounded in time however many of its saver threads still run."""
+"""How an entry point's process ends (`edm2_jax.main` calls these around its mode;
+`process.py` sets the process up): Orbax's background noise after a failed save or
+restore kept to one line, and an exit bounded in time however many of its saver threads
+still run."""
 from __future__ import annotations
 
 import logging as std_logging

@@ -332,8 +332,8 @@ def test_unretrieved_future_errors_of_a_failed_save_are_quiet():
     """The futures of a failed asynchronous save, collected at exit with their exception
     unread, print nothing once the entry point has quieted background errors."""
     code = ("import asyncio, gc\n"
-            "from edm2_jax import process\n"
-            "process.quiet_background_errors()\n"
+            "from edm2_jax import process_exit\n"
+            "process_exit.quiet_background_errors()\n"
             "async def fail():\n"
             "    raise OSError(28, 'No space left on device')\n"
             "async def save():\n"
