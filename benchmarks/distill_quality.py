@@ -99,7 +99,7 @@ def main() -> None:
         rows.append((f"teacher, Heun {n}", a.teacher, ["--sampler=heun", f"--steps={n}"],
                      a.metrics if n == 32 else a.baseline_metrics, 2 * n - 1))
     for k in steps:
-        rows.append((f"teacher, DDIM {k}", a.teacher, ["--sampler=consistency", f"--steps={k}"],
+        rows.append((f"teacher, DDIM {k}", a.teacher, ["--sampler=few_step", f"--steps={k}"],
                      a.baseline_metrics, k))
         rows.append((f"student {k}", os.path.join(a.workdir, f"k{k}"), [], a.metrics, k))
     ref = []

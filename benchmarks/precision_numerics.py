@@ -372,7 +372,7 @@ def sampler_comparison(config, variables: dict, seeds, num_steps: int = 32) -> d
     eps = forward_tol(roundings)
 
     # The injected errors along the f32 trajectory (the schedule and Heun steps of
-    # `sampler.edm_sampler`, float32 on the device).
+    # `solvers.edm_sampler`, float32 on the device).
     t_steps = schedule.edm_sigma_steps(num_steps)
     shape = (net32.img_resolution, net32.img_resolution, net32.img_channels)
     labels = seeds_lib.random_labels(seeds, net32.label_dim) if net32.label_dim else None

@@ -6,7 +6,7 @@ Classifier-free guidance and autoguidance share one form (Karras et al. 2024,
 Kynkaeaenniemi et al. 2024, "Applying Guidance in a Limited Interval Improves Sample and
 Distribution Quality in Diffusion Models" (arXiv:2404.07724), apply it only on the sampler
 steps of a middle range of noise levels and use the main net alone on the others:
-`guided_steps` says which steps of a schedule those are; `sampler.edm_sampler` runs them.
+`guided_steps` says which steps of a schedule those are; `solvers.edm_sampler` runs them.
 
     denoise = make_denoiser(net, variables, guide_net, guide_variables, guidance=2.0,
                             guidance_interval=(0.28, 1.61))
