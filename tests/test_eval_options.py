@@ -18,6 +18,7 @@ from edm2_jax import main as main_lib
 from edm2_jax import nets
 from edm2_jax.modes import generate as generate_mode
 from edm2_jax.model.networks import init_variables, precond_from_config
+from edm2_jax.sampling import solvers
 from edm2_jax.sampling.sampler import sample_images
 from tests.testdata import golden
 
@@ -76,12 +77,13 @@ def test_command_line_passes_guidance_seeds_and_schedule(monkeypatch):
     ev = dispatch(["--mode=eval", "--net=N", "--guide=G", "--guidance=1.4", "--seeds=5-9",
                    "--rho=5", "--sigma_max=40", "--S_churn=3", "--metrics=cls"], monkeypatch)
     assert (ev["guide_path"], ev["guidance"], ev["seeds"], ev["num_images"]) == ("G", 1.4, "5-9", None)
-    assert (ev["rho"], ev["sigma_max"], ev["sigma_min"], ev["S_churn"]) == (5.0, 40.0, 0.002, 3.0)
+    assert ev["sampler"] == solvers.Heun(32, sigma_min=0.002, sigma_max=40.0, rho=5.0,
+                                         S_churn=3.0)
     ev = dispatch(["--mode=eval", "--images=D", "--subset_seed=123"], monkeypatch)
     assert (ev["subset_seed"], ev["seeds"], ev["num_images"]) == (123, None, 50000)
     gen = dispatch(["--mode=generate", "--net=N", "--outdir=O", "--sigma_min=0.05", "--rho=9",
                     "--S_noise=1.003", "--rng=release"], monkeypatch)
-    assert (gen["sigma_min"], gen["rho"], gen["S_noise"], gen["num_steps"]) == (0.05, 9.0, 1.003, 32)
+    assert gen["sampler"] == solvers.Heun(32, sigma_min=0.05, rho=9.0, S_noise=1.003)
     assert gen["rng"] == "release" and ev["rng"] == "jax"
 
 

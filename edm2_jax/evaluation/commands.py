@@ -212,7 +212,8 @@ def _eval_net(net_path: str, seeds: list[int], names: list[str], *, ema: str | N
         net=desc, guide=guide_path and f"{guide_path} ema={guide_ema}", guidance=guidance,
         guidance_interval=interval, seeds=stream.seeds_spec(seeds), num_images=len(seeds),
         metrics=sorted(names), num_steps=num_steps,
-        sampler={**gen_kw, **solvers.settings(sampler)},
+        sampler={**gen_kw, **{k: v for k, v in solvers.settings(sampler).items()
+                              if k != "num_steps"}},
         vae=getattr(metric_kw.get("vae"), "path", None),
         dinov2=metric_kw.get("dinov2") if "fd_dinov2" in names else None,
         cls=[data_config, repr(metric_kw.get("classifier_config"))] if "cls" in names else None,

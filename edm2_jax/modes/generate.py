@@ -215,7 +215,7 @@ def sampler_flags(resolved: presets.ResolvedPreset | None = None) -> dict:
              and (FLAGS[f].present or base is None) and getattr(FLAGS, f) is not None}
     if FLAGS["steps"].present or base is None:
         given["num_steps"] = FLAGS.steps
-    if cls is not solvers.Heun and (FLAGS.S_churn or interval):
+    if not cls.takes_churn_and_interval and (FLAGS.S_churn or interval):
         raise ValueError(f"--sampler={name} is deterministic with one evaluation per step: "
                          f"drop --S_churn and --guidance_interval (or pass --sampler=heun)")
     try:

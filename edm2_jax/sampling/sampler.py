@@ -145,7 +145,7 @@ def _check_sample_options(sampler: solvers.Sampler,
     if not isinstance(sampler, tuple(solvers.SAMPLERS.values())):
         raise ValueError(f"sampler={sampler!r}: pass a sampler value of "
                          f"edm2_jax.sampling.solvers ({', '.join(solvers.SAMPLERS)})")
-    if guidance_interval is not None and not isinstance(sampler, solvers.Heun):
+    if guidance_interval is not None and not sampler.takes_churn_and_interval:
         raise ValueError(f"{sampler.describe()} has no guidance interval: drop "
                          f"guidance_interval")
     if rng not in ("jax", "release"):

@@ -176,6 +176,8 @@ class Heun:
     Raises ValueError at construction for a schedule that is none (`edm_sigma_steps`)."""
 
     name = "heun"
+    # Churn and a guidance interval are settings of this sampler (`sample_images`).
+    takes_churn_and_interval = True
     num_steps: int = 32
     sigma_min: float = SIGMA_MIN
     sigma_max: float = SIGMA_MAX
@@ -240,6 +242,7 @@ class FewStep:
 
     evaluations = property(lambda self: self.num_steps)
     stochastic = False
+    takes_churn_and_interval = False
 
     @property
     def schedule_steps(self) -> int:
