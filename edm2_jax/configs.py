@@ -26,7 +26,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.seed = 0
 
     # Network: keyword arguments of networks.Precond. dtype: the compute dtype of the
-    # U-Net's convolutions and matmuls (model/precision.py; params, EMAs and the loss are
+    # U-Net's convolutions and matmuls (analysis/precision.py; params, EMAs and the loss are
     # float32 whatever it is), a name in DTYPES; 'auto' is resolved at start-up
     # (`resolve_dtype`: bfloat16 on GPU/TPU, float32 on CPU).
     c.network = ml_collections.ConfigDict(dict(

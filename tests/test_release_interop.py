@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import pytest
 
+from edm2_jax import objectives
 from edm2_jax.run import network_dir as checkpoint
 from edm2_jax.release import convert, pickle_io
 from edm2_jax.ema import posthoc as phema
@@ -261,7 +262,7 @@ def test_release_training_state_converts_and_continues(tmp_path):
     config = _tiny_config()
     run = str(tmp_path / "run")
     assert release_mode.import_training_state(path, run, config) == 3
-    model = setup.setup_model(config)
+    model = setup.setup_model(config, setup.Start(objectives.from_config(config)))
     managers = checkpoints.TrainCheckpoints(run)
     state, resumed, managers = setup.restore_or_init(config, model, managers)
     managers.close()

@@ -35,7 +35,7 @@ from edm2_jax.training.state import init_train_state, make_network
 def precision(dtype: str) -> str:
     """The precision a network of compute dtype `dtype` trains in, as the start-up line
     says it: 'float32 compute', or e.g. 'bfloat16 compute (float32 params, EMAs, loss)'
-    (the policy of `edm2_jax/model/precision.py`)."""
+    (the policy of `edm2_jax/analysis/precision.py`)."""
     if str(dtype) == "float32":
         return "float32 compute"
     return f"{dtype} compute (float32 params, EMAs, loss)"
