@@ -1,5 +1,6 @@
-"""Scale-out (sharding.py): the `('data', 'fsdp')` mesh, FSDP shardings of params, Adam
-state and EMAs, and bfloat16 compute.
+"""Scale-out (sharding.py): the `('data', 'fsdp')` mesh, FSDP shardings of every network
+of the train state (params, Adam state, EMAs, and an objective's teacher, fake denoiser
+and its Adam state), and bfloat16 compute.
 
 The claim for every mesh is the one of data parallelism: the same step on 8 devices, with
 the batch split over all of them and (FSDP) each weight, Adam moment and EMA split along
@@ -25,9 +26,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from edm2_jax import objectives
 from edm2_jax.training import sharding as shard_lib
-from edm2_jax.training import loop
+from edm2_jax.training import loop, setup
 from edm2_jax.training import step as step_lib
+from tests.cpu_devices import tree_from_process
 from tests.test_train import (REPO, STEP_TOL, _steps, make_image_folder,  # noqa: F401
                               random_batch, random_state, state_err, step_config,
                               step_reduction_terms, tiny_config, xla_cache)
@@ -54,6 +57,22 @@ def test_fsdp_spec_splits_the_largest_divisible_axis():
     assert shard_lib.fsdp_spec((3, 3, 5, 6), 4) == P()                      # nothing divides
     assert shard_lib.fsdp_spec((), 4) == P()                                # scalars (gains)
     assert shard_lib.fsdp_spec((3, 3, 16, 32), 1) == P()                    # no FSDP
+
+
+def test_state_spec_splits_every_entry_but_counter_key_and_buffers():
+    """One rule for the whole train state: an array of any entry is split by `fsdp_spec`
+    (an objective's own entries too), those of the step counter, the PRNG key and the
+    MPFourier buffers are not, even where an axis divides fsdp (the key's 2 words at
+    fsdp 2)."""
+    def spec(top, shape, fsdp):
+        return shard_lib.state_spec((jax.tree_util.DictKey(top),), shape, fsdp)
+
+    for top in ("params", "opt_state", "ema", "teacher", "fake", "fake_opt", "anything"):
+        assert spec(top, (3, 3, 16, 32), 4) == shard_lib.fsdp_spec((3, 3, 16, 32), 4), top
+        assert spec(top, (3, 3, 16, 32), 1) == P(), top
+    assert spec("rng", (2,), 2) == P()
+    assert spec("buffers", (64,), 8) == P()
+    assert spec("step", (), 8) == P()
 
 
 def test_mesh_sizes_must_multiply_to_the_devices():
@@ -249,7 +268,7 @@ def test_fsdp_really_splits_the_state(reference, mesh_cases, case):
     for path, x in jax.tree_util.tree_leaves_with_path(ref_state):
         name = jax.tree_util.keystr(path)
         want = list(x.shape)
-        if name.split("'")[1] in shard_lib.FSDP_STATE_KEYS:
+        if name.split("'")[1] not in shard_lib.REPLICATED_STATE_KEYS:
             spec = shard_lib.fsdp_spec(x.shape, fsdp)
             if spec != P():
                 want[len(spec) - 1] //= fsdp
@@ -258,6 +277,68 @@ def test_fsdp_really_splits_the_state(reference, mesh_cases, case):
     n_weights = sum(np.ndim(x) > 0 for x in jax.tree.leaves(ref_state["params"]))
     # params + Adam mu, nu + 2 EMAs, every weight of which has 8 output channels.
     assert split == (5 * n_weights if fsdp > 1 else 0)
+
+
+def _dmd_state_shards(out: str) -> None:
+    """In a process with 8 simulated CPU devices: the shard shape of every array of a
+    DMD train state on a data 1 x fsdp 8 mesh, as the run shards it
+    (`setup.setup_model`: shapes and shardings, nothing allocated), in the state's leaf
+    order, then the bytes per device the plan counts for that state
+    (`sharding.state_bytes`)."""
+    assert jax.device_count() == 8, jax.devices()
+    config = dmd_config()
+    model = setup.setup_model(config, setup.Start(objectives.from_config(config)))
+    assert dict(model.mesh.shape) == {"data": 1, "fsdp": 8}
+    shards = [np.asarray(s.shard_shape(x.shape), np.int64) for x, s in
+              zip(jax.tree.leaves(model.abstract_state), jax.tree.leaves(model.state_sharding))]
+    np.savez(out, *shards, np.int64(shard_lib.state_bytes(model.abstract_state, 8)))
+
+
+def dmd_config():
+    """The test step's network (8 channels throughout) trained by distribution
+    matching (teacher, fake denoiser and its Adam state in the train state) at fsdp 8."""
+    config = step_config()
+    config.objective = "dmd"
+    config.distill.update(teacher="(shapes only)", steps=2, teacher_steps=4)
+    config.mesh.fsdp = 8
+    return config
+
+
+def test_fsdp_splits_every_network_of_a_dmd_state(tmp_path):
+    """On 8 devices with fsdp 8, every array of a DMD train state with an axis divisible
+    by 8 is split 8 ways along `fsdp_spec`'s axis, in the generator's params, Adam
+    moments and EMAs and in the objective's frozen teacher, fake denoiser and the fake's
+    Adam moments alike; the step counter, PRNG key and Fourier buffers are whole on
+    every device; and the bytes per device the plan counts (`sharding.state_bytes`) are
+    the sum of the shards."""
+    from edm2_jax.training import optim, state as state_lib
+    config = dmd_config()
+    objective = objectives.from_config(config)
+    assert objective.name == "dmd"
+    net = state_lib.make_network(config)
+    tx = optim.make_optimizer(config.optim, int(config.batch_size))
+    state = jax.eval_shape(lambda r: state_lib.init_train_state(config, net, tx, r,
+                                                                objective=objective),
+                           jax.random.PRNGKey(0))
+    shards, state_bytes = tree_from_process("tests.test_fsdp:_dmd_state_shards",
+                                            tmp_path / "shards.npz", (state, 0))
+    split, total = {}, 0
+    for (path, x), shard in zip(jax.tree_util.tree_leaves_with_path(state),
+                                jax.tree.leaves(shards)):
+        top, shard, want = path[0].key, list(shard), list(x.shape)
+        if top not in shard_lib.REPLICATED_STATE_KEYS and any(n % 8 == 0 for n in want):
+            want[len(shard_lib.fsdp_spec(x.shape, 8)) - 1] //= 8
+            split[top] = split.get(top, 0) + 1
+        assert shard == want, (jax.tree_util.keystr(path), shard)
+        total += int(np.prod(shard)) * np.dtype(x.dtype).itemsize
+    n_weights = sum(np.ndim(x) > 0 for x in jax.tree.leaves(state["params"]))
+    # Every weight has 8 output channels: each network's copy of it is split.
+    assert split == {"params": n_weights, "opt_state": 2 * n_weights,
+                     "ema": 2 * n_weights, "teacher": n_weights, "fake": n_weights,
+                     "fake_opt": 2 * n_weights}, split
+    assert any(np.shape(x) and np.shape(x)[-1] % 8 == 0
+               for x in jax.tree.leaves(state["buffers"]))  # divisible, yet replicated
+    assert int(state_bytes) == total
 
 
 def test_bfloat16_compute_keeps_float32_state(reference):

@@ -1,8 +1,10 @@
 """The training step and the sampler compile for real TPU slices on this CPU (libtpu,
 `edm2_jax/analysis/plan.py`), as the run shards them: a single-host v5e 2x2 and a v5p
 slice of 4 hosts with FSDP. The compiled program's shardings are the run's, its HBM holds
-the train state's own bytes split by fsdp, and every convolution and matmul of the bf16
-TPU program outside the float32 layers takes bf16 operands.
+the train state's own bytes split by fsdp (a distribution-matching state's teacher and
+fake denoiser too), and every convolution and matmul of the bf16 TPU program outside the
+float32 layers takes bf16 operands. A distillation is planned from its teacher's network
+config without its weights.
 
 Needs libtpu (`pip install -e ".[tpu]"`); without it the compiling tests skip, unless
 `EDM2_JAX_REQUIRE_LIBTPU=1` (set by .ci/run), which makes a missing libtpu a failure.
@@ -18,7 +20,7 @@ import numpy as np
 import pytest
 
 from edm2_jax import configs, objectives, process
-from edm2_jax.analysis import plan, precision, tpu_slices
+from edm2_jax.analysis import fit, plan, precision, tpu_slices
 from edm2_jax.model.networks import count_params
 from edm2_jax.training import setup
 from edm2_jax.training import sharding as shard_lib
@@ -135,7 +137,7 @@ def test_hbm_holds_the_train_states_own_bytes(compiled):
     copies = 1 + 2 + len(c.ema.sigma_rels)  # params, Adam mu and nu, the power EMAs
     own = n_params * 4 * copies / fsdp
     batch = 4 * c.batch_size // model.mesh.size * (8 * 8 * 4 + 10)
-    state = plan.state_bytes(model.abstract_state, fsdp)
+    state = shard_lib.state_bytes(model.abstract_state, fsdp)
     assert own <= state <= own * 1.2 + 4096  # small replicated gains, counters
     m = compiled.step.memory_analysis()
     assert state + batch <= m.argument_size_in_bytes <= 1.02 * (state + batch) + 2**16
@@ -173,6 +175,82 @@ def test_bf16_tpu_program_keeps_the_precision_policy(compiled):
         [m for m in precision.hlo_matmuls(compiled.step.as_text()) if not m.float32_path])
 
 
+def dmd_tiny_config(fsdp: int) -> object:
+    """`tiny_config` trained by distribution matching (1 step on a grid of 4): the train
+    state holds the teacher, the fake denoiser and its Adam moments besides the EDM2
+    state."""
+    c = tiny_config(fsdp)
+    c.objective = "dmd"
+    c.distill.update(teacher="(not read)", steps=1, teacher_steps=4)
+    return c
+
+
+# ~1-2 min on 2 cores: the distribution-matching step compiled for a v5e-8 at fsdp 4.
+@pytest.mark.slow
+@pytest.mark.ci
+def test_dmd_state_is_split_as_planned(libtpu):
+    """The compiled distribution-matching step on a v5e-8 at fsdp 4 holds as arguments
+    the plan's bytes of its state (`sharding.state_bytes`: 9 float32 copies of the
+    parameters, the generator's with its Adam moments and two EMAs, the teacher, the
+    fake denoiser and its Adam moments, each split over 4 chips) plus the chip's batch;
+    had the teacher and fake stayed whole on every chip, 4 of those copies would count
+    4 times."""
+    config = plan.tpu_config(dmd_tiny_config(4))
+    topology = plan.open_topology(tpu_slices.parse_slice("v5e-8"))
+    objective = objectives.from_config(config)
+    assert objective.name == "dmd"
+    model = setup.setup_model(config, setup.Start(objective), devices=list(topology.devices))
+    fsdp = model.mesh.shape["fsdp"]
+    assert fsdp == 4
+    copies = 1 + 2 + len(config.ema.sigma_rels) + 1 + 1 + 2
+    own = count_params(model.net) * 4 * copies / fsdp
+    state = shard_lib.state_bytes(model.abstract_state, fsdp)
+    assert own <= state <= own * 1.2 + 4096
+    m = plan.lower_step(config, model).compile().memory_analysis()
+    batch = 4 * config.batch_size // model.mesh.size * (8 * 8 * 4 + 10)
+    assert state + batch <= m.argument_size_in_bytes <= 1.02 * (state + batch) + 2**16
+    whole = count_params(model.net) * 4 * 4 * (1 - 1 / fsdp)  # teacher, fake, Adam's 2
+    assert m.argument_size_in_bytes < state + whole / 2
+
+
+def test_plan_starts_from_the_teachers_network_config_without_its_weights(tmp_path,
+                                                                         monkeypatch):
+    """A distillation is planned with its teacher's network (its metadata), in the
+    config's dtype, and none of its weights read; a teacher not on this machine, or not
+    given, plans the config's own network; each says so in one line."""
+    from edm2_jax.model.networks import init_variables, precond_from_config
+    from edm2_jax.objectives.distill import network_config
+    from edm2_jax.run import network_dir
+    cfg = dict(img_resolution=8, img_channels=4, label_dim=10, model_channels=16,
+               channel_mult=(1,), num_blocks=1, attn_resolutions=(), logvar_channels=8)
+    net = precond_from_config(cfg)
+    shapes = jax.eval_shape(lambda k: init_variables(net, k), jax.random.PRNGKey(0))
+    teacher = network_dir.save_network(
+        str(tmp_path / "teacher"),
+        jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), dict(shapes)), network_config(net))
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the plan read the teacher's weights")
+
+    for reader in ("load_network", "restore_numpy", "restore_partial"):
+        monkeypatch.setattr(network_dir, reader, no_weights)
+    config = plan.tpu_config(dmd_tiny_config(1))
+    for path, channels, said in ((teacher, 16, "network: " + teacher),
+                                 (str(tmp_path / "absent"), 128, "is not on this machine"),
+                                 ("", 128, "is not given")):
+        config.distill.teacher = path
+        lines = []
+        planned, start = fit.plan_start(config, objectives.from_config(config), lines.append)
+        assert planned.network.model_channels == channels and start.init_path == path
+        assert start.objective.name == "dmd"
+        assert planned.network.dtype == "bfloat16"
+        assert len(lines) == 1 and said in lines[0] and "no weights are read" in lines[0]
+        model = setup.setup_model(planned, start, num_devices=1)
+        assert jax.tree.structure(model.abstract_state["teacher"]) == \
+            jax.tree.structure(model.abstract_state["params"])
+        assert model.net.model_channels == channels
+
+
 def test_state_too_large_is_refused_before_compiling(libtpu):
     """img512-xxl's train state and gradients (params, Adam's two moments, two EMAs, the
     gradients: 6 float32 copies of 1.5 G parameters) exceed a v5e chip's 16 GiB unsplit:
@@ -183,11 +261,46 @@ def test_state_too_large_is_refused_before_compiling(libtpu):
     model = setup.setup_model(config, setup.Start(objectives.from_config(config)),
                               devices=list(topology.devices))
     with pytest.raises(ValueError, match=r"--config\.mesh\.fsdp=(\d+)") as e:
-        plan.check_state_fits(config, topology, model.abstract_state)
+        fit.check_state_fits(config, topology, model.abstract_state)
     fsdp = int(e.value.args[0].split("--config.mesh.fsdp=")[1].split()[0])
     floor = count_params(model.net) * 4 * (1 + 2 + len(config.ema.sigma_rels) + 1)
     assert floor > topology.hbm_bytes
     assert floor / fsdp <= topology.hbm_bytes / 2 < floor / (fsdp // 2)
+
+
+def test_dmd_state_too_large_names_the_fsdp_that_splits_all_its_networks(libtpu):
+    """img512-xxl trained by distribution matching (`configs/distill.py:dmd-img512-xxl`)
+    on a v5e-8: its state and gradients are 11 float32 copies of 1.5 G parameters (the
+    generator's 1 + 2 Adam moments + 2 EMAs + gradient, the teacher, the fake denoiser
+    with its Adam moments and gradient), 62 GiB per chip unsplit. Every one of them
+    splits by fsdp, so one error names the fsdp that leaves them half the HBM, as it
+    does for the EDM2 state, and half that fsdp would not."""
+    config = plan.tpu_config(_distill_config("dmd-img512-xxl"))
+    config.distill.teacher = "(not read)"
+    topology = plan.open_topology(tpu_slices.parse_slice("v5e-8"))
+    model = setup.setup_model(config, setup.Start(objectives.from_config(config)),
+                              devices=list(topology.devices))
+    with pytest.raises(ValueError, match=r"--config\.mesh\.fsdp=(\d+)") as e:
+        fit.check_state_fits(config, topology, model.abstract_state)
+    message = e.value.args[0]
+    assert "teacher" in message and "fake" in message
+    fsdp = int(message.split("--config.mesh.fsdp=")[1].split()[0])
+    floor = count_params(model.net) * 4 * (1 + 2 + len(config.ema.sigma_rels) + 1 + 1 + 4)
+    assert floor / 2**30 == pytest.approx(62.4, abs=0.1)
+    assert floor / fsdp <= topology.hbm_bytes / 2 < floor / (fsdp // 2)
+    config.mesh.fsdp = fsdp
+    assert fit.check_state_fits(config, topology, model.abstract_state) == \
+        shard_lib.state_bytes(model.abstract_state, fsdp)
+
+
+def _distill_config(variant: str):
+    """`configs/distill.py:VARIANT`."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "distill_config", os.path.join(ROOT, "configs", "distill.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(variant)
 
 
 def test_entry_point_keeps_libtpu_quiet_without_a_tpu(libtpu):

@@ -22,8 +22,9 @@ come out negative.
 
 A run that cannot fit is refused with a ValueError naming the fix (more `mesh.fsdp`, a
 smaller `batch_per_device`, another slice): from the array sizes alone before compiling
-where those decide it (the train state and its gradients over the HBM), else from the
-compiled program.
+where those decide it (`fit.py`: the train state, every network of it split by fsdp as
+the run splits it, and its gradients over the HBM), else from the compiled program. A
+distillation is planned from its teacher's network config, no weights read.
 """
 from __future__ import annotations
 
@@ -38,17 +39,16 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
 from edm2_jax import configs, objectives
-from edm2_jax.analysis import tpu_slices
+from edm2_jax.analysis import fit, tpu_slices
 from edm2_jax.model.networks import init_variables
 from edm2_jax.analysis.precision import matmul_flops
 from edm2_jax.sampling import sampler as sampler_lib
 from edm2_jax.training import setup
 from edm2_jax.training import sharding as shard_lib
 
-GIB = 2**30
+GIB = fit.GIB
 INSTALL = 'pip install -e ".[tpu]" (or pip install "jax[tpu]")'
 
 
@@ -134,22 +134,6 @@ def _net_inputs(net: Any, batch: int, sharding: Any = None) -> tuple:
     return struct(shape), struct((batch,)), labels
 
 
-def state_bytes(abstract_state: Any, fsdp: int) -> int:
-    """Bytes per device of a train state (shapes and dtypes: `jax.eval_shape`) split as
-    `sharding.state_shardings` splits it over `fsdp` devices."""
-    total = 0
-
-    def add(path, x):
-        nonlocal total
-        top = path[0].key if path and hasattr(path[0], "key") else None
-        split = (top in shard_lib.FSDP_STATE_KEYS
-                 and shard_lib.fsdp_spec(tuple(x.shape), fsdp) != shard_lib.P())
-        total += int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize // (fsdp if split else 1)
-
-    jax.tree_util.tree_map_with_path(add, abstract_state)
-    return total
-
-
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One compiled program's figures per device: `compile_s` seconds; bytes of its
@@ -192,6 +176,7 @@ class Plan:
     sampler: Program | None
     sample_batch: int
     sample_steps: int
+    state_holds: str = "params, Adam moments, EMAs"   # `fit.state_words`
 
     def lines(self) -> list[str]:
         """The report, one string per line (per device figures; see module docstring)."""
@@ -219,8 +204,8 @@ class Plan:
                  f"{_size(p.arguments)}, temporaries {_size(p.temp)}, outputs "
                  f"{_size(p.outputs)}, code {_size(p.code)})"]
         if what == "training step":
-            lines.append(f"  train state per {unit} (params, Adam moments, EMAs; split by "
-                         f"fsdp): {_size(self.state)}")
+            lines.append(f"  train state per {unit} ({self.state_holds}; split by fsdp): "
+                         f"{_size(self.state)}")
         lines += [f"  model flops per {unit}: {_flops(p.flops)} ({images} "
                   f"image{'s' * (images != 1)}; XLA's count, a loop's body once: "
                   f"{_flops(p.xla_flops)})",
@@ -237,56 +222,6 @@ def _size(n: float) -> str:
 
 def _flops(f: float) -> str:
     return f"{f / 1e12:.2f} TFLOP" if f >= 1e11 else f"{f / 1e9:.3f} GFLOP"
-
-
-def _fixes(config: ml_collections.ConfigDict, topology: Topology, per_device: int) -> str:
-    """The changes that lower the memory a device needs, as flags, best first."""
-    n, fsdp = len(topology.devices), int((config.get("mesh") or {}).get("fsdp", 1))
-    fixes = []
-    if per_device > 1:
-        fixes.append(f"a smaller --config.batch_per_device (micro-batches of "
-                     f"{max(1, per_device // 2)} images per device; the same step)")
-    if fsdp * 2 <= n:
-        fixes.append(f"--config.mesh.fsdp={fsdp * 2} (more FSDP: the train state split "
-                     f"over more devices)")
-    bigger = (topology.slice.chip.generation, 2 * topology.slice.chips
-              * topology.slice.chip.cores_per_count)
-    fixes.append(f"a larger slice ({bigger[0]}-{bigger[1]}) or chips of more HBM (v5p)")
-    return "; or ".join(fixes)
-
-
-def floor_bytes(abstract_state: Any, fsdp: int) -> int:
-    """The least a training step holds per device, bytes: the train state split over
-    `fsdp` devices (`state_bytes`) and its gradients (one float32 copy of the params,
-    split as they are), before any activation."""
-    return (state_bytes(abstract_state, fsdp)
-            + state_bytes({"params": abstract_state["params"]}, fsdp))
-
-
-def check_state_fits(config: ml_collections.ConfigDict, topology: Topology,
-                     abstract_state: Any) -> int:
-    """The train state's bytes per device. Raises ValueError, before anything compiles,
-    where the state and its gradients (`floor_bytes`) alone exceed the device's HBM,
-    naming the smallest `mesh.fsdp` that leaves half the HBM for activations (else the
-    smallest that fits them at all, else a larger slice)."""
-    n, fsdp = len(topology.devices), int((config.get("mesh") or {}).get("fsdp", 1))
-    hbm = topology.hbm_bytes
-    need = floor_bytes(abstract_state, fsdp)
-    if need <= hbm:
-        return state_bytes(abstract_state, fsdp)
-    sizes = [f for f in range(fsdp + 1, n + 1) if n % f == 0]
-    half = [f for f in sizes if floor_bytes(abstract_state, f) <= hbm / 2]
-    full = [f for f in sizes if floor_bytes(abstract_state, f) <= hbm]
-    if half or full:
-        f = (half or full)[0]
-        fix = (f"set --config.mesh.fsdp={f} (then {floor_bytes(abstract_state, f) / GIB:.1f} "
-               f"GiB each{', half the HBM left for activations' if half else ''})")
-    else:
-        fix = "use a larger slice or chips of more HBM (v5p: 95 GiB)"
-    raise ValueError(f"{topology.slice.name}: the train state (params, Adam moments, EMAs) "
-                     f"and its gradients alone need {need / GIB:.1f} GiB per "
-                     f"device with mesh.fsdp={fsdp}, over the device's {hbm / GIB:.1f} GiB "
-                     f"HBM; {fix}")
 
 
 def _compile(lowered: Any) -> tuple[Any, float]:
@@ -319,16 +254,18 @@ def plan_run(config: ml_collections.ConfigDict, topology: Topology,
     `config.eval.batch_size` rounded up to a multiple of the devices; 0 = none). The
     network's 'auto' settings are the TPU's (`tpu_config`). Raises ValueError for batches that
     do not split over the devices and, naming the fix, for a run that does not fit the
-    HBM (`check_state_fits` before compiling; the compiled peak after). `log` gets one
-    line as the compiles start."""
+    HBM (`fit.check_state_fits` before compiling; the compiled peak after). `log` gets a
+    line on the network the objective starts from (`fit.plan_start`) and one as the
+    compiles start."""
     config = tpu_config(config)
     n = len(topology.devices)
     objective = objectives.from_config(config)
     objective.check()
-    model = setup.setup_model(config, setup.Start(objective), devices=list(topology.devices))
-    state = check_state_fits(config, topology, model.abstract_state)
+    config, start = fit.plan_start(config, objective, log)
+    model = setup.setup_model(config, start, devices=list(topology.devices))
+    state = fit.check_state_fits(config, topology, model.abstract_state)
     per_device = int(config.batch_size) // n // model.num_accum
-    fixes = _fixes(config, topology, per_device)
+    fixes = fit.fixes(config, topology, per_device)
     log(f"Compiling for {topology.slice.name} ({topology.slice.topology}) with libtpu...")
     try:
         step = _compile_step(config, model)
@@ -340,7 +277,7 @@ def plan_run(config: ml_collections.ConfigDict, topology: Topology,
                          f"use {fixes}") from None
     plan = Plan(topology, dict(model.mesh.shape), int(config.batch_size), model.num_accum,
                 str(config.network.dtype), state, step, sampler, sample_batch,
-                int(config.sample.num_steps))
+                int(config.sample.num_steps), fit.state_words(model.abstract_state))
     if step.peak > topology.hbm_bytes:
         raise ValueError(f"{topology.slice.name}: the training step needs "
                          f"{step.peak / GIB:.1f} GiB per device of its "
@@ -370,14 +307,14 @@ def lower_step(config: ml_collections.ConfigDict, model: setup.Model) -> Any:
 def _compile_step(config: ml_collections.ConfigDict, model: setup.Model) -> Program:
     compiled, seconds = _compile(lower_step(config, model))
     images = int(config.batch_size) // model.mesh.size
-    passes = model.start.objective.forward_passes   # 3 for EDM2: forward and backward
-    return Program.of(compiled, seconds, passes * forward_flops(model.net, 1) * images)
+    per_image = model.start.objective.flops_per_image(forward_flops(model.net, 1))
+    return Program.of(compiled, seconds, per_image * images)
 
 
 def lower_sampler(model: setup.Model, objective: objectives.Objective, batch: int,
                   num_steps: int) -> Any:
-    """The objective's sampler (`sampling.sampler.sample_images`, `num_steps` Heun steps)
-    of the network's weights (replicated, float32) for `batch` seeds split over the
+    """The objective's sampler (`Objective.sampler(num_steps)`, run by
+    `sampling.sampler.sample_images`) of the network's weights (replicated, float32) for `batch` seeds split over the
     mesh, lowered."""
     net, mesh = model.net, model.mesh
     rep, split = shard_lib.replicated(mesh), shard_lib.batch_sharding(mesh)
@@ -386,8 +323,8 @@ def lower_sampler(model: setup.Model, objective: objectives.Objective, batch: in
     seeds = jax.ShapeDtypeStruct((batch,), jnp.uint32, sharding=split)
     labels = (jax.ShapeDtypeStruct((batch, net.label_dim), jnp.float32, sharding=split)
               if net.label_dim else None)
-    kwargs = objective.sampler_kwargs(num_steps)
-    fn = jax.jit(lambda v, s, l: sampler_lib.sample_images(net, v, s, l, **kwargs))
+    sampler = objective.sampler(num_steps)
+    fn = jax.jit(lambda v, s, l: sampler_lib.sample_images(net, v, s, l, sampler=sampler))
     return fn.lower(variables, seeds, labels)
 
 
@@ -395,6 +332,6 @@ def _compile_sampler(config: ml_collections.ConfigDict, model: setup.Model,
                      objective: objectives.Objective, batch: int) -> Program:
     steps = int(config.sample.num_steps)
     compiled, seconds = _compile(lower_sampler(model, objective, batch, steps))
-    evaluations = 2 * steps - 1  # Heun: two per step, one for the last
+    evaluations = objective.sampler(steps).evaluations
     flops = evaluations * forward_flops(model.net, 1) * batch / model.mesh.size
     return Program.of(compiled, seconds, flops)

@@ -5,12 +5,16 @@ The mesh has two axes, `('data', 'fsdp')`, over every device of every host; its 
 
 - The batch is split along both axes together (each device gets `B / num_devices`
   images), so FSDP devices are data-parallel too, as in ZeRO-3.
-- Params, Adam moments and EMAs (`state_shardings`): each array is split along `'fsdp'`
-  on its largest axis divisible by the fsdp size; ties go to the later axis (output
-  channels of HWIO / `[in, out]` weights), so forced weight normalisation over the fan-in
-  stays local. Arrays with no such axis (gains, Adam's count) are replicated. XLA's SPMD
+- The train state (`state_shardings`), one rule for every network in it: each array is
+  split along `'fsdp'` on its largest axis divisible by the fsdp size (`fsdp_spec`); ties
+  go to the later axis (output channels of HWIO / `[in, out]` weights), so forced weight
+  normalisation over the fan-in stays local. Arrays with no such axis (gains, Adam's
+  count) are replicated. The rule holds whatever entry holds the array: the params, Adam
+  moments and EMAs, and the networks a training objective adds (a distillation's frozen
+  `'teacher'`, DMD's `'fake'` denoiser and its Adam state `'fake_opt'`). XLA's SPMD
   partitioner inserts the all-gathers of weights and the reduce-scatters of gradients.
-- The step counter, PRNG key and MPFourier buffers are replicated.
+- The entries that are no network's (`REPLICATED_STATE_KEYS`: the step counter, the
+  PRNG key, the MPFourier buffers) are replicated.
 
 With `fsdp = 1` everything but the batch is replicated: plain data parallelism. The same
 code runs on 1 CPU, 8 simulated CPU devices
@@ -31,8 +35,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 DATA, FSDP = "data", "fsdp"
 BATCH_AXES = (DATA, FSDP)  # the batch is split over the whole mesh
 
-# Top-level entries of the train state that FSDP shards; the others are replicated.
-FSDP_STATE_KEYS = ("params", "opt_state", "ema")
+# The top-level entries of the train state that hold no network's weights or moments:
+# the step counter, the PRNG key (whose 2 words an fsdp of 2 would split) and the
+# MPFourier buffers (a few hundred numbers, read whole by every layer). Every other
+# entry is split by `fsdp_spec`.
+REPLICATED_STATE_KEYS = ("step", "rng", "buffers")
 
 
 def maybe_initialize_distributed() -> None:
@@ -58,7 +65,8 @@ def make_mesh(num_devices: int | None = None, *, data: int = -1, fsdp: int = 1,
     Args:
       num_devices: use the first `num_devices` devices (default: all, of all hosts).
       data: size of the data-parallel axis; -1 = `num_devices // fsdp`.
-      fsdp: size of the axis that params, optimiser state and EMAs are split along.
+      fsdp: size of the axis that the train state's networks (weights, optimiser
+        states, EMAs) are split along.
       devices: the devices to choose from (default `jax.devices()`); e.g. those of a TPU
         topology compiled for without a TPU (`jax.experimental.topologies`).
 
@@ -144,17 +152,36 @@ def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> P:
     return P(*([None] * best), FSDP)
 
 
+def state_spec(path: tuple, shape: tuple[int, ...], fsdp: int) -> P:
+    """The `PartitionSpec` of the train-state array at `path` (a key path from
+    `jax.tree_util.tree_map_with_path`, its first key the state's top-level entry) of
+    `shape`: replicated in the entries of `REPLICATED_STATE_KEYS`, else `fsdp_spec`."""
+    top = path[0].key if path and hasattr(path[0], "key") else None
+    return P() if top in REPLICATED_STATE_KEYS else fsdp_spec(tuple(shape), fsdp)
+
+
 def state_shardings(mesh: Mesh, state: Any) -> Any:
-    """Pytree of `NamedSharding`s like `state` (arrays or `ShapeDtypeStruct`s): the
-    entries in FSDP_STATE_KEYS by `fsdp_spec`, everything else replicated."""
+    """Pytree of `NamedSharding`s like `state` (arrays or `ShapeDtypeStruct`s), each
+    array's by `state_spec`: every network's arrays split over `'fsdp'`, the counter,
+    key and buffers replicated."""
     fsdp = mesh.shape[FSDP]
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, state_spec(path, x.shape, fsdp)), state)
 
-    def leaf_sharding(path, x):
-        top = path[0].key if path and hasattr(path[0], "key") else None
-        spec = fsdp_spec(tuple(x.shape), fsdp) if top in FSDP_STATE_KEYS else P()
-        return NamedSharding(mesh, spec)
 
-    return jax.tree_util.tree_map_with_path(leaf_sharding, state)
+def state_bytes(state: Any, fsdp: int) -> int:
+    """Bytes per device of a train state (arrays or `ShapeDtypeStruct`s, e.g. of
+    `jax.eval_shape`) split over `fsdp` devices by `state_spec`, as `state_shardings`
+    splits it."""
+    total = 0
+
+    def add(path, x):
+        nonlocal total
+        split = state_spec(path, x.shape, fsdp) != P()
+        total += int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize // (fsdp if split else 1)
+
+    jax.tree_util.tree_map_with_path(add, state)
+    return total
 
 
 def global_batch(mesh: Mesh, local: dict) -> dict:
