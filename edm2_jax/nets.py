@@ -104,15 +104,19 @@ def net_config(path: str) -> dict:
 
 def net_sampler(path: str, heun_steps: int = 32) -> solvers.Sampler:
     """The sampler (a `sampling.solvers` value) of the network at `path` (any kind
-    `load_net` reads), from its metadata only: that of the objective it was trained
-    with (`objectives.from_metadata`, `Objective.sampler(heun_steps)`). A diffusion
-    network: `solvers.Heun(heun_steps)`. A distilled student or generator (a
-    distillation run, its snapshot, a network whose meta records its objective, or a
-    post-hoc EMA of a distillation run, whose source run's config.json records it):
-    its few-step sampler (`solvers.FewStep`) on its own grid, whatever `heun_steps`."""
+    `load_net` reads), from its own metadata only: that of the objective it was trained
+    with (`objectives.from_metadata`, `Objective.sampler(heun_steps)`): a network
+    checkpoint's network.json record (`objectives.record`, which a post-hoc EMA copies
+    from its run), a run's or its snapshot's config.json. A diffusion network:
+    `solvers.Heun(heun_steps)`; a distilled student or generator: its few-step sampler
+    (`solvers.FewStep`) on its own grid, whatever `heun_steps`. Raises ValueError for a
+    post-hoc EMA whose network.json records no objective (it cannot say how it is
+    sampled without reading its source run)."""
     _, meta, config = _metadata(path)
-    if not meta.get("distill") and meta.get("source") and meta.get("phema"):
-        config = layout.read_config(str(meta["source"]))  # post-hoc EMA of a run
+    if meta.get("phema") and "objective" not in meta:
+        raise ValueError(f"{path}: this post-hoc EMA's network.json records no objective, "
+                         f"so how it is sampled is unknown; make it again with --mode=phema "
+                         f"--workdir={meta.get('source', 'RUN')}")
     return objectives.from_metadata(meta, config).sampler(heun_steps)
 
 

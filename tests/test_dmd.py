@@ -20,6 +20,8 @@ Claims tested:
 """
 from __future__ import annotations
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -249,6 +251,37 @@ def test_dmd_configs_validate_and_a_bad_objective_is_named():
 
 
 # ---------------------------------------------------------------------------------------
+# Where a network's sampler comes from
+
+
+def test_a_post_hoc_ema_is_sampled_from_its_own_record(tmp_path):
+    """A network checkpoint's sampler is read from its own network.json: the objective's
+    record a post-hoc EMA copies from its run (`objectives.record`); one without it (its
+    source run alone could say) is refused naming the fix, never sampled with Heun."""
+    from edm2_jax import nets
+    from edm2_jax.model.networks import init_variables, precond_from_config
+    from edm2_jax.objectives.distill import network_config
+    from edm2_jax.run import network_dir
+    net = precond_from_config(dict(img_resolution=8, img_channels=1, label_dim=0,
+                                   model_channels=8, channel_mult=(1,), num_blocks=1,
+                                   attn_resolutions=(), logvar_channels=8))
+    variables = init_variables(net, jax.random.PRNGKey(0))
+    config = {"objective": "dmd", "distill": {"teacher": "t", "steps": 1, "teacher_steps": 8,
+                                              "sigma_min": 0.002, "sigma_max": 2.5,
+                                              "rho": 7.0, "fake_lr": 0.02}}
+    rec = objectives.record(config)
+    assert rec == config
+    meta = {"phema": True, "source": str(tmp_path / "gone")}
+    good = network_dir.save_network(str(tmp_path / "good"), variables, network_config(net),
+                                    dict(meta, **rec))
+    assert nets.net_sampler(good) == solvers.FewStep(1, 8, 0.002, 2.5, 7.0)
+    old = network_dir.save_network(str(tmp_path / "old"), variables, network_config(net), meta)
+    with pytest.raises(ValueError, match="records no objective.*--mode=phema"):
+        nets.net_sampler(old)
+    assert objectives.record({}) == {"objective": "edm2"}
+
+
+# ---------------------------------------------------------------------------------------
 # The jitted step
 
 
@@ -380,6 +413,14 @@ def test_post_hoc_ema_of_a_generator_is_sampled_as_the_generator(dmd_runs, tmp_p
     kw = nets.net_sampler(run)
     assert nets.net_sampler(out) == kw and isinstance(kw, solvers.FewStep)
     assert sweep.net_sampler(out) == kw
+    # Its network.json carries what its sampler needs: the run moved away, it is still
+    # sampled as the generator.
+    moved = tmp_path / "moved"
+    shutil.move(run, moved)
+    try:
+        assert nets.net_sampler(out) == kw
+    finally:
+        shutil.move(moved, run)
     net, variables, _ = nets.load_net(out)
     a = np.asarray(sampling.sample_images(net, variables, np.arange(3), sampler=kw))
     b = np.asarray(sampling.sample_images(net, variables, np.array([2]), sampler=kw))

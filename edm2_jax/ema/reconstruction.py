@@ -40,7 +40,9 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from edm2_jax import objectives
 from edm2_jax.run import network_dir as ckpt_lib
+from edm2_jax.run import records
 from edm2_jax.ema import power as ema_lib
 from edm2_jax import paths as paths_lib
 from edm2_jax.ema import streaming
@@ -191,6 +193,7 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
     files = _select_emas(files, in_sigma_rels)
     sol = _solve(files, sigma_rels, per_tensor, at_kimg, workdir, max_cond)
     net_config, buffers = input_network(kind, workdir, files)
+    objective = objectives.record(records.run_config(workdir) or {})
 
     # Name the outputs; keep those an earlier run completed.
     out_dir = paths_lib.normalize(out_dir or os.path.join(workdir, "phema"))
@@ -208,7 +211,7 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
         for j, k in enumerate(batch):
             flat = acc.pop_host(j)
             save_output(paths[k], {"params": layout.unflatten(flat), "buffers": buffers},
-                        net_config, _output_meta(sol, k, workdir))
+                        net_config, _output_meta(sol, k, workdir, objective))
             del flat
         del acc
     return paths
@@ -360,9 +363,10 @@ def _add_input(acc: _Accumulators, layout: streaming.FlatLayout, kind: str, work
     return nbytes
 
 
-def _output_meta(sol: _Solution, k: int, workdir: str) -> dict:
+def _output_meta(sol: _Solution, k: int, workdir: str, objective: dict) -> dict:
     """The meta of output `k`: its width and time, the inputs it uses with their weights
-    and its profile error, and those of each per-tensor group."""
+    and its profile error, those of each per-tensor group, and the objective the run
+    trained (`objectives.record`: what its sampler needs, read from this network alone)."""
     n_out, used = len(sol.sigma_rels), sol.used
     groups = [{"regex": r, "sigma_rel": s, "weights": sol.X[used, n_out + j].tolist(),
                "profile_error": float(sol.err[n_out + j])}
@@ -372,7 +376,7 @@ def _output_meta(sol: _Solution, k: int, workdir: str) -> dict:
             "input_nimg": sol.in_nimg[used].tolist(),
             "input_sigma_rel": sol.in_sigma[used].tolist(),
             "weights": sol.X[used, k].tolist(), "profile_error": float(sol.err[k]),
-            "per_tensor": groups}
+            "per_tensor": groups, **objective}
 
 
 def main_phema(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None = None,

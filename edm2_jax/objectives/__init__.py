@@ -31,7 +31,7 @@ from edm2_jax.objectives.dmd import DistributionMatching
 from edm2_jax.objectives.edm2 import EDM2
 
 __all__ = ["Objective", "StartNetwork", "REGISTRY", "register", "from_config",
-           "from_metadata", "name_of", "section_defaults", "check_config"]
+           "from_metadata", "name_of", "record", "section_defaults", "check_config"]
 
 # The objectives by `config.objective` name.
 REGISTRY: dict[str, type[Objective]] = {}
@@ -76,10 +76,28 @@ def from_config(config: Any) -> Objective:
     return REGISTRY[name](config)
 
 
+def record(config: Any) -> dict:
+    """What a network trained under `config` records of its objective in its
+    network.json meta, so that it is sampled as trained wherever it is moved:
+    `{'objective': name}` and the objective's config section, if it has one."""
+    objective = from_config(config)
+    out = {"objective": objective.name}
+    if objective.section:
+        section = field(config, objective.section, {})
+        out[objective.section] = json_dict(section)
+    return out
+
+
+def json_dict(section: Any) -> dict:
+    """A config section (ConfigDict or dict) as a plain JSON-able dict."""
+    to_dict = getattr(section, "to_dict", None)
+    return dict(to_dict() if to_dict else section)
+
+
 def from_metadata(meta: dict, config: dict | None = None) -> Objective:
     """The objective a network was trained with, from its network.json meta (its
-    `objective` and its objective's section, where it records them) over its run's
-    config.json (`config`)."""
+    `objective` and its objective's section, `record`) over its run's config.json
+    (`config`)."""
     merged = dict(config or {})
     for key in ("objective", *{c.section for c in REGISTRY.values() if c.section}):
         if key in meta:
