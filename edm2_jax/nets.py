@@ -28,7 +28,7 @@ import re
 from edm2_jax import objectives, paths
 from edm2_jax.encoders import vae as vae_lib
 from edm2_jax.model.networks import Precond, precond_from_config
-from edm2_jax.run import checkpoints, layout, records, snapshots
+from edm2_jax.run import checkpoints, integrity, layout, records, snapshots
 from edm2_jax.sampling import solvers
 from edm2_jax.run import network_dir as ckpt_lib
 
@@ -86,10 +86,32 @@ def _metadata(path: str) -> tuple[dict | None, dict, dict | None]:
         cfg, meta = ckpt_lib.read_network_json(path)
         return cfg, meta, None
     snap = re.fullmatch(rf"(.*)/{layout.SNAPSHOTS}/(\d+)/?", path)
-    config = records.run_config(snap.group(1) if snap else path)
+    run_dir = snap.group(1) if snap else path
+    config = records.run_config(run_dir)
     if config is None or "network" not in config:
         return None, {}, None
+    _check_objective_unedited(run_dir, config)
     return config["network"], {}, config
+
+
+def _check_objective_unedited(run_dir: str, config: dict) -> None:
+    """Raise IntegrityError when the run's config.json names another objective, or other
+    settings of its objective's section, than the copy its newest checkpoint keeps
+    (`records.KEPT_CONFIG`): its networks would be sampled otherwise than trained.
+    (`records.run_config` checks the network section the same way.)"""
+    kept = records.kept_entry(run_dir, records.KEPT_CONFIG)
+    if kept is None or not isinstance(kept[1], dict):
+        return
+    was, now = objectives.upgrade_config(kept[1]), objectives.upgrade_config(config)
+    fields = ("objective", *objectives.section_defaults())
+    differ = [f"{f}: checkpoint {was.get(f)!r} vs now {now.get(f)!r}" for f in fields
+              if was.get(f) != now.get(f)]
+    if differ:
+        raise integrity.IntegrityError(
+            f"{layout.config_path(run_dir)} differs from the copy of the run's config that "
+            f"checkpoint {kept[0]} keeps ({'; '.join(differ)}): it was edited, and its "
+            f"networks would be sampled otherwise than they were trained; put those "
+            f"settings back")
 
 
 def net_config(path: str) -> dict:

@@ -262,6 +262,25 @@ def test_an_edited_network_config_of_a_run_is_refused_by_its_readers(tiny_run, t
     assert _sums(run) == before
 
 
+def test_an_edited_objective_of_a_run_is_refused_where_it_is_sampled(tiny_run, tmp_path):
+    """config.json's `objective` or its objective's section edited in a run (a diffusion
+    run made a 1-step generator; a distillation's `distill.sigma_max` moved): the sampler
+    of its networks is refused, naming the field, both values and the fix (the
+    checkpoints keep the config), instead of sampling them otherwise than trained."""
+    import json
+    from edm2_jax import nets
+    from edm2_jax.run.integrity import IntegrityError
+    run = _copy(tiny_run, tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    config["objective"] = "consistency"
+    config["distill"].update(teacher="t", sigma_max=2.5)
+    (run / "config.json").write_text(json.dumps(config, indent=2))
+    for path in (run, run / "snapshots" / "4"):
+        with pytest.raises(IntegrityError, match="objective: checkpoint 'edm2' vs now "
+                           "'consistency'; distill: checkpoint .*put those settings back"):
+            nets.net_sampler(str(path))
+
+
 @pytest.fixture(scope="module")
 def network(tiny_run, tmp_path_factory) -> Path:
     """A network checkpoint (network.json + variables/) of the tiny run's EMA."""

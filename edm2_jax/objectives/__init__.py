@@ -23,6 +23,7 @@ May import: jax, optax, `edm2_jax.model` and `edm2_jax.sampling`.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from edm2_jax.objectives.base import Objective, StartNetwork, field
@@ -31,7 +32,8 @@ from edm2_jax.objectives.dmd import DistributionMatching
 from edm2_jax.objectives.edm2 import EDM2
 
 __all__ = ["Objective", "StartNetwork", "REGISTRY", "register", "from_config",
-           "from_metadata", "name_of", "record", "section_defaults", "check_config"]
+           "from_metadata", "name_of", "record", "section_defaults", "check_config",
+           "upgrade_config"]
 
 # The objectives by `config.objective` name.
 REGISTRY: dict[str, type[Objective]] = {}
@@ -103,6 +105,18 @@ def from_metadata(meta: dict, config: dict | None = None) -> Objective:
         if key in meta:
             merged[key] = meta[key]
     return from_config(merged)
+
+
+def upgrade_config(config: dict) -> dict:
+    """A copy of a config.json's dict in the fields of today's configs: the objective of
+    a run recorded before `objective` was a field of its own (`name_of`), the
+    distillation section's former `objective` field dropped."""
+    config = json.loads(json.dumps(config))
+    if config.get("objective") is None:
+        config["objective"] = name_of(config)
+    if isinstance(config.get("distill"), dict):
+        config["distill"].pop("objective", None)
+    return config
 
 
 def section_defaults() -> dict[str, dict]:

@@ -36,18 +36,6 @@ ADDED_FIELDS = {"network.mp_learned_layers": True, "network.group_norm": False,
                    objectives.section_defaults().items() for k, v in fields.items()}}
 
 
-def upgrade(config: dict) -> dict:
-    """A config.json's dict in the fields of today's configs: the objective of a run
-    recorded before `objective` was a field of its own (`objectives.name_of`), the
-    distillation section's former `objective` field dropped."""
-    config = json.loads(json.dumps(config))
-    if config.get("objective") is None:
-        config["objective"] = objectives.name_of(config)
-    if isinstance(config.get("distill"), dict):
-        config["distill"].pop("objective", None)
-    return config
-
-
 def _lookup(d: dict, dotted: str):
     for part in dotted.split("."):
         if not isinstance(d, dict) or part not in d:
@@ -65,7 +53,7 @@ def config_differences(saved: dict, current: dict) -> tuple[list[str], list[str]
     `saved` and `current` config dicts, as `'field: checkpoint A vs now B'` lines, split
     by `CHANGEABLE_ON_RESUME`."""
     diffs = []
-    saved, current = upgrade(saved), upgrade(current)
+    saved, current = objectives.upgrade_config(saved), objectives.upgrade_config(current)
     for field in RESUME_FIELDS:
         a, b = _normalise_json(_lookup(saved, field)), _normalise_json(_lookup(current, field))
         if a is None and isinstance(b, dict):  # a section added after the run started
