@@ -162,6 +162,31 @@ def test_bad_inputs_name_the_fix(tmp_path):
     assert r.returncode == 1 and r.stderr.startswith("error: --source=") and "Traceback" not in r.stderr
 
 
+def test_an_existing_zip_is_refused_and_kept_as_it_was(tmp_path):
+    """`convert --dest=existing.zip` is refused like a folder that is not empty: one
+    `error:` line naming the file and the fix, the zip byte-identical (its 3 images are
+    not replaced by the new source's 1)."""
+    _source_folder(tmp_path / "three")
+    DT.convert(str(tmp_path / "three"), str(tmp_path / "data.zip"), quiet=True)
+    before = (tmp_path / "data.zip").read_bytes()
+    one = tmp_path / "one"
+    one.mkdir()
+    PIL.Image.fromarray(_img(9)).save(one / "a.png")
+    with pytest.raises(DT.DatasetToolError, match="exists"):
+        DT.convert(str(one), str(tmp_path / "data.zip"), quiet=True)
+    r = subprocess.run([sys.executable, "-m", "edm2_jax.data.dataset_tool", "convert",
+                        f"--source={one}", f"--dest={tmp_path / 'data.zip'}"],
+                       capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: --dest={tmp_path / 'data.zip'} exists") and \
+        "delete" in lines[0], lines[0]
+    assert (tmp_path / "data.zip").read_bytes() == before
+    assert len(ImageFolder(str(tmp_path / "data.zip"))) == 3
+    assert not list(tmp_path.glob("*.unfinished"))
+
+
 def test_fashion_mnist_source(tmp_path):
     from edm2_jax.data.fashion_mnist import DEFAULT_PATH
     if not os.path.isdir(DEFAULT_PATH):

@@ -10,6 +10,8 @@ The claims:
   once resumed logs the rows of an uninterrupted run (the checkpoint keeps the running
   sums of the status interval), in stats.jsonl and in TensorBoard.
 - The rewrite is crash-safe: a kill before its rename leaves the old file whole.
+- A row of `stats.jsonl` is whole in TensorBoard: written there before `log` returns,
+  and a row a kill left without its scalars (or with some) gets them at the next start.
 """
 from __future__ import annotations
 
@@ -144,3 +146,36 @@ def test_rows_past_the_start_are_dropped_crash_safely(tmp_path, monkeypatch):
     stats_lib.StatsLogger(str(tmp_path), 0).close()
     assert (tmp_path / "stats.jsonl").read_text() == ""
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_a_logged_row_is_in_the_event_file_before_log_returns(tmp_path):
+    """A kill -9 at any moment after `log` returns (the logger never closed) leaves every
+    scalar of the row in the event files."""
+    logger = stats_lib.StatsLogger(str(tmp_path), 0)
+    row = dict(kimg=0.016, step=2, **{f"loss/x{i}": float(i) for i in range(15)})
+    logger.log(row)
+    scalars = _tensorboard_scalars(tmp_path / "tb")  # read before close, as after a kill
+    assert scalars == {k: [(16, float(v))] for k, v in row.items() if k != "kimg"}
+    logger.close()
+
+
+def test_a_row_killed_before_its_scalars_is_completed_on_resume(tmp_path):
+    """A run killed after the row of step 16 reached stats.jsonl and 10 of its 15 scalars
+    reached TensorBoard: the resumed logger writes the other 5 (and the whole row 8 a
+    kill left out), once; the rows past the start are still dropped."""
+    from tensorboardX import SummaryWriter
+    rows = [dict(kimg=k / 1000, **{f"m/x{i}": float(k + i) for i in range(15)})
+            for k in (8, 16, 24)]
+    (tmp_path / "stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    w = SummaryWriter(str(tmp_path / "tb"))
+    for i in range(10):
+        w.add_scalar(f"m/x{i}", float(16 + i), 16)
+    for i in range(15):
+        w.add_scalar(f"m/x{i}", float(24 + i), 24)
+    w.close()
+
+    stats_lib.StatsLogger(str(tmp_path), 16).close()
+    scalars = {t: sorted(v) for t, v in _tensorboard_scalars(tmp_path / "tb").items()}
+    assert scalars == {f"m/x{i}": [(8, 8.0 + i), (16, 16.0 + i)] for i in range(15)}, scalars
+    stats_lib.StatsLogger(str(tmp_path), 16).close()  # complete already: nothing added
+    assert {t: sorted(v) for t, v in _tensorboard_scalars(tmp_path / "tb").items()} == scalars

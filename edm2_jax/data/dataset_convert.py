@@ -17,8 +17,8 @@ image. `decode` (as the release's): each stored latent drawn once, `mean + N(0, 
 (NumPy `default_rng(seed)`, or the mean alone with `--mean`), scaled as in training,
 decoded by the VAE to uint8 RGB and written as `convert` writes PNGs, with the labels.
 
-Errors (`DatasetToolError`) name the file or flag at fault and the fix: a non-empty
-destination folder, an image of another size; a bad VAE file fails in `vae.load_vae`
+Errors (`DatasetToolError`) name the file or flag at fault and the fix: a destination
+that exists (a file, or a folder that is not empty), an image of another size; a bad VAE file fails in `vae.load_vae`
 before anything is written. The destination is written under a temporary name and
 renamed when complete (`Dest`): after an error it is as it was.
 """
@@ -45,7 +45,8 @@ from edm2_jax.encoders import vae as vae_lib
 # --------------------------------------------------------------------------- destination
 
 class Dest:
-    """A `.zip` (stored) or an empty folder, written under a temporary name
+    """A new `.zip` (stored) or an empty folder (an existing file or non-empty folder is
+    refused when the `Dest` is made, before the source is read), written under a temporary name
     (`<dest>.unfinished`, created at the first write) and renamed into place by
     `commit` once complete; `abort` deletes it. So `dest` holds a whole data set or
     nothing: a run stopped by a bad image (or killed; the next run deletes what it
@@ -59,6 +60,9 @@ class Dest:
         if not self.is_zip and os.path.isdir(self.dest) and os.listdir(self.dest):
             raise DatasetToolError(f"--dest={dest} is a folder that is not empty; give a new "
                                    f"or empty folder, or a .zip")
+        if os.path.lexists(self.dest) and not os.path.isdir(self.dest):
+            raise DatasetToolError(f"--dest={dest} exists; give a new .zip or folder (or "
+                                   f"delete {dest} first to replace it)")
         self.tmp = self.dest.rstrip("/") + ".unfinished"
         self._zip = None
         self._started = False
@@ -100,7 +104,7 @@ class Dest:
 
     def commit(self) -> None:
         """Close and rename the complete data set into place (an empty `dest` folder is
-        replaced; an existing `dest` zip is overwritten)."""
+        replaced)."""
         self.close()
         if not self._started:
             return
@@ -155,9 +159,10 @@ def convert(source: str, dest: str, resolution: str | tuple[int, int] | None = N
     """Images -> PNG data set (module docstring). Returns the number of images written."""
     res = parse_resolution(resolution) if isinstance(resolution, (str, type(None))) else resolution
     tf = make_transform(transform, res)
+    out = Dest(dest)  # an existing destination is refused before the source is read
     n, entries = open_source(source, max_images, tfds_dir)
     labels, size, idx = [], None, 0
-    with Dest(dest) as out, _progress(n, quiet) as bar:
+    with out, _progress(n, quiet) as bar:
         for e in entries:
             bar.update(1)
             img = tf(e.img)
@@ -194,6 +199,7 @@ def encode(source: str, dest: str, vae_path: str, batch: int = 8,
     if not vae_path:
         raise DatasetToolError("encode needs --vae=PATH: the SD VAE's diffusers weights "
                                f"(diffusion_pytorch_model.safetensors of {vae_lib.SD_VAE_URL})")
+    out = Dest(dest)
     vae = vae_lib.load_vae(vae_path)  # a bad file fails here, before anything is written
     vae = dataclasses.replace(vae, batch_size=batch)
     n, entries = open_source(source, max_images)
@@ -216,7 +222,7 @@ def encode(source: str, dest: str, vae_path: str, batch: int = 8,
         bar.update(m)
         pending.clear()
 
-    with Dest(dest) as out, _progress(n, quiet) as bar:
+    with out, _progress(n, quiet) as bar:
         for e in entries:
             if pending and e.img.shape != pending[0].img.shape:
                 raise DatasetToolError(f"{e.name}: {e.img.shape[1]}x{e.img.shape[0]}, but "
@@ -245,6 +251,7 @@ def decode(source: str, dest: str, vae_path: str, batch: int = 8,
     Returns the number of images written."""
     if batch < 1:
         raise DatasetToolError(f"--batch={batch}: must be at least 1")
+    out = Dest(dest)
     vae = dataclasses.replace(vae_lib.load_vae(vae_path), batch_size=batch)
     try:
         lat = LatentFolder(source, use_labels=True)
@@ -255,7 +262,7 @@ def decode(source: str, dest: str, vae_path: str, batch: int = 8,
     n = len(lat) if max_images is None else min(len(lat), max_images)
     rng = np.random.default_rng(seed)
     labels = []
-    with Dest(dest) as out, _progress(n, quiet) as bar:
+    with out, _progress(n, quiet) as bar:
         for a in range(0, n, batch):
             items = [lat[i] for i in range(a, min(a + batch, n))]
             raw = np.stack([x for x, _ in items]).astype(np.float32)

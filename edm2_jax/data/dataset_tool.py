@@ -15,8 +15,8 @@ What `--source` and `--transform` accept: `dataset_inputs`; the formats written 
 Errors (`DatasetToolError`, and the ValueError / FileNotFoundError / ImportError /
 RuntimeError of the readers) are printed as one `error:` line with exit status 1; each
 names the file or flag at fault and the fix: a missing source, an unreadable image, a bad
-`--resolution`, a non-empty destination folder, an image of another size; a bad VAE file
-fails in `vae.load_vae` before anything is written.
+`--resolution`, a destination that exists (a file, or a folder that is not empty), an
+image of another size; a bad VAE file fails in `vae.load_vae` before anything is written.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--source", required=True,
                    help=f"folder or .zip of images, {FASHION_MNIST}[:test], or tfds:NAME[:SPLIT]")
     c.add_argument("--tfds-dir", default="", help="tfds:...: the prepared data_dir")
-    c.add_argument("--dest", required=True, help="output .zip or (empty) folder")
+    c.add_argument("--dest", required=True, help="new output .zip or (empty) folder")
     c.add_argument("--resolution", help="output WxH, e.g. 64x64")
     c.add_argument("--transform",
                    choices=["center-crop", "center-crop-dhariwal", "center-crop-wide"])
@@ -49,14 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     e = sub.add_parser("encode", help="images -> zip/folder of SD-VAE latents (.npy)")
     e.add_argument("--source", required=True, help="folder or .zip of images")
-    e.add_argument("--dest", required=True, help="output .zip or (empty) folder")
+    e.add_argument("--dest", required=True, help="new output .zip or (empty) folder")
     e.add_argument("--vae", required=True, help="SD VAE weights (diffusers file or folder)")
     e.add_argument("--batch", type=int, default=8, help="images per VAE call")
     e.add_argument("--max-images", type=int)
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     d = sub.add_parser("decode", help="latents (.npy) -> zip/folder of PNGs, with the VAE")
     d.add_argument("--source", required=True, help="folder or .zip of latents")
-    d.add_argument("--dest", required=True, help="output .zip or (empty) folder")
+    d.add_argument("--dest", required=True, help="new output .zip or (empty) folder")
     d.add_argument("--vae", required=True, help="SD VAE weights (diffusers file or folder)")
     d.add_argument("--batch", type=int, default=8, help="latents per VAE call")
     d.add_argument("--max-images", type=int)

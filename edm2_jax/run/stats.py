@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import struct
+import time
 
 from edm2_jax import paths
 from edm2_jax.run.layout import STATS_JSONL, TB
@@ -57,16 +58,18 @@ def _records(data: bytes) -> list[bytes]:
     return out
 
 
+def _event_files(tb_dir: str) -> list[str]:
+    return [os.path.join(tb_dir, name) for name in paths.listdir(tb_dir)
+            if "tfevents" in name and not name.endswith(".tmp")]
+
+
 def drop_events_after(tb_dir: str, nimg: int) -> None:
     """Rewrite the TensorBoard event files in `tb_dir` without their events at steps
     past `nimg` (a resumed run writes those steps again; `nimg` 0: all): each file whose
     events all stay is left as it is, the others replaced whole (a kill leaves the old
     file or the new one, and the next start drops the same events)."""
     from tensorboardX.proto.event_pb2 import Event
-    for name in paths.listdir(tb_dir):
-        path = os.path.join(tb_dir, name)
-        if "tfevents" not in name or name.endswith(".tmp"):
-            continue
+    for path in _event_files(tb_dir):
         data = paths.Path(path).read_bytes()
         framed = _records(data)
         events = [Event.FromString(r[12:-4]) for r in framed]
@@ -84,9 +87,85 @@ def drop_events_after(tb_dir: str, nimg: int) -> None:
             os.replace(path + ".tmp", path)
 
 
+def _scalar_keys(row: dict) -> list[str]:
+    """The keys of a stats row that TensorBoard shows: each number but `kimg`."""
+    return [k for k, v in row.items() if isinstance(v, (int, float)) and k != "kimg"]
+
+
+def _summary(row: dict):
+    """The TensorBoard `Summary` of a stats row: a scalar per `_scalar_keys` (tags
+    cleaned as tensorboardX cleans them)."""
+    from tensorboardX.proto.summary_pb2 import Summary
+    from tensorboardX.summary import scalar
+    return Summary(value=[scalar(k, float(row[k])).value[0] for k in _scalar_keys(row)])
+
+
+def missing_scalars(tb_dir: str, rows: list[dict]) -> list[dict]:
+    """The parts of the stats rows `rows` that the event files in `tb_dir` lack (a run
+    killed after a row reached `stats.jsonl` and before its event was written): for each
+    row with a scalar whose (tag, step) no event holds, that row with `kimg` and those
+    scalars alone."""
+    from tensorboardX.proto.event_pb2 import Event
+    seen = set()
+    for path in _event_files(tb_dir):
+        for r in _records(paths.Path(path).read_bytes()):
+            e = Event.FromString(r[12:-4])
+            seen.update((v.tag, e.step) for v in e.summary.value)
+    out = []
+    for row in rows:
+        step = int(round(row["kimg"] * 1000))
+        tags = {k: v.tag for k, v in zip(_scalar_keys(row), _summary(row).value)}
+        lacking = {k: row[k] for k, tag in tags.items() if (tag, step) not in seen}
+        seen.update((tag, step) for tag in tags.values())
+        if lacking:
+            out.append(dict(kimg=row["kimg"], **lacking))
+    return out
+
+
+class EventWriter:
+    """A TensorBoard event file of its own in `tb_dir` (a new name, never an existing
+    file's), each event written and flushed to the OS before `write` returns: a process
+    killed after `write` leaves the event whole, one killed during it leaves a last
+    record cut short, which the readers here leave out."""
+
+    def __init__(self, tb_dir: str):
+        import socket
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.record_writer import RecordWriter
+        os.makedirs(tb_dir, exist_ok=True)
+        base = os.path.join(tb_dir, f"events.out.tfevents.{int(time.time())}."
+                                    f"{socket.gethostname()}")
+        path, n = base, 0
+        while os.path.exists(path):
+            n += 1
+            path = f"{base}.{n}"
+        self.path = path
+        self.f = RecordWriter(path)
+        self.write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def write(self, event) -> None:
+        self.f.write(event.SerializeToString())
+        self.f.flush()
+
+    def add_row(self, row: dict) -> None:
+        """One event at step `kimg` * 1000 holding every scalar of the stats row `row`."""
+        from tensorboardX.proto.event_pb2 import Event
+        self.write(Event(wall_time=time.time(), step=int(round(row["kimg"] * 1000)),
+                         summary=_summary(row)))
+
+    def close(self) -> None:
+        self.f.close()
+
+
 class StatsLogger:
-    """Appends status dicts to `stats.jsonl` and TensorBoard scalars in `tb/`
-    (tensorboardX, no TensorFlow needed), from a run that starts at `start_nimg`.
+    """Appends status dicts to `stats.jsonl` and TensorBoard scalars in `tb/`, from a
+    run that starts at `start_nimg`.
+
+    Each row is written to `stats.jsonl`, then as one TensorBoard event holding all its
+    scalars (`EventWriter`, written before `log` returns). A run killed between the two
+    leaves a row that TensorBoard lacks in part or whole: the next start writes what
+    the event files lack of the rows it keeps (`missing_scalars`), so every row of
+    `stats.jsonl` is whole in TensorBoard too.
 
     Each step keeps one value: the rows of a run that went past `start_nimg` before it
     was stopped (its later checkpoints lost or set aside, or `resume_step` older) are
@@ -97,13 +176,10 @@ class StatsLogger:
 
     On a URL workdir (`gs://`, objects cannot be appended to): `stats.jsonl` is
     rewritten whole at every `log` (its earlier lines read once at the start), and the
-    TensorBoard event files are written to a local temporary directory and copied to
-    `WORKDIR/tb/` after every `log` (tensorboardX's own GCS writer is not used)."""
+    TensorBoard event file is written to a local temporary directory and copied to
+    `WORKDIR/tb/` after every `log`."""
 
     def __init__(self, workdir: str, start_nimg: int):
-        # tensorboardX is required, but costs ~1.6 s to import (protobuf): paid by the
-        # training process that logs, not by everything that reads a run (generate, phema).
-        from tensorboardX import SummaryWriter
         self.path = os.path.join(workdir, STATS_JSONL)
         self.tb_dir = os.path.join(workdir, TB)
         self.url = paths.is_url(workdir)
@@ -112,15 +188,20 @@ class StatsLogger:
         if kept != old:
             paths.write_text_atomic(self.path, kept)
         drop_events_after(self.tb_dir, start_nimg)
+        lacking = missing_scalars(self.tb_dir, [json.loads(x) for x in kept.splitlines()])
         if self.url:
             import tempfile
             self.lines = kept
             self.local_tb = tempfile.mkdtemp(prefix="edm2_jax_tb_")
             self.f = None
-            self.tb = SummaryWriter(self.local_tb)
+            self.tb = EventWriter(self.local_tb)
         else:
             self.f = open(self.path, "a")
-            self.tb = SummaryWriter(self.tb_dir)
+            self.tb = EventWriter(self.tb_dir)
+        for row in lacking:
+            self.tb.add_row(row)
+        if self.url and lacking:
+            self._upload_tb()
 
     def log(self, stats: dict) -> None:
         """Append `stats` (with `kimg`, the TensorBoard step being `kimg` * 1000)."""
@@ -130,11 +211,7 @@ class StatsLogger:
         else:
             self.f.write(json.dumps(stats) + "\n")
             self.f.flush()
-        step = int(round(stats["kimg"] * 1000))
-        for k, v in stats.items():
-            if isinstance(v, (int, float)) and k not in ("kimg",):
-                self.tb.add_scalar(k, v, step)
-        self.tb.flush()
+        self.tb.add_row(stats)
         if self.url:
             self._upload_tb()
 
