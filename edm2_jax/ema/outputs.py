@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 from edm2_jax import paths as paths_lib
 from edm2_jax.run import network_dir as ckpt_lib
@@ -91,3 +91,20 @@ def outputs_to_write(paths: list[str], labels: list[str], exist_ok: bool) -> lis
         else:
             print(f"Kept {p}: complete, from the same snapshots (written by an earlier run)")
     return todo
+
+
+def output_meta(sol: Any, k: int, workdir: str, objective: dict) -> dict:
+    """The meta of output `k` of the solution `sol` (`reconstruction._Solution`): its
+    width and time, the inputs it uses with their weights and its profile error, those
+    of each per-tensor group, and `objective`, the run's objective (`objectives.record`:
+    what its sampler needs, read from this network alone)."""
+    n_out, used = len(sol.sigma_rels), sol.used
+    groups = [{"regex": r, "sigma_rel": s, "weights": sol.X[used, n_out + j].tolist(),
+               "profile_error": float(sol.err[n_out + j])}
+              for j, (r, s) in enumerate(sol.per_tensor)]
+    return {"phema": True, "sigma_rel": sol.sigma_rels[k], "nimg": sol.out_nimg,
+            "kimg": sol.out_nimg / 1000, "source": workdir, "inputs": sol.labels,
+            "input_nimg": sol.in_nimg[used].tolist(),
+            "input_sigma_rel": sol.in_sigma[used].tolist(),
+            "weights": sol.X[used, k].tolist(), "profile_error": float(sol.err[k]),
+            "per_tensor": groups, **objective}

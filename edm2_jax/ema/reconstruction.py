@@ -48,7 +48,7 @@ from edm2_jax import paths as paths_lib
 from edm2_jax.ema import streaming
 from edm2_jax.ema.inputs import (SnapshotFile, find_snapshots, input_checker,
                                  input_network, read_or_refuse)
-from edm2_jax.ema.outputs import output_paths, outputs_to_write, save_output
+from edm2_jax.ema.outputs import output_meta, output_paths, outputs_to_write, save_output
 from edm2_jax.ema.solver import gammas, profile_error, solve_weights
 
 Array = jax.Array
@@ -211,7 +211,7 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
         for j, k in enumerate(batch):
             flat = acc.pop_host(j)
             save_output(paths[k], {"params": layout.unflatten(flat), "buffers": buffers},
-                        net_config, _output_meta(sol, k, workdir, objective))
+                        net_config, output_meta(sol, k, workdir, objective))
             del flat
         del acc
     return paths
@@ -361,22 +361,6 @@ def _add_input(acc: _Accumulators, layout: streaming.FlatLayout, kind: str, work
         nbytes += chunk.nbytes
         del chunk
     return nbytes
-
-
-def _output_meta(sol: _Solution, k: int, workdir: str, objective: dict) -> dict:
-    """The meta of output `k`: its width and time, the inputs it uses with their weights
-    and its profile error, those of each per-tensor group, and the objective the run
-    trained (`objectives.record`: what its sampler needs, read from this network alone)."""
-    n_out, used = len(sol.sigma_rels), sol.used
-    groups = [{"regex": r, "sigma_rel": s, "weights": sol.X[used, n_out + j].tolist(),
-               "profile_error": float(sol.err[n_out + j])}
-              for j, (r, s) in enumerate(sol.per_tensor)]
-    return {"phema": True, "sigma_rel": sol.sigma_rels[k], "nimg": sol.out_nimg,
-            "kimg": sol.out_nimg / 1000, "source": workdir, "inputs": sol.labels,
-            "input_nimg": sol.in_nimg[used].tolist(),
-            "input_sigma_rel": sol.in_sigma[used].tolist(),
-            "weights": sol.X[used, k].tolist(), "profile_error": float(sol.err[k]),
-            "per_tensor": groups, **objective}
 
 
 def main_phema(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None = None,
