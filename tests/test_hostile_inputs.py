@@ -214,6 +214,27 @@ def test_a_run_without_config_json_nor_a_copy_of_it_is_refused(tiny_run, tmp_pat
     assert loop.train_and_evaluate(tiny_config(tiny_run["data"]), str(run))["finished"]
 
 
+def test_config_json_written_again_after_deletion_keeps_every_start(tiny_run, tmp_path):
+    """A run of two starts (step 0 at the config's learning rate, step 2 at a lower one),
+    config.json deleted: the next start writes it again with the learning rate of every
+    start (`optim_history`, from the copy the newest checkpoint keeps), not the last
+    alone, so the advice after a divergence still names the rates that trained."""
+    import json
+    run = _copy(tiny_run, tmp_path)
+    for kind in ("checkpoints", "snapshots"):
+        shutil.rmtree(run / kind / "4")
+    lr = json.loads((run / "config.json").read_text())["optim"]["ref_lr"]
+    lower = tiny_config(tiny_run["data"], **{"optim.ref_lr": lr / 2})
+    assert loop.train_and_evaluate(lower, str(run))["finished"]
+    history = json.loads((run / "config.json").read_text())["optim_history"]
+    assert [(h["step"], h["ref_lr"]) for h in history] == [(0, lr), (2, lr / 2)]
+
+    (run / "config.json").unlink()
+    assert loop.train_and_evaluate(lower, str(run))["finished"]  # finished: trains nothing
+    history = json.loads((run / "config.json").read_text())["optim_history"]
+    assert [(h["step"], h["ref_lr"]) for h in history] == [(0, lr), (2, lr / 2), (4, lr / 2)]
+
+
 def test_an_edited_config_json_is_refused(tiny_run, tmp_path):
     """config.json's `loss.P_mean` edited and the run resumed with the edited value: the
     checkpoints' copy of the config says otherwise, so the resume is refused naming the

@@ -78,6 +78,9 @@ def set_up(config: ml_collections.ConfigDict, workdir: str, start: setup.Start,
     config = setup.run_config(config, workdir, start, source)
     print(f"Data: {data_lib.describe(source)}", flush=True)
     current = resume.check_config(workdir, config)
+    # The run's record of its starts: config.json, else the copy the newest checkpoint
+    # keeps, so that a config.json written again keeps every start's learning rate.
+    recorded = resume.saved_config(workdir, quiet=True)
     eval_key, evaluator = setup.setup_eval(config, start.objective, is_main)
     num_devices = None
     if process_setup is not None:
@@ -98,8 +101,7 @@ def set_up(config: ml_collections.ConfigDict, workdir: str, start: setup.Start,
         raise
     # config.json records the run's config and the learning rate of each start
     # (`optim_history`), which a rescue from divergence suggests.
-    current = dict(current, optim_history=optim_history(
-        layout.read_config(workdir), current, int(state["step"])))
+    current = dict(current, optim_history=optim_history(recorded, current, int(state["step"])))
     if is_main:
         resume.record_config(workdir, current)
     return Run(config, workdir, is_main, model, state, resumed, source, eval_key, evaluator,

@@ -11,9 +11,9 @@ from edm2_jax.run import checkpoints, records
 
 def optim_history(saved: dict | None, current: dict, step0: int) -> list[dict]:
     """The learning rate and clip each start of the run trained with, from `step0` on:
-    `[{"step", "ref_lr", "grad_clip"}, ...]` by step, as recorded in config.json (`saved`,
-    the record before this start; a record without a history counts its optim.* from
-    step 0). The starts at or after `step0` trained nothing that is kept; this start
+    `[{"step", "ref_lr", "grad_clip"}, ...]` by step, as the run records it (`saved`, the
+    record before this start: config.json, or the copy of it the newest checkpoint keeps,
+    `resume.saved_config`; a record without a history counts its optim.* from step 0). The starts at or after `step0` trained nothing that is kept; this start
     (`current`) is appended."""
     def entry(step: int, optim: dict) -> dict:
         return {"step": int(step), "ref_lr": float(optim["ref_lr"]),

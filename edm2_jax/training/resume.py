@@ -84,9 +84,10 @@ def check_config_matches(saved: dict, current: dict, workdir: str) -> list[str]:
     return allowed
 
 
-def saved_config(workdir: str) -> dict | None:
-    """The config of the run in `workdir`: its config.json, else (config.json deleted)
-    the copy its newest checkpoint keeps (`KEPT_CONFIG` in the checkpoint's record), or
+def saved_config(workdir: str, quiet: bool = False) -> dict | None:
+    """The config of the run in `workdir`: its config.json, else (config.json deleted;
+    a line says so unless `quiet`) the copy its newest checkpoint keeps (`KEPT_CONFIG`
+    in the checkpoint's record, with the `optim_history` of the start that saved it), or
     None for a new run. Raises ValueError when the run has checkpoints but neither (the
     same-run check cannot be made, and a changed config would go unnoticed), and when
     config.json differs from that copy in a field that may not change (it was edited)."""
@@ -102,8 +103,10 @@ def saved_config(workdir: str) -> dict | None:
                 f"those settings back in config.json to resume, or use a new --workdir.")
         return saved
     if kept is not None:
-        print(f"{layout.config_path(workdir)} is missing: checking the config against the "
-              f"copy checkpoint {kept[0]} keeps (config.json is written again)", flush=True)
+        if not quiet:
+            print(f"{layout.config_path(workdir)} is missing: checking the config against "
+                  f"the copy checkpoint {kept[0]} keeps (config.json is written again)",
+                  flush=True)
         return kept[1]
     steps = layout.step_dirs(os.path.join(workdir, layout.CHECKPOINTS))
     if steps:
