@@ -1,19 +1,29 @@
-"""Weights files of PyTorch models read as NumPy arrays, never running what a file holds:
-`.safetensors` (`safetensors.numpy`), `torch.save` and TorchScript zip archives (read
-without torch: `ArchiveUnpickler` rebuilds tensors from the archive's raw storages and
-refuses every other global), and legacy (non-zip) torch files (`torch.load(weights_only=
-True)`, which needs torch). Used for the SD VAE (`encoders/vae.py`), DINOv2
-(`evaluation/dinov2.py`) and the FID Inception network (`evaluation/inception.py`)."""
+"""Weights files of PyTorch models read as NumPy arrays, never running what a file holds,
+and without torch: `.safetensors` (`safetensors.numpy`), `torch.save` and TorchScript zip
+archives (`load_archive`) and legacy (non-zip) `torch.save` files (`load_legacy`).
+
+A torch file is a pickle whose tensors name raw storages kept beside it (a zip record, or
+a record after the pickle in a legacy file). `ArchiveUnpickler` rebuilds each tensor from
+its storage's bytes as NumPy (`rebuild_tensor`): the storage's bytes are checked against
+the file's record and the tensor's offset, size and strides against its storage before
+any view is made, so a damaged or hostile file is a ValueError, never bytes from outside
+the storage. Every global other than a storage type, the tensor constructor and
+TorchScript's containers is refused.
+
+Used for the SD VAE (`encoders/vae.py`), DINOv2 (`evaluation/dinov2.py`), the FID
+Inception network (`evaluation/inception.py`) and the tensors of the release's files
+(`release/pickle_io.py`)."""
 from __future__ import annotations
 
 import io
+import math
+import operator
 import os
 import pickle
-import warnings
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -21,10 +31,108 @@ import numpy as np
 # naming the file, what was expected and where a good one comes from.
 CorruptError = Callable[[Path, str, BaseException], Exception]
 
-_STORAGE_DTYPES = {"FloatStorage": np.float32, "DoubleStorage": np.float64,
-                   "HalfStorage": np.float16, "BFloat16Storage": None,
-                   "LongStorage": np.int64, "IntStorage": np.int32, "ShortStorage": np.int16,
-                   "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_}
+DAMAGED = "the file is damaged or not a weights file"
+# A legacy torch file: pickles of this number, its protocol and the writer's sys_info,
+# the object, its storage keys, then per key an int64 element count and the elements.
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+LEGACY_PROTOCOL = 1001
+
+
+class StorageType(NamedTuple):
+    """What a storage class (`torch.FloatStorage`) names: the dtype of its elements.
+    An instance, not a class: a pickle cannot call it."""
+    dtype: type
+
+
+_STORAGE_TYPES = {name: StorageType(t) for name, t in {
+    "FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
+    "LongStorage": np.int64, "IntStorage": np.int32, "ShortStorage": np.int16,
+    "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_}.items()}
+
+
+def storage_type(module: str, name: str) -> StorageType | None:
+    """The `StorageType` a global `torch.<Name>Storage` names; None for any other global
+    (and for BFloat16Storage, which NumPy cannot hold)."""
+    return _STORAGE_TYPES.get(name) if module == "torch" else None
+
+
+class Storage(NamedTuple):
+    """One storage of a torch file: its key, element dtype and count, and its elements
+    (1-D, read-only; None while a legacy file is only being surveyed)."""
+    key: str
+    dtype: np.dtype
+    numel: int
+    array: np.ndarray | None
+
+
+def _storage_id(pid) -> tuple[str, np.dtype, int]:
+    """`(key, dtype, numel)` of a persistent id `('storage', StorageType, key, location,
+    numel)` (zip archives) or with a sixth entry `view_metadata`, None (legacy files)."""
+    if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"
+            and (len(pid) == 5 or pid[5] is None)):
+        raise ValueError(f"persistent id {str(pid)[:80]} is no storage of a torch file; "
+                         f"{DAMAGED}")
+    _, stype, key, _location, numel = pid[:5]
+    if not isinstance(key, str) or type(stype) is not StorageType:
+        raise ValueError(f"storage {str(key)[:40]!r}: no key and storage type; {DAMAGED}")
+    if type(numel) is not int or numel < 0:
+        raise ValueError(f"storage {key!r}: element count {str(numel)[:40]}; {DAMAGED}")
+    return key, np.dtype(stype.dtype).newbyteorder("<"), numel
+
+
+def check_record(key: str, dtype: np.dtype, numel: int, nbytes: int) -> None:
+    """Raises ValueError naming `key` unless its record's `nbytes` are `numel` elements."""
+    if nbytes != numel * dtype.itemsize:
+        raise ValueError(f"storage {key!r}: its record holds {nbytes} bytes, not the "
+                         f"{numel} x {dtype.itemsize} its tensors name; {DAMAGED}")
+
+
+def storage_from_bytes(key: str, dtype: np.dtype, numel: int, raw) -> Storage:
+    """The storage `key` of `numel` little-endian `dtype` elements from the bytes of its
+    record, which must hold exactly that many (`check_record`)."""
+    check_record(key, dtype, numel, len(raw))
+    return Storage(key, dtype, numel, np.frombuffer(raw, dtype, count=numel))
+
+
+def check_view(key: str, numel: int, offset, size, stride) -> tuple[int, tuple, tuple]:
+    """`(offset, size, stride)` of a tensor (in elements) as ints, checked to address only
+    elements `0 .. numel-1` of its storage `key` and no more elements than it holds.
+    Raises ValueError naming `key` for a negative, non-integer or out-of-bounds view."""
+    try:
+        offset = operator.index(offset)
+        size, stride = tuple(map(operator.index, size)), tuple(map(operator.index, stride))
+    except TypeError:
+        raise ValueError(f"storage {key!r}: a tensor's offset, size and stride are not "
+                         f"integers; {DAMAGED}") from None
+    if len(size) != len(stride) or offset < 0 or min(size + stride, default=0) < 0:
+        raise ValueError(f"storage {key!r}: a tensor of offset {offset}, size {size[:8]} "
+                         f"and stride {stride[:8]}; {DAMAGED}")
+    count = math.prod(size)
+    last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+    if count > numel or offset > numel or (count and last >= numel):
+        raise ValueError(f"storage {key!r}: a tensor of offset {offset}, size {size[:8]} "
+                         f"and stride {stride[:8]} reaches beyond its {numel} elements; "
+                         f"{DAMAGED}")
+    return offset, size, stride
+
+
+def rebuild_tensor(storage, offset, size, stride, *_) -> np.ndarray | None:
+    """`torch._utils._rebuild_tensor_v2` in NumPy: a copy of the elements of `storage` the
+    view `(offset, size, stride)` addresses, after `check_view`; None while a legacy file
+    is surveyed. Raises ValueError when `storage` is no storage of the file."""
+    if type(storage) is not Storage:
+        raise ValueError(f"a tensor names {type(storage).__name__}, not a storage of the "
+                         f"file; {DAMAGED}")
+    offset, size, stride = check_view(storage.key, storage.numel, offset, size, stride)
+    if storage.array is None:
+        return None
+    if math.prod(size) == 0:
+        return np.zeros(size, storage.dtype)
+    # A dimension of one element never steps: its stride is any number, so 0 here.
+    steps = tuple(s * storage.dtype.itemsize if n > 1 else 0 for n, s in zip(size, stride))
+    view = np.lib.stride_tricks.as_strided(storage.array[offset:], shape=size, strides=steps,
+                                           writeable=False)
+    return np.array(view)
 
 
 class ScriptObject:
@@ -34,29 +142,25 @@ class ScriptObject:
         self.__dict__.update(state)
 
 
-def _rebuild_tensor(storage, offset, size, stride, *_):
-    itemsize = storage.dtype.itemsize
-    view = np.lib.stride_tricks.as_strided(storage[offset:], shape=tuple(size),
-                                           strides=tuple(s * itemsize for s in stride))
-    return np.array(view)
-
-
 class ArchiveUnpickler(pickle.Unpickler):
-    """Reads `<archive>/data.pkl` of a TorchScript / torch.save zip: tensors become numpy
-    arrays read from `<archive>/data/<key>`; module classes become `_ScriptObject`s; every
-    other global is refused."""
+    """Reads the pickle of a torch file: tensors become NumPy arrays (`rebuild_tensor`)
+    read from the storages of `zf` (`<prefix>/data/<key>` of a zip archive, or the
+    `LegacyRecords` of a legacy file); TorchScript module classes become `ScriptObject`s;
+    every other global is refused (`pickle.UnpicklingError`)."""
 
-    def __init__(self, file, zf: zipfile.ZipFile, prefix: str):
+    def __init__(self, file, zf, prefix: str = ""):
         super().__init__(file)
-        self._zf, self._prefix, self._storages = zf, prefix, {}
+        self._records = zf if isinstance(zf, LegacyRecords) or zf is None else \
+            _ZipRecords(zf, prefix)
 
     def find_class(self, module, name):
+        stype = storage_type(module, name)
+        if stype is not None:
+            return stype
         if module.startswith("__torch__"):
             return ScriptObject
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild_tensor
-        if module == "torch" and _STORAGE_DTYPES.get(name) is not None:
-            return _STORAGE_DTYPES[name]
+            return rebuild_tensor
         if module == "torch.jit._pickle" and name.startswith("build_"):
             return lambda items: items
         if (module, name) == ("collections", "OrderedDict"):
@@ -65,18 +169,48 @@ class ArchiveUnpickler(pickle.Unpickler):
                                      f"archive")
 
     def persistent_load(self, pid):
-        kind, dtype, key, _location, numel = pid
-        if kind != "storage":
-            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
-        if key not in self._storages:
-            raw = self._zf.read(f"{self._prefix}/data/{key}")
-            self._storages[key] = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"),
-                                                count=numel)
-        return self._storages[key]
+        if self._records is None:
+            raise ValueError(f"a plain pickle names a storage ({str(pid)[:80]}); {DAMAGED}")
+        return self._records.storage(*_storage_id(pid))
+
+
+class _ZipRecords:
+    """The storages of a zip archive: record `<prefix>/data/<key>`, read once per view."""
+
+    def __init__(self, zf: zipfile.ZipFile, prefix: str):
+        self._zf, self._prefix, self._read = zf, prefix, {}
+
+    def storage(self, key: str, dtype: np.dtype, numel: int) -> Storage:
+        if (key, dtype, numel) not in self._read:
+            name = f"{self._prefix}/data/{key}"
+            # The size the archive states for the record, checked before it is inflated.
+            check_record(key, dtype, numel, self._zf.getinfo(name).file_size)
+            raw = self._zf.read(name)
+            self._read[key, dtype, numel] = storage_from_bytes(key, dtype, numel, raw)
+        return self._read[key, dtype, numel]
+
+
+class LegacyRecords:
+    """The storages of a legacy torch file. Surveying (`arrays` None) notes the storages
+    the pickle names (`wanted`: key -> (dtype, numel)); reading hands out `arrays`."""
+
+    def __init__(self, arrays: dict[str, Storage] | None = None):
+        self.arrays, self.wanted = arrays, {}
+
+    def storage(self, key: str, dtype: np.dtype, numel: int) -> Storage:
+        if self.arrays is None:
+            if self.wanted.setdefault(key, (dtype, numel)) != (dtype, numel):
+                raise ValueError(f"storage {key!r} is named with two types or sizes; "
+                                 f"{DAMAGED}")
+            return Storage(key, dtype, numel, None)
+        storage = self.arrays[key]
+        if (storage.dtype, storage.numel) != (dtype, numel):
+            raise ValueError(f"storage {key!r} is named with two types or sizes; {DAMAGED}")
+        return storage
 
 
 class _StateDictUnpickler(ArchiveUnpickler):
-    """`data.pkl` of a `torch.save`d state dict: dicts of tensors (as numpy arrays) only."""
+    """The pickle of a `torch.save`d state dict: dicts of tensors (as NumPy arrays) only."""
 
     def find_class(self, module, name):
         if (module, name) == ("torch._utils", "_rebuild_parameter"):
@@ -88,17 +222,68 @@ class _StateDictUnpickler(ArchiveUnpickler):
                                          f"read") from None
 
 
-def read_state_dict(path: str | os.PathLike, corrupt: CorruptError,
-                    torch_hint: str = "") -> dict[str, np.ndarray]:
+class _DataUnpickler(pickle.Unpickler):
+    """Plain data (numbers, strings, lists, dicts): every global refused."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"unexpected global {module}.{name} in a legacy torch "
+                                     f"file's header")
+
+
+def load_archive(zf: zipfile.ZipFile, unpickler: type = _StateDictUnpickler):
+    """The object a `torch.save` zip archive holds, read by `unpickler` (an
+    `ArchiveUnpickler`) from its one `<prefix>/data.pkl`."""
+    pkl = [n for n in zf.namelist() if n.endswith("data.pkl")]
+    if len(pkl) != 1:
+        raise ValueError(f"expected one data.pkl, found {pkl[:4]}")
+    prefix = pkl[0][: -len("/data.pkl")]
+    return unpickler(io.BytesIO(zf.read(pkl[0])), zf, prefix).load()
+
+
+def load_legacy(data: bytes, unpickler: type = _StateDictUnpickler):
+    """The object a legacy (non-zip) `torch.save` file holds, read by `unpickler` (an
+    `ArchiveUnpickler`). The pickle is read twice: once to learn the storages it names,
+    whose records follow it, and once with them. Raises ValueError unless the header is
+    torch's, every storage named has one record of exactly its size, and no other."""
+    f = io.BytesIO(data)
+    magic, protocol, info = (_DataUnpickler(f).load() for _ in range(3))
+    if magic != LEGACY_MAGIC or protocol != LEGACY_PROTOCOL or not isinstance(info, dict):
+        raise ValueError(f"not a legacy torch file (magic number {str(magic)[:30]}, "
+                         f"protocol {str(protocol)[:10]})")
+    if info.get("little_endian") is not True:
+        raise ValueError("a big-endian legacy torch file; re-save it on a little-endian "
+                         "machine")
+    start, survey = f.tell(), LegacyRecords()
+    unpickler(f, survey).load()
+    keys = _DataUnpickler(f).load()
+    if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)
+            and sorted(keys) == sorted(survey.wanted)):
+        raise ValueError(f"its storage keys {str(keys)[:80]} are not the "
+                         f"{len(survey.wanted)} storages its tensors name; {DAMAGED}")
+    buf, at, arrays = memoryview(data), f.tell(), {}
+    for key in keys:
+        dtype, numel = survey.wanted[key]
+        count = int.from_bytes(buf[at:at + 8], "little", signed=True)
+        if count != numel:
+            raise ValueError(f"storage {key!r}: its record counts {count} elements, its "
+                             f"tensors name {numel}; {DAMAGED}")
+        raw = buf[at + 8:at + 8 + numel * dtype.itemsize]
+        arrays[key] = storage_from_bytes(key, dtype, numel, raw)
+        at += 8 + len(raw)
+    f.seek(start)
+    return unpickler(f, LegacyRecords(arrays)).load()
+
+
+def read_state_dict(path: str | os.PathLike, corrupt: CorruptError) -> dict[str, np.ndarray]:
     """All tensors of a weights file as `{name: float32 ndarray}` in torch layout.
 
-    `.safetensors`: `safetensors.numpy`. A `torch.save` zip archive: read without torch.
-    A legacy (non-zip) torch file, which starts with pickle protocol 2: `torch.load(...,
-    weights_only=True)` if torch is installed; any other file is refused without torch.
-    A wrapping `{'model': ...}`, `{'state_dict': ...}` or `{'teacher': ...}` is
-    unwrapped; entries that are no arrays are left out. Raises ImportError naming the package to install (`torch_hint` added:
-    e.g. a torch-free file of the same weights), or `corrupt(path, expected, error)` for a
-    file that is none of these or holds no state dict of tensors.
+    `.safetensors`: `safetensors.numpy`. A `torch.save` zip archive (`load_archive`) or a
+    legacy non-zip torch file, which starts with pickle protocol 2 (`load_legacy`): read
+    without torch. A wrapping `{'model': ...}`, `{'state_dict': ...}` or
+    `{'teacher': ...}` is unwrapped; entries that are no arrays are left out. Raises
+    ImportError naming the package to install (safetensors), or `corrupt(path, expected,
+    error)` for a file that is none of these or holds no state dict of tensors (`error`
+    names a damaged storage by its key).
     """
     path = Path(path)
     if path.suffix == ".safetensors":
@@ -111,49 +296,29 @@ def read_state_dict(path: str | os.PathLike, corrupt: CorruptError,
         except Exception as e:  # noqa: BLE001 - the reader raises its own error types
             raise corrupt(path, "a readable .safetensors file", e) from None
     elif zipfile.is_zipfile(path):
-        sd = _read_zip(path, corrupt)
+        sd = _read(path, corrupt, "a torch.save archive of a state dict")
     else:
-        sd = _read_legacy(path, corrupt, torch_hint)
+        sd = _read(path, corrupt, "a torch zip archive, .safetensors or legacy torch file")
     for key in ("model", "state_dict", "teacher"):
         if isinstance(sd, dict) and isinstance(sd.get(key), dict):
             sd = sd[key]
     if not isinstance(sd, dict):
         raise corrupt(path, "a state dict", TypeError(f"it holds a {type(sd).__name__}"))
     return {str(k): np.asarray(v, np.float32) for k, v in sd.items()
-            if isinstance(v, np.ndarray) or hasattr(v, "__array__")}
+            if isinstance(v, np.ndarray)}
 
 
-def _read_zip(path: Path, corrupt: CorruptError) -> object:
+def _read(path: Path, corrupt: CorruptError, expected: str) -> object:
+    """The object of the torch file `path` (zip or legacy), or `corrupt(...)`."""
+    data = None if zipfile.is_zipfile(path) else path.read_bytes()
     try:
-        with zipfile.ZipFile(path) as zf:
-            pkl = [n for n in zf.namelist() if n.endswith("data.pkl")]
-            if len(pkl) != 1:
-                raise ValueError(f"expected one data.pkl, found {pkl}")
-            prefix = pkl[0][: -len("/data.pkl")]
-            return _StateDictUnpickler(io.BytesIO(zf.read(pkl[0])), zf, prefix).load()
+        if data is None:
+            with zipfile.ZipFile(path) as zf:
+                return load_archive(zf)
+        if data[:2] != b"\x80\x02":  # torch's legacy format is pickle protocol 2; else a zip
+            raise ValueError(f"it starts with {data[:2]!r}")
+        return load_legacy(data)
     except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, OSError, KeyError,
-            ValueError, TypeError) as e:
-        raise corrupt(path, "a torch.save archive of a state dict", e) from None
-
-
-def _read_legacy(path: Path, corrupt: CorruptError, torch_hint: str) -> object:
-    with open(path, "rb") as f:
-        magic = f.read(2)
-    if magic != b"\x80\x02":  # torch's legacy format is pickle protocol 2; else a zip
-        raise corrupt(path, "a torch zip archive, .safetensors or legacy torch file",
-                      ValueError(f"it starts with {magic!r}"))
-    try:
-        import torch
-    except ImportError as e:
-        raise ImportError(f"{path} is a legacy (non-zip) torch file; reading it needs torch "
-                          f"(pip install torch){torch_hint}") from e
-    try:
-        with warnings.catch_warnings():  # the error below is the one line a user gets
-            warnings.simplefilter("ignore")
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any reader failure means "not weights"
-        raise corrupt(path, "a torch weights file", e) from None
-    if isinstance(sd, dict):
-        sd = {k: v.float().numpy() if hasattr(v, "float") and hasattr(v, "numpy") else v
-              for k, v in sd.items()}
-    return sd
+            ValueError, TypeError, IndexError, OverflowError, RecursionError,
+            UnicodeDecodeError) as e:
+        raise corrupt(path, expected, e) from None

@@ -41,11 +41,11 @@ Encoders (`ENCODERS`): `'none'` = pixels in [-1, 1] (the release's StandardRGBEn
 
 Weights: the user's file, never downloaded (`--vae=PATH`): diffusers'
 `diffusion_pytorch_model.safetensors` (read with `safetensors.numpy`), its `.bin`
-(`torch.save`d; needs torch), or a diffusers folder holding either (a pipeline's `vae/`
-subfolder too), with its `config.json` when present. The architecture comes from the
-weights' shapes; the number of GroupNorm groups, which no shape shows, from config.json
-(default 32, SD's). Both attention namings are read (`to_q`/`to_k`/`to_v`/`to_out.0` and
-the older `query`/`key`/`value`/`proj_attn` of the 2022 uploads).
+(`torch.save`d; read without torch), or a diffusers folder holding either (a pipeline's
+`vae/` subfolder too), with its `config.json` when present. The architecture comes from
+the weights' shapes; the number of GroupNorm groups, which no shape shows, from
+config.json (default 32, SD's). Both attention namings are read (`to_q`/`to_k`/`to_v`/
+`to_out.0` and the older `query`/`key`/`value`/`proj_attn` of the 2022 uploads).
 
     vae = load_vae('sd-vae-ft-mse/')                  # folder, .safetensors or .bin
     raw = vae.encode_pixels(images_uint8)              # f32 [N, H/8, W/8, 8]: mean, std
@@ -439,12 +439,10 @@ def find_weights(path: str | os.PathLike) -> tuple[Path, Path | None]:
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """All tensors of an SD VAE weights file as `{name: float32 ndarray}` in torch layout
-    (`torch_weights.read_state_dict`: `.safetensors` and `torch.save` zip archives without
-    torch, a legacy torch file with it; nothing in the file runs). Raises ImportError
-    naming the package, ValueError for a file that holds no state dict of tensors."""
-    return torch_weights.read_state_dict(
-        path, _not_weights, torch_hint=", or use the diffusion_pytorch_model.safetensors of "
-                                       "the same VAE, which needs no torch")
+    (`torch_weights.read_state_dict`: `.safetensors`, `torch.save` zip archives and legacy
+    torch files, without torch; nothing in the file runs). Raises ImportError naming the
+    package, ValueError for a file that holds no state dict of tensors (or a damaged one)."""
+    return torch_weights.read_state_dict(path, _not_weights)
 
 
 def _not_weights(path: Path, expected: str, e: BaseException) -> ValueError:

@@ -31,9 +31,9 @@ Preprocessing (`preprocess_uint8`), the release's default `resize_mode='torch'`:
 Weights: the official `dinov2_vitl14_pretrain.pth` (a `torch.save`d state dict,
 https://dl.fbaipublicfiles.com/dinov2/dinov2_vitl14/dinov2_vitl14_pretrain.pth) or a
 `.safetensors` file with the same names (timm's `vit_large_patch14_dinov2.lvd142m`
-`model.safetensors`). Both are read without torch: the `.pth` zip archive with a
-restricted unpickler (tensors only, nothing executed), `.safetensors` with the
-`safetensors` package. Only a pre-1.6 (non-zip) `.pth` needs torch. The training
+`model.safetensors`). Both are read without torch: the `.pth` (a zip archive, or a
+pre-1.6 non-zip file) with a restricted unpickler (tensors only, each checked against its
+storage, nothing executed), `.safetensors` with the `safetensors` package. The training
 layout with block chunks (`blocks.<chunk>.<i>.*`) is accepted too. Nothing is
 downloaded: pass the file (`--dinov2=PATH`, or EDM2_DINOV2_WEIGHTS).
 
@@ -319,7 +319,7 @@ def features_uint8(net: DINOv2, images) -> jax.Array:
 def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """All tensors of a DINOv2 weights file as `{name: float32 ndarray}` in torch layout
     (`encoders.torch_weights.read_state_dict`: `.safetensors`, a `torch.save` zip archive
-    read without torch, or a legacy torch file read with torch), the chunked block layout
+    or a legacy torch file, read without torch), the chunked block layout
     renamed to the plain one. Raises FileNotFoundError, ImportError naming the package to
     install, or ValueError for a file that is corrupt or holds no state dict of tensors
     (naming the file and where to download a good one)."""

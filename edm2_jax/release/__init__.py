@@ -2,14 +2,18 @@
 its code: network pickles and state dicts into our networks and back, its training states
 into our runs, its per-seed torch draws in NumPy.
 
-    pickle_io.py       the restricted unpickler, torch loading: `load_release`
+    unpickler.py       the globals the release's files hold (`RELEASE_GLOBALS`), each a
+                       constructor of data; `ReleaseUnpickler` refuses any other;
+                       `torch_load` of `torch.save` files
+    pickle_io.py       which network a file holds and its kwargs: `load_release`
     convert.py         release <-> our keys and layouts, the architecture from shapes,
                        `convert` (a release network into a network checkpoint)
     training_state.py  reading a release training state `training-state-*.pt`
     export.py          our networks as the release's network pickles
     rng.py             the release's per-seed draws (noise, class, churn)
 
-May import `edm2_jax.paths`, `edm2_jax.model` and `edm2_jax.run`; nothing higher (the
-train state built from a release state is `edm2_jax.training.from_release`'s, the
-command lines of convert and export `edm2_jax.modes.release`'s).
+May import `edm2_jax.paths`, `edm2_jax.model`, `edm2_jax.encoders` (the tensors of torch
+files: `torch_weights`) and `edm2_jax.run`; nothing higher (the train state built from a
+release state is `edm2_jax.training.from_release`'s, the command lines of convert and
+export `edm2_jax.modes.release`'s).
 """

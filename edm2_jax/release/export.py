@@ -18,7 +18,8 @@ from typing import Mapping
 import numpy as np
 
 from edm2_jax.release.convert import variables_to_state_dict
-from edm2_jax.release.pickle_io import EXPORT_KWARGS, EXPORT_STATE_DICT, import_torch
+from edm2_jax.release.pickle_io import EXPORT_KWARGS, EXPORT_STATE_DICT
+from edm2_jax.release.unpickler import import_torch
 
 # Precond fields of this project that are the release's constructor arguments too.
 RELEASE_KWARGS = ("img_resolution", "img_channels", "label_dim", "model_channels",

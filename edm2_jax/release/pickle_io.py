@@ -8,31 +8,41 @@ Files understood by `load_release` / `load_state_dict`:
   classes are wrapped by the release's `torch_utils.persistence`, so every such object
   pickles as a call `_reconstruct_persistent_obj(meta)`, `meta = {type, version,
   module_src, class_name, state}`, `state` the object's `__dict__` (`_parameters`,
-  `_buffers`, `_modules`, `_init_args`, `_init_kwargs`). `ReleaseUnpickler` maps those
-  names to inert stand-ins: their code is never imported or run; torch reads the tensors.
+  `_buffers`, `_modules`, `_init_args`, `_init_kwargs`).
 * a `torch.save`d `state_dict()` of their `Precond` (`.pt` / `.pth`), or a `torch.save`d
   dict holding one under `'ema'` / `'net'`.
 * an `.npz` with the `state_dict` keys, optionally prefixed `w/` (the golden files).
 * our exports (`export.export_network_pickle`; `EXPORT_KWARGS`, `EXPORT_STATE_DICT`).
 
+`unpickler.ReleaseUnpickler` reads the pickles, resolving only the globals these files
+hold (`unpickler.RELEASE_GLOBALS`) to constructors of data: the authors' code is never
+imported or run, any other global is refused with a ValueError naming it.
+
 What comes back (`ReleaseWeights`): the release's state dict (float32 numpy, conv OIHW,
 dense `[out, in]`) and the Precond kwargs the pickle recorded; `convert.py` maps them to
-this project's variables. The tensors go through torch's own loader: convert files you
-trust.
+this project's variables.
 """
 from __future__ import annotations
 
 import os
-import pickle
 import zipfile
 from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
+from edm2_jax.encoders import torch_weights
+from edm2_jax.release.unpickler import (
+    PersistentObject,
+    ReleaseUnpickler,
+    TorchMissingError,  # noqa: F401 - modes/common.py's user errors import it from here
+    import_torch,
+    read_untrusted,
+    torch_load,
+)
+
 # Positional order of the release's Precond.__init__ (for pickles that recorded init_args).
 _PRECOND_POSITIONAL = ("img_resolution", "img_channels", "label_dim", "use_fp16",
                        "sigma_data", "logvar_channels")
-_TORCH_HINT = "pip install -e '.[torch]' in the checkout (or: pip install torch)"
 # The state entries of a Precond written by `export.export_network_pickle`.
 EXPORT_KWARGS = "edm2_jax_kwargs"
 EXPORT_STATE_DICT = "edm2_jax_state_dict"
@@ -51,136 +61,6 @@ class ReleaseWeights(NamedTuple):
     state_dict: dict
     net_kwargs: dict
     info: dict
-
-
-# ---------------------------------------------------------------------------------------
-# Stand-ins for the release's pickled classes.
-
-class EasyDict(dict):
-    """Stand-in for `dnnlib.util.EasyDict`: a dict with attribute access."""
-
-    def __getattr__(self, name):
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def __setattr__(self, name, value):
-        self[name] = value
-
-
-class PersistentObject:
-    """Stand-in for an object of a `torch_utils.persistence`-wrapped class.
-
-    Holds what the pickle recorded: `class_name` (e.g. 'Precond', 'MPConv'),
-    `module_src` (the authors' source, kept as text and never executed), `version` and
-    `state` (the original `__dict__`: `_parameters`, `_buffers`, `_modules`,
-    `_init_args`, `_init_kwargs`, plain attributes).
-    """
-
-    def __init__(self, meta: Mapping):
-        self.class_name = str(meta.get("class_name", "?"))
-        self.module_src = meta.get("module_src", "")
-        self.version = meta.get("version")
-        self.type = meta.get("type")
-        self.state = dict(meta.get("state") or {})
-
-    def __repr__(self):
-        return f"<persistent {self.class_name}>"
-
-
-def _reconstruct_persistent_obj(meta):
-    return PersistentObject(meta)
-
-
-class _Opaque:
-    """Inert placeholder for any other global a pickle names (the authors' dataset or
-    loss classes, functions, ...): records its arguments and state, runs nothing."""
-
-    _global = "?"
-
-    def __new__(cls, *args, **kwargs):
-        return object.__new__(cls)
-
-    def __init__(self, *args, **kwargs):
-        self.args, self.kwargs, self.items, self.list = args, kwargs, {}, []
-
-    def __setstate__(self, state):
-        self.__dict__["state"] = state
-
-    def __setitem__(self, key, value):
-        self.__dict__.setdefault("items", {})[key] = value
-
-    def append(self, value):
-        self.__dict__.setdefault("list", []).append(value)
-
-    def extend(self, values):
-        self.__dict__.setdefault("list", []).extend(values)
-
-    def __repr__(self):
-        return f"<opaque {self._global}>"
-
-
-_opaque_types: dict = {}
-
-
-def _opaque(module: str, name: str) -> type:
-    key = f"{module}.{name}"
-    if key not in _opaque_types:
-        _opaque_types[key] = type(name, (_Opaque,), {"_global": key})
-    return _opaque_types[key]
-
-
-_SAFE_BUILTINS = {"set", "frozenset", "slice", "range", "complex", "bytearray", "bytes",
-                  "object", "dict", "list", "tuple", "int", "float", "bool", "str"}
-
-
-class TorchMissingError(ImportError):
-    """torch is not installed (the message names what needed it and the install)."""
-
-
-def import_torch(purpose: str = "reading PyTorch weights"):
-    """The `torch` module; raises `TorchMissingError` naming `purpose` and the install."""
-    try:
-        import torch  # noqa: F401
-    except ImportError as e:
-        raise TorchMissingError(f"{purpose} needs torch: {_TORCH_HINT}") from e
-    return torch
-
-
-class ReleaseUnpickler(pickle.Unpickler):
-    """Unpickler for the release's network pickles without the authors' code.
-
-    `torch_utils.persistence._reconstruct_persistent_obj` -> `PersistentObject`,
-    `dnnlib[.util].EasyDict` -> `EasyDict`; torch, numpy, collections and a few safe
-    builtins resolve normally (torch imported on first use: `import_torch`); any other
-    global becomes an inert `_Opaque` placeholder.
-    """
-
-    def find_class(self, module: str, name: str):
-        root = module.split(".")[0]
-        if root == "torch_utils" and name == "_reconstruct_persistent_obj":
-            return _reconstruct_persistent_obj
-        if root == "dnnlib" and name == "EasyDict":
-            return EasyDict
-        if root == "torch":
-            import_torch()
-            return super().find_class(module, name)
-        if root in ("numpy", "collections", "copyreg", "_codecs"):
-            return super().find_class(module, name)
-        if module in ("builtins", "__builtin__") and name in _SAFE_BUILTINS:
-            return super().find_class(module, name)
-        return _opaque(module, name)
-
-
-class _PickleModule:
-    """`pickle_module` for `torch.load` that uses `ReleaseUnpickler`."""
-    __name__ = "edm2_jax_release_pickle"
-    Unpickler = ReleaseUnpickler
-
-    @staticmethod
-    def load(f, **kwargs):
-        return ReleaseUnpickler(f, **kwargs).load()
 
 
 # ---------------------------------------------------------------------------------------
@@ -352,46 +232,44 @@ def load_release(path: str) -> ReleaseWeights:
     Returns `ReleaseWeights(state_dict, net_kwargs, info)`; arrays float32 numpy in the
     release's layout (fp16 pickles are cast). Raises FileNotFoundError for a missing
     file, ImportError naming `pip install -e ".[torch]"` when a PyTorch file needs
-    torch, ValueError when the file holds no EDM2 Precond.
+    torch, `unpickler.RefusedGlobalError` (a ValueError) naming a global outside
+    `unpickler.RELEASE_GLOBALS`, ValueError for a damaged file or one that holds no EDM2
+    Precond.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such file (expected an EDM2 .pkl, .pt/.pth or .npz)")
     if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as z:
-            names = z.namelist()
+        names = read_untrusted(path, lambda: zipfile.ZipFile(path).namelist())
         if names and all(n.endswith(".npy") for n in names):
             with np.load(path) as d:
                 arrays = {k: d[k] for k in d.files}
             if any(k.startswith("w/") for k in arrays):
                 arrays = {k: v for k, v in arrays.items() if k.startswith("w/")}
             return _from_loaded(arrays, path, "npz")
-        return _from_loaded(torch_load(path), path, "torch")
-    try:
+        return _network(torch_load(path), path, "torch")
+
+    def unpickle():
         with open(path, "rb") as f:
-            obj = ReleaseUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError,
-            KeyError, UnicodeDecodeError, OverflowError) as e:
-        raise ValueError(
-            f"{path} is not a file this converter reads ({type(e).__name__}: {e}): expected "
-            f"a released EDM2 network pickle (network-snapshot-*.pkl, edm2-*.pkl), a "
-            f"torch.save'd Precond state_dict (.pt/.pth) or an .npz with the same keys; "
-            f"check the file (a truncated download?)") from None
-    if isinstance(obj, int) and obj == 0x1950A86A20F9469CFC6C:  # legacy torch.save format
-        return _from_loaded(torch_load(path), path, "torch")
-    return _from_loaded(obj, path, "pickle")
+            return ReleaseUnpickler(f).load()
+
+    obj = read_untrusted(path, unpickle)
+    if isinstance(obj, int) and obj == torch_weights.LEGACY_MAGIC:  # legacy torch.save format
+        return _network(torch_load(path), path, "torch")
+    return _network(obj, path, "pickle")
 
 
-def torch_load(path: str):
-    """`torch.load` of `path` on the CPU: plain tensors only, else through
-    `ReleaseUnpickler` (never the authors' code). Raises ImportError without torch."""
-    torch = import_torch()
+def _network(obj, path: str, fmt: str) -> ReleaseWeights:
+    """`_from_loaded`, its errors on a malformed structure one ValueError naming `path`."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        # Not plain tensors (e.g. a pickled module): fall back to the restricted unpickler.
-        return torch.load(path, map_location="cpu", weights_only=False,
-                          pickle_module=_PickleModule)
+        return _from_loaded(obj, path, fmt)
+    except ValueError:
+        raise
+    except (TypeError, AttributeError, KeyError, IndexError, RecursionError) as e:
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        raise ValueError(f"{path} holds no EDM2 Precond this converter reads ({why}); "
+                         f"expected a network pickle holding 'ema' (or 'net'), or a "
+                         f"Precond state_dict") from None
 
 
 def load_state_dict(path: str) -> dict[str, np.ndarray]:

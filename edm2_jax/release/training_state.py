@@ -18,7 +18,8 @@ import os
 import re
 
 from edm2_jax.release.convert import release_key_to_path
-from edm2_jax.release.pickle_io import to_numpy, torch_load
+from edm2_jax.release.pickle_io import to_numpy
+from edm2_jax.release.unpickler import torch_load
 
 TRAINING_STATE_RE = re.compile(r"training-state-(\d+)\.pt$")
 
