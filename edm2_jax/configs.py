@@ -7,6 +7,8 @@ concrete once at start-up for the platform by `resolve_dtype`.
 """
 from __future__ import annotations
 
+import math
+
 import ml_collections
 
 from edm2_jax import backends, objectives
@@ -134,6 +136,20 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+def non_finite_fields(c, prefix: str = "") -> list[tuple[str, object]]:
+    """`(dotted field, value)` of every float of config `c` (a ConfigDict or dict, in
+    tuples and lists too) that is NaN or infinite: no field of a config takes one."""
+    out = []
+    for k, v in (c.items() if hasattr(c, "items") else []):
+        field = f"{prefix}{k}"
+        if hasattr(v, "items"):
+            out += non_finite_fields(v, field + ".")
+        elif any(isinstance(x, float) and not math.isfinite(x)
+                 for x in (v if isinstance(v, (tuple, list)) else (v,))):
+            out.append((field, v))
+    return out
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
     """Raise ValueError naming the field and a valid value for a config that cannot
     train (checked before anything is written or compiled)."""
@@ -150,6 +166,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
             value = value[part]
         return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
+    for field, _ in non_finite_fields(c)[:1]:
+        need(False, field, "must be a finite number (not NaN or infinite)")
     need(isinstance(c.batch_size, int) and c.batch_size > 0, "batch_size",
          "the global batch must be a positive number of images, e.g. 64")
     need(isinstance(c.batch_per_device, int) and c.batch_per_device >= 0, "batch_per_device",
@@ -194,6 +212,17 @@ def validate(c: ml_collections.ConfigDict) -> None:
              f"one of {', '.join(cpu_backend.CONV_GRADS)}")
         need(isinstance(b.cpu_barriers, bool), "backend.cpu_barriers", "True or False")
     objectives.check_config(c)
+    n = c.network
+    need(isinstance(n.model_channels, int) and not isinstance(n.model_channels, bool)
+         and n.model_channels > 0, "network.model_channels",
+         "a positive number of channels at the first resolution, e.g. 128")
+    need(isinstance(n.channel_mult, (tuple, list)) and len(n.channel_mult) > 0
+         and all(isinstance(m, int) and not isinstance(m, bool) and m > 0
+                 for m in n.channel_mult), "network.channel_mult",
+         "one positive multiplier of model_channels per resolution, e.g. (1, 2, 2)")
+    v = number("network.dropout")
+    need(v is not None and 0 <= v < 1, "network.dropout",
+         "a probability in [0, 1), e.g. 0.1 (0 = no dropout)")
     need(str(c.network.dtype) in DTYPES, "network.dtype",
          f"one of {', '.join(DTYPES)} (auto: bfloat16 on GPU/TPU, float32 on CPU)")
     need(float(c.loss.get("sigma_data", 0.5)) == float(c.network.get("sigma_data", 0.5)),

@@ -66,6 +66,13 @@ MODES = {
     "plan": plan.run,
 }
 
+# The modules whose flags each mode reads, besides common's --config and --workdir
+# (`--mode=MODE --help` lists them).
+MODE_FLAGS = {"train": (), "convert": (release,), "export": (release, generate),
+              "generate": (generate,), "eval": (evaluate, generate),
+              "ref": (evaluate, generate), "phema": (phema, generate),
+              "phema_sweep": (phema, evaluate, generate), "plan": (plan,)}
+
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("mode", "train", list(MODES), "What to do.")
 for _mode in (common, train, generate, evaluate, phema, release, plan):  # all listed by --help
@@ -84,8 +91,15 @@ def main(argv):
 
 
 def _dispatch():
+    common.check_flags(FLAGS.mode)  # before any work
     MODES[FLAGS.mode]()
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+    """`common.parse_flags`, whose `--help` prints this docstring's usage and modes."""
+    return common.parse_flags(argv, usage="\n\n".join(__doc__.split("\n\n")[:2]),
+                              mode_flags=MODE_FLAGS)
+
+
 if __name__ == "__main__":
-    app.run(main, flags_parser=common.parse_flags)
+    app.run(main, flags_parser=_parse_flags)

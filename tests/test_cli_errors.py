@@ -255,17 +255,19 @@ def generate_read_only(tmp_path, tmpfs, netdir):
 
 
 def bad_ref(kind):
-    """An `--ref` .npz whose statistics are no mean and covariance: refused as it is read,
-    before the network is loaded or any image generated."""
+    """An `--ref` .npz whose statistics are no mean and covariance, or of features of
+    another size than the metric's: refused as it is read, before the network is loaded
+    or any image generated."""
     def setup(tmp_path, tmpfs, netdir):
         import numpy as np
-        d = 2048
+        d = 100 if kind == "dim100" else 2048
         sigma = {"not_psd": -np.eye(d), "asymmetric": np.eye(d) + np.triu(np.ones((d, d)), 1),
-                 "nan": np.full((d, d), np.nan)}[kind]
+                 "nan": np.full((d, d), np.nan), "dim100": np.eye(d)}[kind]
         bad = tmp_path / "ref.npz"
         np.savez(bad, mu=np.zeros(d), sigma=sigma)
         words = {"not_psd": "not positive semi-definite", "asymmetric": "not symmetric",
-                 "nan": "NaN or Inf"}[kind]
+                 "nan": "NaN or Inf",
+                 "dim100": "100-dimensional features, but fid measures the 2048"}[kind]
         return (["--mode=eval", f"--net={netdir}", "--metrics=fid", f"--ref={bad}",
                  "--num_images=10", f"--out_json={tmp_path}/eval.json"], {},
                 [str(bad), words], tmp_path)
@@ -285,12 +287,52 @@ def zero_steps(mode):
     return setup
 
 
+def bad_network(field, value, words):
+    """A network field that builds no network: refused by `configs.validate`, before the
+    workdir is made (it was a 50-line traceback after train.lock)."""
+    def setup(tmp_path, tmpfs, netdir):
+        return ([TINY, f"--workdir={tmp_path}/run", f"--config.network.{field}={value}"], {},
+                [f"--config.network.{field}={value}", *words], tmp_path)
+    return setup
+
+
+def non_finite(mode, flag, value):
+    """A float flag or config value that is NaN or infinite, refused before any work in
+    every mode (`--guidance=nan` gave black images, and eval a `"guidance": NaN` line
+    that is not JSON)."""
+    def setup(tmp_path, tmpfs, netdir):
+        args = {"generate": ["--mode=generate", f"--net={netdir}", "--seeds=0-1",
+                             f"--outdir={tmp_path}/out"],
+                "eval": ["--mode=eval", f"--net={netdir}", "--metrics=cls", "--num_images=4",
+                         f"--out_json={tmp_path}/eval.json"],
+                "phema": ["--mode=phema", f"--workdir={fake_run(tmp_path / 'run')}"],
+                "train": [TINY, f"--workdir={tmp_path}/run"]}[mode]
+        return [*args, f"--{flag}={value}"], {}, [f"--{flag}={value}", "finite" if mode !=
+                                                  "phema" else "EMA widths"], tmp_path
+    return setup
+
+
+def tpu_outside_plan(tmp_path, tmpfs, netdir):
+    return (["--mode=generate", f"--net={netdir}", f"--outdir={tmp_path}/out", "--tpu=v5p-8"],
+            {}, ["--tpu is a flag of --mode=plan", "--mode=generate"], tmp_path)
+
+
 CASES = {
+    "config_model_channels_zero": bad_network("model_channels", "0", ["positive"]),
+    "config_channel_mult_empty": bad_network("channel_mult", "()", ["one positive multiplier"]),
+    "config_dropout_above_1": bad_network("dropout", "1.5", ["[0, 1)"]),
+    "config_nan": non_finite("train", "config.loss.P_std", "nan"),
+    "generate_guidance_nan": non_finite("generate", "guidance", "nan"),
+    "generate_guidance_inf": non_finite("generate", "guidance", "inf"),
+    "eval_guidance_nan": non_finite("eval", "guidance", "nan"),
+    "phema_sigma_rel_nan": non_finite("phema", "sigma_rel", "nan"),
+    "tpu_outside_plan": tpu_outside_plan,
     "generate_steps_zero": zero_steps("generate"),
     "eval_steps_zero": zero_steps("eval"),
     "eval_ref_not_psd": bad_ref("not_psd"),
     "eval_ref_asymmetric": bad_ref("asymmetric"),
     "eval_ref_nan": bad_ref("nan"),
+    "eval_ref_of_other_features": bad_ref("dim100"),
     "train_read_only_workdir": read_only_run("train"),
     "phema_read_only_workdir": read_only_run("phema"),
     "train_full_disk_fresh": full_disk_fresh,
@@ -326,6 +368,41 @@ def test_refused_with_one_line_before_any_work(case, tmp_path, tmpfs, netdir):
     assert "Traceback" not in r.stderr and "needs torch" not in line
     assert "First step done" not in r.stdout and "Generating" not in r.stdout  # no work
     assert tree(root) == before
+
+
+def test_a_refused_start_leaves_no_workdir_behind(tmp_path):
+    """A start refused after the run's lock is taken (the data folder is not there) removes
+    what it made and nothing else: a new workdir, and the new folders above it, are gone;
+    an existing empty workdir stays empty; a run's files are byte-identical, with no
+    train.lock added."""
+    missing = ["--config.data.source=folder", f"--config.data.path={tmp_path}/no_data"]
+    r = run_cli(TINY, f"--workdir={tmp_path}/new/run", *missing)
+    assert_one_error(r, "no_data")
+    assert not (tmp_path / "new").exists()
+
+    (tmp_path / "empty").mkdir()
+    assert_one_error(run_cli(TINY, f"--workdir={tmp_path}/empty", *missing), "no_data")
+    assert list((tmp_path / "empty").iterdir()) == []
+
+    run = fake_run(tmp_path / "run", checkpoint_bytes=1000)
+    before = tree(run)
+    assert_one_error(run_cli(TINY, f"--workdir={run}", *missing), "no_data")
+    assert tree(run) == before
+
+
+def test_help_names_the_modes_and_how_to_list_a_modes_flags():
+    """`--help` (and `-h`) exits 0 with a short page: every mode and how to list a mode's
+    flags; `--mode=generate --help` lists generate's flags, not plan's."""
+    from edm2_jax.main import MODES
+    for flag in ("--help", "-h"):
+        r = run_cli(flag)
+        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+        lines = r.stdout.strip().splitlines()
+        assert len(lines) <= 25, r.stdout
+        assert all(any(ln.strip().startswith(m + " ") for ln in lines) for m in MODES), r.stdout
+        assert "--mode=MODE --help" in r.stdout
+    r = run_cli("--mode=generate", "--help")
+    assert r.returncode == 0 and "--guidance" in r.stdout and "--tpu" not in r.stdout, r.stdout
 
 
 def test_unretrieved_future_errors_of_a_failed_save_are_quiet():

@@ -143,6 +143,8 @@ def main_sweep(workdir: str, sigma_rels: Sequence[float], *, metrics: str = "fid
                          f"{' or --ref' if metric in metrics_lib.FD_METRICS else ''}; "
                          f"{workdir} has no config.json with a data section")
     vae = nets.check_vae(workdir, vae_path)  # latent run: --vae, before anything heavy
+    if has_ref:  # a file of other features fails now, not after the first reconstruction
+        metrics_lib.check_ref(ref, metric, dinov2)
     # References (Inception / DINOv2 stats, classifier features) once for the whole sweep.
     suite = metrics_lib.Metrics([metric], num_images, ref=ref, data_config=data_config,
                                 ref_split=ref_split, dinov2=dinov2, vae=vae)

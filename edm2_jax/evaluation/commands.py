@@ -141,10 +141,10 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int |
         raise ValueError(f"--num_images={num_images}: the metrics need at least 2 images "
                          f"(FID-50k: --num_images=50000)")
     for metric in (m for m in metrics_lib.FD_METRICS if m in names):
-        # A bad file fails now, not after generating the images.
+        # A bad file (or one of other features) fails now, not after generating the images.
         if ref:
-            fid.load_ref_stats(ref, metric)
-        if metric == "fd_dinov2":
+            metrics_lib.check_ref(ref, metric, dinov2)
+        elif metric == "fd_dinov2":
             dinov2_lib.load_dinov2(dinov2)
     if sum(map(bool, (images_dir, net_path, data_split_images))) != 1:
         raise ValueError("--mode=eval needs exactly one of --images=DIR, --net=PATH or "

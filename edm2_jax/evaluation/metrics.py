@@ -55,6 +55,25 @@ def feature_extractor(metric: str, dinov2: str | None = None):
     return dinov2_lib.load_dinov2(dinov2), dinov2_lib.features_uint8
 
 
+def check_ref(ref: str, metric: str, dinov2: str | None = None) -> None:
+    """Before any image is generated: the reference statistics file `ref` holds `metric`'s
+    entry (`fid.load_ref_stats`, which checks it is a mean and covariance) and its
+    dimension is that of the metric's features (2048 for `fid`'s Inception pool_3; for
+    `fd_dinov2`, the width of the DINOv2 network of `dinov2`, loaded here). Raises
+    ValueError naming the file, both dimensions and the fix, and what `load_ref_stats`
+    and `dinov2.load_dinov2` raise."""
+    if metric == "fd_dinov2":
+        dim, what = dinov2_lib.load_dinov2(dinov2).feature_dim, "DINOv2 ViT-L/14"
+    else:
+        dim, what = inception.FEATURE_DIM, "Inception-v3 pool_3"
+    mu, _ = fid.load_ref_stats(ref, metric)
+    if mu.shape[0] != dim:
+        raise ValueError(f"--ref={ref}: its {metric} statistics are of {mu.shape[0]}-dimensional "
+                         f"features, but {metric} measures the {dim}-dimensional {what} "
+                         f"features; give the reference statistics of {metric} (the release's "
+                         f"dataset-refs, or --mode=ref --metrics={metric} --ref=OUT.pkl)")
+
+
 def feature_weights(metric: str, dinov2: str | None = None) -> str:
     """The weights file of `feature_extractor(metric, dinov2)` (part of the key of
     cached reference statistics, `ref_cache`)."""

@@ -1,21 +1,27 @@
 """What every mode shares: the `--config` and `--workdir` flags, the errors a user can act
 on (`USER_ERRORS` and a missing flag, printed as one `error:` line: `report_errors`), the
-check of every output location before any work (`check_output_dir`, `check_run_dir`),
-and flag parsing that names an unknown `--config.FIELD` or a config file's variant error.
+checks of every mode's flags before any work (`check_flags`: finite numbers, no flag of
+another mode) and of every output location (`check_output_dir`, `check_run_dir`), flag
+parsing that names an unknown `--config.FIELD` or a config file's variant error, and the
+help (`--help`: the modes; `--mode=MODE --help`: that mode's flags).
 """
 from __future__ import annotations
 
 import ast
+import math
 import os
 import pickle
+import re
 import sys
+import textwrap
 import traceback
+from types import ModuleType
 from typing import Callable
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from edm2_jax import paths
+from edm2_jax import configs, paths
 from edm2_jax.analysis.plan import LibtpuMissingError
 from edm2_jax.release.pickle_io import TorchMissingError
 from edm2_jax.run import checkpoints, integrity, layout, lock
@@ -80,6 +86,35 @@ def require_workdir() -> str:
         raise app.UsageError(f"--mode={FLAGS['mode'].value if 'mode' in FLAGS else 'train'} "
                              f"needs --workdir=DIR, the run directory (e.g. --workdir=runs/fmnist)")
     return FLAGS.workdir
+
+
+# Flags that only one mode reads: given to another mode, they would be ignored.
+MODE_ONLY_FLAGS = {"tpu": "plan", "sample_batch": "plan"}
+
+
+def check_flags(mode: str) -> None:
+    """Before any work of `--mode=mode`: raise app.UsageError for a flag that only another
+    mode reads (`MODE_ONLY_FLAGS`), ValueError for a float flag given as NaN or an
+    infinity (but where its default is that infinity, e.g. `--S_max=inf`) and for a
+    `--config` value that is not finite (`configs.non_finite_fields`)."""
+    for name, owner in MODE_ONLY_FLAGS.items():
+        if name in FLAGS and FLAGS[name].present and mode != owner:
+            raise app.UsageError(f"--{name} is a flag of --mode={owner}, not of --mode={mode} "
+                                 f"(where it would be ignored); drop it, or run --mode={owner}")
+    for name in sorted(FLAGS):
+        flag = FLAGS[name]
+        if (flag.present and isinstance(flag.parser, flags.FloatParser)
+                and flag.value is not None and not math.isfinite(flag.value)
+                and flag.value != flag.default):
+            usual = flag.default if isinstance(flag.default, float) else None
+            raise ValueError(f"--{name}={flag.value}: must be a finite number (not NaN or "
+                             f"infinite)" + (f", e.g. its default --{name}={usual:g}"
+                                             if usual is not None else ""))
+    bad = configs.non_finite_fields(config()) if config() is not None else []
+    if bad:
+        field, value = bad[0]
+        raise ValueError(f"--config.{field}={value!r}: must be a finite number (not NaN or "
+                         f"infinite); give a number, e.g. the config file's")
 
 
 def check_output_dir(path: str | None, flag: str) -> None:
@@ -155,13 +190,51 @@ def _config_file_error(argv: list[str], e: BaseException) -> str | None:
             f"--config=FILE.py:VARIANT with one it accepts)")
 
 
-def parse_flags(argv: list[str]) -> list[str]:
+HELP_FLAGS = ("--help", "--helpshort", "-h", "-?")
+
+
+def _mode_of(argv: list[str]) -> str | None:
+    """The value of the last `--mode=M` or `--mode M` of `argv`, if any."""
+    found = None
+    for i, a in enumerate(argv):
+        if a.startswith("--mode="):
+            found = a.split("=", 1)[1]
+        elif a == "--mode" and i + 1 < len(argv):
+            found = argv[i + 1]
+    return found
+
+
+def help_text(argv: list[str], usage: str, mode_flags: dict[str, tuple[ModuleType, ...]]
+              ) -> str:
+    """What `--help` prints: `usage` (the modes) and how to list a mode's flags; with
+    `--mode=MODE` (a key of `mode_flags`), that mode's flags: common's, then those of the
+    modules `mode_flags[MODE]` names."""
+    mode = _mode_of(argv)
+    if mode not in mode_flags:
+        return (f"{usage.strip()}\n\nA mode's flags: python -m edm2_jax.main --mode=MODE "
+                f"--help\n(e.g. --mode=generate --help); every flag: --helpfull.")
+    parts = [f"Flags of --mode={mode}:"]
+    for module in (sys.modules[__name__], *mode_flags[mode]):
+        parts.append(FLAGS.module_help(module).strip())
+    return "\n\n".join(parts)
+
+
+def parse_flags(argv: list[str], usage: str = "", mode_flags: dict | None = None
+                ) -> list[str]:
     """absl's flag parsing, each error one `error:` line (exit status 1, no usage): an
     unknown `--config.FIELD` (an AttributeError deep in ml_collections) naming the field
     and the fix, an error of the config file's `get_config(variant)` with its message
     (for an unknown variant, the variants it accepts), a config file that does not load
     (given with overrides, which ml_collections applies at once) as `config()` words it
-    without them, any other flag error as absl words it."""
+    without them, any other flag error as absl words it. `--help` (`HELP_FLAGS`) prints
+    `help_text` and exits with status 0; so does `--helpfull` (absl's list of every
+    flag)."""
+    if any(a in HELP_FLAGS for a in argv[1:]):
+        print(help_text(argv[1:], usage, mode_flags or {}), flush=True)
+        sys.exit(0)
+    if "--helpfull" in argv[1:]:
+        app.usage(shorthelp=False, writeto_stdout=True)
+        sys.exit(0)
     try:
         return FLAGS(argv)
     except OSError as e:  # a --config.FIELD override is applied to a file that did not load
@@ -169,8 +242,8 @@ def parse_flags(argv: list[str]) -> list[str]:
             raise
         line = f"error: {_unloadable_config(e)}"
     except flags.Error as e:
-        line = _config_file_error(argv, e) or (f"error: {' '.join(str(e).split())} "
-                                               f"(--helpshort lists the flags)")
+        line = _config_file_error(argv, e) or (
+            f"error: {' '.join(str(e).split())} (--mode=MODE --help lists a mode's flags)")
     except (AttributeError, KeyError) as e:
         line = _config_file_error(argv, e)
         if line is None:

@@ -17,6 +17,7 @@ from absl import flags
 
 from edm2_jax import paths
 from edm2_jax.ema import posthoc as phema
+from edm2_jax.ema import power as ema_power
 from edm2_jax.modes import common
 from edm2_jax.modes import evaluate as evaluate_mode  # noqa: F401 (--metrics, --num_images, --ref)
 from edm2_jax.modes import generate as generate_mode  # noqa: F401 (--batch, --steps, --vae, --outdir)
@@ -28,8 +29,16 @@ flags.DEFINE_string("per_tensor", None, "phema: 'REGEX=SIGMA_REL;...' different 
 
 
 def sigma_rels() -> list[float]:
-    """`--sigma_rel` as a list of floats."""
-    return [float(x) for x in FLAGS.sigma_rel.split(",") if x.strip()]
+    """`--sigma_rel` as a list of floats. Raises ValueError naming the flag for an item
+    that is not a number in (0, `ema.SIGMA_REL_MAX`] (NaN and inf included)."""
+    try:
+        values = [float(x) for x in FLAGS.sigma_rel.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v <= ema_power.SIGMA_REL_MAX for v in values):
+        raise ValueError(f"--sigma_rel={FLAGS.sigma_rel}: give EMA widths in "
+                         f"(0, {ema_power.SIGMA_REL_MAX:.3f}], e.g. --sigma_rel=0.05,0.10")
+    return values
 
 
 def check_phema_dirs(workdir: str) -> None:
@@ -49,16 +58,18 @@ def check_phema_dirs(workdir: str) -> None:
 def run_phema() -> None:
     """`--mode=phema` (`reconstruction.main_phema`)."""
     workdir = common.require_workdir()
+    widths = sigma_rels()
     check_phema_dirs(workdir)
-    phema.main_phema(workdir, sigma_rels(), FLAGS.at_kimg, FLAGS.outdir, FLAGS.per_tensor)
+    phema.main_phema(workdir, widths, FLAGS.at_kimg, FLAGS.outdir, FLAGS.per_tensor)
 
 
 def run_sweep() -> None:
     """`--mode=phema_sweep` (`sweep.main_sweep`)."""
     workdir = common.require_workdir()
+    widths = sigma_rels()
     check_phema_dirs(workdir)
     phema.main_sweep(
-        workdir, sigma_rels(), metrics=FLAGS.metrics, num_images=FLAGS.num_images,
+        workdir, widths, metrics=FLAGS.metrics, num_images=FLAGS.num_images,
         batch_size=FLAGS.batch, num_steps=FLAGS.steps if FLAGS["steps"].present else None,
         ref=FLAGS.ref,
         ref_split=FLAGS.ref_split, data_config=common.data_config(), at_kimg=FLAGS.at_kimg,

@@ -49,6 +49,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 
 import jax
@@ -145,6 +146,57 @@ def discard_outputs(workdir: str) -> str:
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("discard outputs")
     return dst
+
+
+class StartOutputs:
+    """What one training start makes in `workdir`, noted before it makes anything, so
+    that a refused start (one that stops before its config.json is written) removes what
+    it made and nothing that was there: `remove` (with the run's lock held, process 0)
+    removes a workdir that did not exist, else the `train.lock` it made and the empty
+    directories it made at the top of the workdir; `remove_empty_dirs` (lock not held:
+    another trainer may hold it) only the directories it made that are still empty.
+    Local workdirs only (on `gs://` directories are implied and the lock object is
+    deleted at the end)."""
+
+    def __init__(self, workdir: str):
+        self.workdir = os.path.abspath(workdir) if not paths.is_url(workdir) else None
+        self.made = []  # the directories that do not exist yet, outermost first
+        self.before = None  # the names at the top of an existing workdir
+        if self.workdir is None:
+            return
+        d = self.workdir
+        while not os.path.lexists(d) and os.path.dirname(d) != d:
+            self.made.insert(0, d)
+            d = os.path.dirname(d)
+        if not self.made and os.path.isdir(self.workdir):
+            self.before = set(os.listdir(self.workdir))
+
+    def remove_empty_dirs(self) -> None:
+        for d in reversed(self.made):
+            try:
+                os.rmdir(d)
+            except FileNotFoundError:
+                continue
+            except OSError:  # not empty: left as it is, with the folders above it
+                return
+
+    def remove(self) -> None:
+        if self.workdir is None or jax.process_index() != 0:
+            return
+        if self.made:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.remove_empty_dirs()
+            return
+        for name in sorted(set(os.listdir(self.workdir)) - (self.before or set())):
+            path = os.path.join(self.workdir, name)
+            if name == LOCK and os.path.isfile(path):
+                os.remove(path)
+            elif os.path.isdir(path) and not os.path.islink(path):
+                for d, _, _ in sorted(os.walk(path), reverse=True):  # deepest first
+                    try:
+                        os.rmdir(d)
+                    except OSError:  # holds a file: kept, with what leads to it
+                        pass
 
 
 # --------------------------------------------------------------------------------------

@@ -284,9 +284,14 @@ class StepLoop:
 
 def _train(config: ml_collections.ConfigDict, workdir: str, start: setup.Start,
            stop: preemption.StopRequest, process_setup: Any,
-           default_ref_lr: float | None) -> dict:
-    """`train_and_evaluate`'s body, run holding the run's lock and the signal handlers."""
-    run = set_up(config, workdir, start, process_setup)
+           default_ref_lr: float | None, outputs: layout.StartOutputs) -> dict:
+    """`train_and_evaluate`'s body, run holding the run's lock and the signal handlers; a
+    start refused in `set_up` removes what it made (`outputs`)."""
+    try:
+        run = set_up(config, workdir, start, process_setup)
+    except BaseException:
+        outputs.remove()
+        raise
     loop = StepLoop(run, stop)
     if loop.step >= loop.sched.total_steps:
         print(f"Run in {workdir} is already finished at {loop.nimg / 1000:.3f} kimg "
@@ -350,7 +355,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     (an OS file lock, `lock.RunLock`); every checkpoint and snapshot is saved with a checksum
     per array and checked on restore, along with finiteness (a corrupt one is set aside
     as `<step>.corrupt` and the previous one used); a state holding NaN/inf is never
-    saved; config.json is (re)written only once every check has passed.
+    saved; config.json is (re)written only once every check has passed. A start refused
+    before that (a data error, say) removes what it made (`layout.StartOutputs`): a
+    workdir it made, or its lock file and empty directories in one that was there.
 
     Raises ValueError for a config that cannot train (`configs.validate`) or that does
     not match the run in `workdir` (`resume.py`; the optim.* fields may change), the data
@@ -369,6 +376,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # The objective and the network it starts from, before the workdir is made: a teacher
     # that is not there leaves nothing behind.
     start = setup.setup_objective(config, workdir)
+    outputs = layout.StartOutputs(workdir)  # a refused start removes what it made
     paths.makedirs(workdir)
-    with lock.RunLock(workdir), preemption.StopRequest() as stop:
-        return _train(config, workdir, start, stop, process_setup, default_ref_lr)
+    try:
+        with lock.RunLock(workdir), preemption.StopRequest() as stop:
+            return _train(config, workdir, start, stop, process_setup, default_ref_lr,
+                          outputs)
+    except BaseException:
+        outputs.remove_empty_dirs()  # e.g. the lock refused: no other file is touched
+        raise
