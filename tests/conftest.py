@@ -4,14 +4,18 @@
   here before any test starts JAX's backend, so that tests time and compute what
   `python -m edm2_jax.main` does; likewise `platform_env` (JAX's CPU without libtpu's
   start-up lines where libtpu is installed on a host without a TPU).
-- One persistent XLA compilation cache for the session, in this process and in every
-  `python -m edm2_jax.main` (or other JAX program) a test starts: the tiny runs of many
-  test files, their resumes and their CLI twins compile the same programs, and a cache hit
-  returns the executable that the compile would have produced, so no result changes
-  (`EDM2_JAX_TEST_XLA_CACHE=off` runs the suite without it, to check that). The cache is
-  a fresh directory, deleted at the end by the process that made it (with -n, the
-  controller, once its workers have ended): nothing carries over from one session to the
-  next.
+- Every cache in a fresh folder of the session (`$EDM2_JAX_TEST_ROOT`), deleted at the
+  end by the process that made it (with -n, the controller, once its workers have
+  ended): nothing carries over from one session to the next, and nothing is written to
+  the user's caches (`~/.cache/edm2_jax`: the classifier and reference statistics of
+  `$EDM2_JAX_CACHE`, which the user's own evaluations would then use; nor the
+  libraries' `$XDG_CACHE_HOME`, `$MPLCONFIGDIR`).
+- One persistent XLA compilation cache for the session, in that folder, in this process
+  and in every `python -m edm2_jax.main` (or other JAX program) a test starts: the tiny
+  runs of many test files, their resumes and their CLI twins compile the same programs,
+  and a cache hit returns the executable that the compile would have produced, so no
+  result changes (`EDM2_JAX_TEST_XLA_CACHE=off` runs the suite without it, to check
+  that).
 - The tiny training runs that tests only read (`tiny_run`, `tiny_run_snapshots`), trained
   once; a test that changes a run copies it first. Their files are checked unchanged at
   the end of the session.
@@ -45,12 +49,17 @@ _CACHE_OFF = os.environ.get("EDM2_JAX_TEST_XLA_CACHE", "") == "off"
 # whatever runs then, e.g. the garbage collector's callbacks, printed as a warning).
 # Worker processes and the programs tests start (a child that imports this file among
 # them) inherit the directory.
-_ROOT_ENV = "EDM2_JAX_TEST_XLA_CACHE_ROOT"
+_ROOT_ENV = "EDM2_JAX_TEST_ROOT"
 _INHERITED = os.environ.get(_ROOT_ENV) if os.path.isdir(os.environ.get(_ROOT_ENV, "")) else None
-_ROOT = None if _CACHE_OFF else (_INHERITED or tempfile.mkdtemp(prefix="edm2-jax-tests-xla-"))
-_CACHE_DIR = _ROOT and tempfile.mkdtemp(prefix="process-", dir=_ROOT)
+_ROOT = _INHERITED or tempfile.mkdtemp(prefix="edm2-jax-tests-")
+os.environ[_ROOT_ENV] = _ROOT
+# The code's caches (classifiers, reference statistics: evaluation/classifier.py,
+# ref_cache.py) and the libraries' (matplotlib's font list, anything under XDG's cache).
+os.environ.update(EDM2_JAX_CACHE=os.path.join(_ROOT, "cache"),
+                  XDG_CACHE_HOME=os.path.join(_ROOT, "xdg-cache"),
+                  MPLCONFIGDIR=os.path.join(_ROOT, "matplotlib"))
+_CACHE_DIR = None if _CACHE_OFF else tempfile.mkdtemp(prefix="process-", dir=_ROOT)
 if _CACHE_DIR:
-    os.environ[_ROOT_ENV] = _ROOT
     # Read by JAX when it is imported (after this file), here and in subprocesses, which
     # inherit the environment; `process.enable_compilation_cache` keeps a directory set so.
     # Every program is cached, however small or quick to compile.
@@ -73,7 +82,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 def pytest_unconfigure(config):
-    if _ROOT and not _INHERITED:
+    if not _INHERITED:
         shutil.rmtree(_ROOT, ignore_errors=True)
 
 

@@ -252,6 +252,22 @@ def test_classifier_cache_loads_without_training(tiny_classifier, fmnist, monkey
                                   config=classifier.TrainConfig(epochs=2, batch_size=100))
 
 
+def test_classifier_training_shows_a_bar_with_its_eta(capsys):
+    """The classifier's training (minutes on a CPU, the first time `cls` is measured) is a
+    progress bar over all its steps with an ETA, not a silence between epoch lines."""
+    import re
+
+    from edm2_jax.evaluation import classifier
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (64, 8, 8, 1), dtype=np.uint8)
+    config = classifier.TrainConfig(epochs=2, batch_size=16, base_width=4, max_width=8,
+                                    feature_dim=8)
+    classifier.train_classifier(images, np.arange(64) % 2, 2, config, log=True)
+    out, err = capsys.readouterr()
+    assert re.search(r"classifier training: 100%.*\b8/8 \[\d\d:\d\d<00:00", err), err
+    assert "classifier epoch 2/2" in out  # the epoch lines, above the bar
+
+
 def test_features_metrics_of_a_set_against_itself(tiny_classifier, fmnist):
     from edm2_jax.evaluation import classifier_metrics
     clf = tiny_classifier[0]

@@ -1,5 +1,5 @@
 """The test suite, run as the README says (`python -m pytest -q`, in parallel), ends on its
-summary line alone.
+summary line alone, and keeps its caches to itself.
 
 pytest-xdist gives a worker 5 s to exit once it has reported its results, then sends it
 SIGINT; whatever the worker still runs then is cut short by a KeyboardInterrupt (printed
@@ -50,4 +50,22 @@ def test_a_parallel_session_ends_on_its_summary_and_removes_its_caches(tmp_path)
     assert lines[-1].startswith("2 passed in "), out[-3000:]
     assert not any(w in out for w in ("Warning", "KeyboardInterrupt", "Exception ignored")), \
         out[-3000:]
-    assert [p.name for p in tmp.iterdir() if p.name.startswith("edm2-jax-tests-xla-")] == []
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("edm2-jax-tests-")] == []
+
+
+def test_the_session_keeps_every_cache_in_its_own_temporary_folder():
+    """The suite writes nothing to the user's caches (the README's test command once
+    trained the classifier that the user's later `cls` figures used): the classifier and
+    reference-statistics cache, the compilation cache and the libraries' caches all lie
+    in the session's temporary folder, which the session removes at its end."""
+    import tempfile
+
+    from edm2_jax.evaluation import classifier, ref_cache
+    root = os.environ["EDM2_JAX_TEST_ROOT"]
+    assert Path(root).is_dir() and Path(root).parent == Path(tempfile.gettempdir())
+    caches = [classifier.default_cache_dir(), ref_cache.default_cache_dir(),
+              os.environ["XDG_CACHE_HOME"], os.environ["MPLCONFIGDIR"]]
+    if os.environ.get("EDM2_JAX_COMPILATION_CACHE") != "off":
+        caches.append(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    for path in caches:
+        assert Path(path).is_relative_to(root), (path, root)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm import tqdm
 
 Array = jax.Array
 CACHE_VERSION = 1  # bump when the architecture or training procedure changes meaning
@@ -281,17 +282,26 @@ def train_classifier(train_images: np.ndarray, train_labels: np.ndarray, num_cla
     if log:
         print(f"classifier: training SmallCNN on {n} images, {config.epochs} epochs of "
               f"{steps_per_epoch} steps", flush=True)
+    # A bar over every step with its ETA (minutes on a CPU); a step is counted once the one
+    # before it has finished, so the bar follows the computation, not the dispatch.
+    bar = tqdm(total=total, unit="step", desc="classifier training", disable=not log,
+               dynamic_ncols=True, mininterval=1.0)
     for epoch in range(config.epochs):
         perm = rng.permutation(n)
         losses = []
         for s in range(steps_per_epoch):
             idx = np.sort(perm[s * bs:(s + 1) * bs])
             params, opt_state, loss = step(params, opt_state, train_images[idx], train_labels[idx])
+            if losses:
+                losses[-1].block_until_ready()
+                bar.update(1)
             losses.append(loss)
+        losses[-1].block_until_ready()
+        bar.update(1)
         if log:
-            print(f"classifier epoch {epoch + 1}/{config.epochs}: mean loss "
-                  f"{float(np.mean(jax.device_get(losses))):.4f} ({time.time() - t0:.0f} s)",
-                  flush=True)
+            bar.write(f"classifier epoch {epoch + 1}/{config.epochs}: mean loss "
+                      f"{float(np.mean(jax.device_get(losses))):.4f} ({time.time() - t0:.0f} s)")
+    bar.close()
     params = jax.block_until_ready(params)
     return module, params, time.time() - t0
 
