@@ -15,13 +15,19 @@
         --config.distill.teacher=runs/fmnist
     python -m edm2_jax.main --config=configs/distill.py:dmd-img64-s --workdir=runs/img64-s-dmd1 \
         --config.distill.teacher=nets/img64-s
+    # with DMD2's GAN head (objectives/gan.py): a 1-step generator (32 kimg)
+    python -m edm2_jax.main --config=configs/distill.py:dmd-gan --workdir=runs/fmnist-dmd1-gan \
+        --config.distill.teacher=runs/fmnist
+    python -m edm2_jax.main --config=configs/distill.py:dmd-gan-img64-s \
+        --workdir=runs/img64-s-dmd1-gan --config.distill.teacher=nets/img64-s
 
 The student is the teacher's network (its architecture is read from the teacher; the
 config's `network` is replaced), initialised from its weights; `distill.steps` is the
 number of sampling steps it is trained for. Variants: 'fashion_mnist' (default), 'tiny',
 'dmd' (Fashion-MNIST, distribution matching), 'dmd-tiny', a preset of configs/img64.py /
-configs/img512.py ('img64-s', 'img512-xs', ...), or 'dmd-' and a preset
-('dmd-img64-s': distribution matching of that preset's network).
+configs/img512.py ('img64-s', 'img512-xs', ...), 'dmd-' and a preset
+('dmd-img64-s': distribution matching of that preset's network), and each 'dmd' variant
+with DMD2's GAN head as 'dmd-gan', 'dmd-gan-tiny', 'dmd-gan-img64-s', ...
 """
 import importlib.util
 import os
@@ -48,6 +54,9 @@ def _distill(c):
 
 def get_config(variant: str = "fashion_mnist"):
     variant = variant or "fashion_mnist"
+    if variant.startswith("dmd-gan") and variant[len("dmd-gan"):] in (
+            "", "-tiny", *(f"-{p}" for p in presets.NETWORK_PRESETS)):
+        return _gan(get_config(variant.replace("dmd-gan", "dmd", 1)), variant)
     if variant in ("dmd", "dmd-tiny"):
         c = _dmd(get_config("tiny" if variant == "dmd-tiny" else "fashion_mnist"))
         if variant == "dmd":
@@ -73,7 +82,8 @@ def get_config(variant: str = "fashion_mnist"):
         return c
     if variant not in presets.NETWORK_PRESETS:
         raise ValueError(f"unknown variant {variant!r}; use 'fashion_mnist', 'tiny', 'dmd', "
-                         f"'dmd-tiny', a preset or 'dmd-' and a preset; presets: "
+                         f"'dmd-tiny', a preset or 'dmd-' and a preset, or any 'dmd' "
+                         f"variant with 'dmd-gan' in place of 'dmd'; presets: "
                          f"{', '.join(sorted(presets.NETWORK_PRESETS))}")
     c = _distill(configs.preset_config(variant))
     t = presets.TRAINING_PRESETS[variant]
@@ -114,4 +124,22 @@ def _dmd_preset(c):
     of batch 280, 56 M images, against the img64 teachers' 1 to 2 G)."""
     c.objective = "dmd"
     c.distill.update(steps=1, sigma_max=2.5, fake_lr=10 * c.optim.ref_lr)
+    return c
+
+
+def _gan(c, variant: str):
+    """DMD2's GAN head (objectives/gan.py; DMD2's weights of the classifier's terms).
+    A preset's generator as DMD2's ImageNet-64 one: from noise at sigma 80, one learning
+    rate (the teacher's final) for it, the fake denoiser and the head, 5 updates of the
+    fake and the head per generator update. On Fashion-MNIST, 'dmd''s measured time
+    scales (the fake at ten times the generator's rate, both updated on every step: 5
+    updates per generator update would leave it 100 in 32 kimg) with the head at the
+    generator's rate (a plain flax head at the fake's 0.02 moves by its weights' own
+    scale per step); 'dmd-gan-tiny' keeps the ratio of 5, so a smoke run holds the
+    generator on 4 steps of 5."""
+    c.distill.gan = True
+    if variant == "dmd-gan":
+        c.distill.update(dfake_gen_update_ratio=1, gan_head_lr=c.optim.ref_lr)
+    elif variant != "dmd-gan-tiny":
+        c.distill.update(sigma_max=80.0, fake_lr=c.optim.ref_lr)
     return c

@@ -11,6 +11,7 @@ dict of a run's config.json, or a network.json's meta merged over it) and gives:
   own trained networks and their optimiser states) and those of them its loss trains;
 - `draws(...)`, `loss(...)`, `update(...)`: the step's random draws, the scalar it
   differentiates, and the update of its own trained entries;
+- `trains_weights(step)`: whether a step updates the weights (default: every step);
 - `sampler(heun_steps)`: the sampler its networks are sampled with (a `solvers` value);
 - `flops_per_image(forward_flops)`: the model flops one training image costs.
 """
@@ -117,6 +118,12 @@ class Objective:
         (the state's before the step, `nimg` images seen before it), and float32 scalars
         to log. `({}, {})` without `trained` entries."""
         return {}, {}
+
+    def trains_weights(self, step: Array) -> bool | Array:
+        """Whether the step after `step` steps (int32 scalar) updates the weights and
+        their Adam state: Python True for every step (the step then adds nothing), or a
+        bool scalar (the EMAs follow the weights, held or not, on every step)."""
+        return True
 
     def sampler(self, heun_steps: int) -> solvers.Sampler:
         """The sampler its networks are sampled with; `heun_steps` is the caller's step

@@ -1,7 +1,8 @@
-"""Few-step generation by distribution matching: DMD2 without its GAN head (Yin et al.
-2024, arXiv:2405.14867, the regression-free objective of Sec. 4.1-4.2, on the
-distribution-matching gradient of DMD, Yin et al. 2024, arXiv:2311.18828, Eq. 7-8), in
-EDM's sigma parametrisation (docs/distillation.md).
+"""Few-step generation by distribution matching: DMD2 (Yin et al. 2024, arXiv:2405.14867,
+the regression-free objective of Sec. 4.1-4.2, on the distribution-matching gradient of
+DMD, Yin et al. 2024, arXiv:2311.18828, Eq. 7-8), in EDM's sigma parametrisation
+(docs/distillation.md), with its GAN head of Sec. 4.3 as an option (`distill.gan`,
+`objectives/gan.py`).
 
 Three networks, all the teacher's `Precond` (same U-Net and EDM preconditioning):
 
@@ -35,6 +36,14 @@ backward pass gives both gradients and one jitted step updates both (the two tim
 are the fake's learning rate, `distill.fake_lr`). At `p_G = p_data` the fake denoiser
 that minimises `loss_F` is the real one, `g = 0` for every draw, and the generator is a
 fixed point.
+
+With the GAN head (`distill.gan=True`, `objectives/gan.py`) a classifier `'gan_head'` on
+the fake denoiser's bottleneck learns real training images against generated ones: each
+image's loss gains `N (gen_cls_loss_weight loss_gen + guidance_cls_loss_weight
+loss_cls)` (`N` its elements), `loss_cls` training the head and the fake denoiser,
+`loss_gen` the generator; and the generator is updated on one step of
+`dfake_gen_update_ratio` only (`trains_weights`), the fake denoiser and the head on every
+step (DMD2's two time-scale rule, Sec. 4.2).
 """
 from __future__ import annotations
 
@@ -49,6 +58,7 @@ from edm2_jax.model import loss as loss_lib
 from edm2_jax.model import presets
 from edm2_jax.model.mp import force_normalize
 from edm2_jax.model.networks import Precond
+from edm2_jax.objectives import gan as gan_lib
 from edm2_jax.objectives.base import Objective, StartNetwork
 from edm2_jax.objectives.distill import (DISTILL_FIELDS, check_distill, few_step_sampler,
                                          grid_index, grid_settings, teacher_line,
@@ -155,7 +165,7 @@ def dmd_loss_per_element(params: Any, buffers: Any, net: Precond, extras: dict,
       steps, teacher_steps, sigma_min, sigma_max, rho: `K` and the sampler's grid.
     Returns: `(loss_G, loss_F, aux)`: float32 `[B, H, W, C]` each, and
       `aux = {'logvar', 't', 't_f', 'scale'}` `[B]` (the fake's logvar at `t_f`, the DMD
-      normaliser).
+      normaliser) and `aux['x0']`, the generator's images (gradient flows through them).
     """
     def apply(p, train=False, rngs=None):
         def D(x, sigma):
@@ -186,23 +196,43 @@ def dmd_loss_per_element(params: Any, buffers: Any, net: Precond, extras: dict,
     loss_f = loss_lib.uncertainty_loss(denoised, y, t_f, logvar, sigma_data)
     scale = jnp.mean(jnp.abs(y - real), axis=(1, 2, 3))
     return loss_g, loss_f, {"logvar": logvar.astype(jnp.float32), "t": t, "t_f": t_f,
-                            "scale": scale}
+                            "scale": scale, "x0": x0}
 
 
 def dmd_objective(params: Any, buffers: Any, net: Precond, extras: dict,
                   labels: Array | None, *, batch_size: int | None = None,
+                  images: Array | None = None, gan_weights: tuple[float, float] | None = None,
                   **kwargs: Any) -> tuple[Array, dict[str, Array]]:
     """`sum(per-image loss_G + loss_F) / batch_size` of `dmd_loss_per_element` and the
     logged means: `loss` (per element, of both), `dm` (`loss_G`), the fake denoiser's
     `fake_loss`, `weighted_mse`, `logvar`, `sigma` and `log_sigma` (of `t_f`), and
-    `dm_scale` (DMD's normaliser)."""
-    loss_g, loss_f, aux = dmd_loss_per_element(params, buffers, net, extras, labels,
-                                               **kwargs)
+    `dm_scale` (DMD's normaliser).
+
+    With `gan_weights = (gen_cls_loss_weight, guidance_cls_loss_weight)` (the GAN head,
+    `extras['gan_head']`, on the training `images`; draws `NUM_DRAWS + gan.NUM_DRAWS`
+    per image) each image's loss gains `N (w_gen loss_gen + w_cls loss_cls)` of
+    `gan.gan_losses`, `N` its elements, logged as `gen_cls`, `guidance_cls`, and the
+    classifier's mean `real_prob` and `fake_prob`."""
+    rnd_normal, noise_unit = kwargs.pop("rnd_normal"), kwargs.pop("noise_unit")
+    loss_g, loss_f, aux = dmd_loss_per_element(
+        params, buffers, net, extras, labels, rnd_normal=rnd_normal[:, :NUM_DRAWS],
+        noise_unit=noise_unit[:, :NUM_DRAWS], **kwargs)
     per_image = jnp.sum(loss_g + loss_f, axis=(1, 2, 3))
     n = per_image.shape[0] if batch_size is None else batch_size
     fake = loss_lib.loss_metrics(loss_f, aux["logvar"], aux["t_f"])
     metrics = {"loss": jnp.mean(loss_g + loss_f), "dm": jnp.mean(loss_g),
                "fake_loss": fake.pop("loss"), "dm_scale": jnp.mean(aux["scale"]), **fake}
+    if gan_weights is not None:
+        dropout_rng = kwargs.get("dropout_rng")
+        gen, cls, probs = gan_lib.gan_losses(
+            net, buffers, extras["fake"], extras["gan_head"], aux["x0"], images, labels,
+            rnd_normal=rnd_normal[:, NUM_DRAWS:], noise_unit=noise_unit[:, NUM_DRAWS:],
+            dropout_rng=(jax.random.split(dropout_rng)[1] if dropout_rng is not None
+                         else None))
+        w_gen, w_cls = gan_weights
+        per_image = per_image + loss_g[0].size * (w_gen * gen + w_cls * cls)
+        metrics.update(gen_cls=jnp.mean(gen), guidance_cls=jnp.mean(cls),
+                       **{k: jnp.mean(v) for k, v in probs.items()})
     return jnp.sum(per_image) / n, metrics
 
 
@@ -231,7 +261,9 @@ class DistributionMatching(Objective):
     too and is trained by the same loss with its Adam state `'fake_opt'`
     (`fake_optimizer` at `distill.fake_lr`, the betas and eps of `config.optim`); the
     loss is `dmd_objective`; its networks are sampled with the few-step sampler of its
-    grid."""
+    grid. With `distill.gan=True`, DMD2's GAN head `'gan_head'` (`gan.Head`) and its Adam
+    state `'gan_head_opt'` (at `distill.gan_head_lr`, else `fake_lr`) join the state, and
+    the generator is trained on one step of `distill.dfake_gen_update_ratio`."""
 
     name = "dmd"
     section = "distill"
@@ -241,42 +273,68 @@ class DistributionMatching(Objective):
         super().__init__(config)
         adam = {k: float(self.get(f"optim.{k}", v)) for k, v in presets.ADAM.items()}
         self.tx = fake_optimizer(self.fake_lr, **adam)
+        self.gan = self.gan_setting("gan") is True
+        if self.gan:
+            self.trained = ("fake", "gan_head")
+            head_lr = float(self.gan_setting("gan_head_lr")) or self.fake_lr
+            self.head_tx = fake_optimizer(head_lr, **adam)
 
     @property
     def fake_lr(self) -> float:
         return float(self.get("distill.fake_lr", FAKE_LR))
 
+    def gan_setting(self, name: str) -> Any:
+        """`distill.<name>`, a setting of the GAN head, or its default (`GAN_FIELDS`)."""
+        return self.get(f"distill.{name}", gan_lib.GAN_FIELDS[name])
+
+    @property
+    def update_ratio(self) -> int:
+        """Steps per generator update: `dfake_gen_update_ratio` with the head, else 1."""
+        return int(self.gan_setting("dfake_gen_update_ratio")) if self.gan else 1
+
     @classmethod
     def section_fields(cls) -> dict:
-        return dict(DISTILL_FIELDS, fake_lr=FAKE_LR)
+        return dict(DISTILL_FIELDS, fake_lr=FAKE_LR, **gan_lib.GAN_FIELDS)
 
     def check(self) -> None:
-        """Raise ValueError naming the flag when the sampler's grid is not one or the
-        fake denoiser's learning rate is not positive."""
+        """Raise ValueError naming the flag when the sampler's grid is not one, the
+        fake denoiser's learning rate is not positive or a setting of the GAN head is
+        not one (`gan.check_gan`)."""
         check_distill(self.config)
         v = self.get("distill.fake_lr", FAKE_LR)
         if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
             raise ValueError(f"--config.distill.fake_lr={v!r}: the fake denoiser's "
                              f"learning rate, positive, e.g. {FAKE_LR}")
+        gan_lib.check_gan(self.config)
 
     def start(self) -> StartNetwork:
         """The teacher: `distill.teacher`, `distill.teacher_ema`."""
         return teacher_network(self.config)
 
     def describe(self) -> str:
+        head = (f"; GAN head (weights {self.gan_setting('gen_cls_loss_weight')} generator, "
+                f"{self.gan_setting('guidance_cls_loss_weight')} classifier), the "
+                f"generator trained on 1 step of {self.update_ratio}" if self.gan else "")
         return (teacher_line(self.config) + f"; distribution matching (DMD2): a "
                 f"{self.get('distill.steps')}-step generator, fake denoiser at learning "
-                f"rate {self.fake_lr}")
+                f"rate {self.fake_lr}" + head)
 
     def init_state(self, params: Any) -> dict:
         """The teacher's frozen weights (the generator's initial `params`), the fake
-        denoiser (the same, force-normalised) and its Adam state."""
+        denoiser (the same, force-normalised) and its Adam state; with the GAN head, its
+        weights (`gan.init_head`, drawn from `config.seed`) and its Adam state."""
         fake = force_normalize(params)
-        return {"teacher": params, "fake": fake, "fake_opt": self.tx.init(fake)}
+        state = {"teacher": params, "fake": fake, "fake_opt": self.tx.init(fake)}
+        if self.gan:
+            head = gan_lib.init_head(params["unet"],
+                                     jax.random.PRNGKey(int(self.get("seed", 0))))
+            state.update(gan_head=head, gan_head_opt=self.head_tx.init(head))
+        return state
 
     def draws(self, k_sigma: Array, k_noise: Array, images_shape: tuple[int, ...]) -> dict:
-        """`NUM_DRAWS` per image: `rnd_normal` `[B, 3]`, `noise_unit` `[B, 3, H, W, C]`."""
-        shape = (images_shape[0], NUM_DRAWS)
+        """`NUM_DRAWS` per image, and `gan.NUM_DRAWS` more with the head: `rnd_normal`
+        `[B, 3]`, `noise_unit` `[B, 3, H, W, C]` (3 -> 6)."""
+        shape = (images_shape[0], NUM_DRAWS + (gan_lib.NUM_DRAWS if self.gan else 0))
         return {"rnd_normal": jax.random.normal(k_sigma, shape, jnp.float32),
                 "noise_unit": jax.random.normal(k_noise, shape + tuple(images_shape[1:]),
                                                 jnp.float32)}
@@ -284,23 +342,44 @@ class DistributionMatching(Objective):
     def loss(self, params: Any, buffers: Any, net: Any, state: dict, images: Array,
              labels: Array | None, *, draws: dict, dropout_rng: Array | None,
              batch_size: int) -> tuple[Array, dict]:
-        """`dmd_objective` (the clean `images` are not read: the generator and the fake
-        denoiser see only generated images; the labels are the data's)."""
+        """`dmd_objective` (the clean `images` are read by the GAN head alone: without it
+        the generator and the fake denoiser see only generated images; the labels are
+        the data's)."""
+        gan_weights = (tuple(float(self.gan_setting(k)) for k in (
+            "gen_cls_loss_weight", "guidance_cls_loss_weight")) if self.gan else None)
         return dmd_objective(params, buffers, net, state, labels,
                              rnd_normal=draws["rnd_normal"], noise_unit=draws["noise_unit"],
                              dropout_rng=dropout_rng,
                              sigma_data=float(self.get("loss.sigma_data", 0.5)),
-                             batch_size=batch_size, **grid_settings(self.config))
+                             batch_size=batch_size, images=images, gan_weights=gan_weights,
+                             **grid_settings(self.config))
 
     def update(self, state: dict, grads: dict, nimg: Array) -> tuple[dict, dict]:
         """The fake denoiser's Adam step on its gradient `grads['fake']`, its weights
         force-normalised after it (so that the next loss sees normalised weights, as
-        the generator's step does, EDM2 Eq. 66). Returns the new `'fake'`, `'fake_opt'`
-        and the logged `fake_grad_norm`."""
+        the generator's step does, EDM2 Eq. 66), and the GAN head's Adam step (its
+        weights as they are). Returns the new `'fake'`, `'fake_opt'` (`'gan_head'`,
+        `'gan_head_opt'`) and the logged `fake_grad_norm` (`gan_head_grad_norm`)."""
         updates, opt = self.tx.update(grads["fake"], state["fake_opt"], state["fake"])
         fake = force_normalize(optax.apply_updates(state["fake"], updates))
-        return ({"fake": fake, "fake_opt": opt},
-                {"fake_grad_norm": optax.tree.norm(grads["fake"])})
+        entries = {"fake": fake, "fake_opt": opt}
+        metrics = {"fake_grad_norm": optax.tree.norm(grads["fake"])}
+        if self.gan:
+            updates, opt = self.head_tx.update(grads["gan_head"], state["gan_head_opt"],
+                                               state["gan_head"])
+            entries.update(gan_head=optax.apply_updates(state["gan_head"], updates),
+                           gan_head_opt=opt)
+            metrics["gan_head_grad_norm"] = optax.tree.norm(grads["gan_head"])
+        return entries, metrics
+
+    def trains_weights(self, step: Array) -> bool | Array:
+        """With the GAN head, whether the step after `step` steps updates the generator:
+        `step % dfake_gen_update_ratio == 0` (DMD2's `COMPUTE_GENERATOR_GRADIENT`, the
+        first step one), the fake denoiser and the head being updated on every step;
+        else True (every step)."""
+        if self.update_ratio == 1:
+            return True
+        return jnp.asarray(step) % self.update_ratio == 0
 
     def sampler(self, heun_steps: int) -> solvers.FewStep:
         """The generator's few-step sampler (its own steps, whatever `heun_steps`)."""
@@ -309,5 +388,11 @@ class DistributionMatching(Objective):
     def flops_per_image(self, forward_flops: float) -> float:
         """The generator's `K - 1` stopped steps (computed for every image, masked) and
         its forward and backward pass (3), the real and the fake denoiser at `x_t` (2),
-        the fake's forward and backward pass (3): `K + 7` passes."""
-        return (int(self.get("distill.steps")) + 7) * forward_flops
+        the fake's forward and backward pass (3): `K + 7` passes; with the GAN head,
+        the fake denoiser's encoder's forward and backward pass for each of its three
+        terms (9 encoder passes, `gan.ENCODER_SHARE` of a network's each; the head's own
+        flops left out, under 1 % of the U-Net's at img64)."""
+        passes = int(self.get("distill.steps")) + 7
+        if self.gan:
+            passes += 3 * 3 * gan_lib.ENCODER_SHARE
+        return passes * forward_flops

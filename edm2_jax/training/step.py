@@ -7,8 +7,9 @@
 One step: force-normalise the online weights (Eq. 66) -> the objective's loss (the EDM2
 loss, or another of `edm2_jax.objectives`, with the train-state entries it adds) and
 gradients (accumulated over micro-batches with `lax.scan` when `batch_per_device` is set)
--> Adam with the inverse-sqrt learning rate at the images seen *before* the step -> power
-EMAs with the post-update weights at the images seen *after* it.
+-> Adam with the inverse-sqrt learning rate at the images seen *before* the step (on the
+steps the objective trains the weights, `Objective.trains_weights`, by default every one)
+-> power EMAs with the post-update weights at the images seen *after* it.
 """
 from __future__ import annotations
 
@@ -104,6 +105,11 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
         nimg = state["step"].astype(jnp.float32) * batch_size
         updates, opt_state = tx.update(grads, state["opt_state"], params, nimg=nimg)
         new_params = optax.apply_updates(params, updates)
+        trains = objective.trains_weights(state["step"])
+        if trains is not True:   # the objective's other steps hold the weights as stored
+            new_params, opt_state, updates = jax.tree.map(
+                lambda new, old: jnp.where(trains, new, old), (new_params, opt_state, updates),
+                (state["params"], state["opt_state"], jax.tree.map(jnp.zeros_like, updates)))
         ema = ema_lib.update_ema(state["ema"], new_params, nimg + batch_size, batch_size,
                                  **ema_kw)
         updated, obj_metrics = objective.update(own, tgrads, nimg)
