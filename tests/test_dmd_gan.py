@@ -184,6 +184,9 @@ def test_features_are_the_last_encoder_blocks_output(tiny_net):
     assert (logits.shape, logits.dtype) == ((3,), jnp.float32)
 
 
+# Slow (~40 s on 2 cores): a U-Net step compiled; in the end-to-end ci stage.
+@pytest.mark.slow
+@pytest.mark.ci
 def test_each_gan_term_reaches_its_own_players_only(tiny_net):
     """`loss_cls` trains the head and the fake denoiser's encoder, never its decoder nor
     the generator's images; `loss_gen` reaches the generator's images alone."""
@@ -339,6 +342,9 @@ def same(a, b) -> bool:
 
 
 # ~40 s on 2 loaded cores: one compile of the tiny step, three steps.
+# Slow (~40 s on 2 cores): a U-Net step compiled; in the end-to-end ci stage.
+@pytest.mark.slow
+@pytest.mark.ci
 def test_the_head_on_step_trains_the_head_and_holds_the_generator_between_updates():
     """Ratio 2: the generator (weights and Adam state) moves on steps 0 and 2 and is
     held exactly on step 1 (its logged update 0); the head and the fake denoiser move on every step; the
