@@ -280,7 +280,9 @@ def plan_run(config: ml_collections.ConfigDict, topology: Topology,
                 int(config.sample.num_steps), fit.state_words(model.abstract_state))
     if step.peak > topology.hbm_bytes:
         raise ValueError(f"{topology.slice.name}: the training step needs "
-                         f"{step.peak / GIB:.1f} GiB per device of its "
+                         f"{step.peak / GIB:.1f} GiB per device (arguments "
+                         f"{step.arguments / GIB:.1f}, train state {state / GIB:.1f}, "
+                         f"temporaries {step.temp / GIB:.1f}) of its "
                          f"{topology.hbm_bytes / GIB:.1f} GiB HBM; use {fixes}")
     return plan
 
