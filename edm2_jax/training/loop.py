@@ -329,8 +329,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     grids `samples/*.png` (`edm2_jax.run`). Returns the last status dict (`finished`
     False when stopped by a signal).
 
-    Devices: a mesh of shape `config.mesh` (`sharding.py`; `fsdp > 1` shards params,
-    Adam state and EMAs). Several hosts: one process per host, `jax.distributed` set up
+    Devices: a mesh of shape `config.mesh` (`sharding.py`; `fsdp > 1` shards every
+    network of the train state, the objective's too). Several hosts: one process per host, `jax.distributed` set up
     from the environment, each loading its slice of every batch; only process 0 writes
     logs and images; checkpoints are written by all (`workdir` must be shared).
     `process_setup`: what the entry point decides about its process, asked once JAX has
