@@ -557,6 +557,7 @@ def test_start_up_records_and_names_the_precision_in_force(tmp_path, monkeypatch
     monkeypatch.setattr(loop.setup, "restore_or_init", stop)
     data = make_image_folder(tmp_path / "data")
     run = tmp_path / "run"
+    run.mkdir()  # a start refused here removes what it made: the folder is the caller's
     cfg = tiny_config(data, **{"network.dtype": "auto"})
     with pytest.raises(_StopBeforeCompiling):
         loop.train_and_evaluate(cfg, str(run))
