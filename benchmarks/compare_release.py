@@ -264,9 +264,9 @@ def run_pairs(name, fa, fb, pairs, label_a="release", label_b="edm2-jax") -> flo
 def forward_flops(net, batch: int) -> float:
     """Model FLOPs of one forward pass of `net` on `batch` images: 2 x multiply-adds of
     every convolution and matmul in its jaxpr (elementwise work not counted;
-    `edm2_jax.analysis.plan.forward_flops`). The paper's Table 2 "Gflops" are
+    `edm2_jax.planner.plan.forward_flops`). The paper's Table 2 "Gflops" are
     multiply-adds, half of this (img512-xs: 89.9 GFLOP here, 46 there)."""
-    from edm2_jax.analysis import plan
+    from edm2_jax.planner import plan
     return plan.forward_flops(net, batch)
 
 

@@ -1,6 +1,6 @@
 """The tables of docs/scaling.md: every release preset at batch 2048 on the TPU slices people
 rent, trained by EDM2 and distilled (configs/distill.py), from XLA's TPU compiler on this
-machine (libtpu; `edm2_jax/analysis/plan.py`).
+machine (libtpu; `edm2_jax/planner/plan.py`).
 
     python benchmarks/tpu_scaling.py > table.md                      # array sizes only: a minute
     python benchmarks/tpu_scaling.py --compile=img512-xxl:v5p-64:1:8 # one compiled row
@@ -56,7 +56,7 @@ def preset_config(name: str):
     ('img512-s', `configs.preset_config`) or a distilled one ('dmd-img512-s', `DISTILLED`),
     without a teacher path (the plan takes the preset's network as the teacher's)."""
     from edm2_jax import configs
-    from edm2_jax.analysis import plan
+    from edm2_jax.planner import plan
     preset = _preset(name)
     if preset != name:
         variant = DISTILLED[name.partition("-")[0]].format(preset=preset)
@@ -75,7 +75,7 @@ def preset_config(name: str):
 @functools.lru_cache(maxsize=None)
 def _forward_flops(preset: str) -> float:
     """`plan.forward_flops` per image of the network of `preset`."""
-    from edm2_jax.analysis import plan
+    from edm2_jax.planner import plan
     from edm2_jax.training import state as state_lib
     return plan.forward_flops(state_lib.make_network(preset_config(preset)), 1)
 
@@ -98,7 +98,7 @@ def _sizes(name: str) -> tuple:
 def _fit_cell(abstract, per_image: float, generation: str) -> str:
     """The smallest slice of `generation` (8 chips or more) with the smallest fsdp that
     leaves the state at most half a device's HBM, and its flops-bound img/s; '-' if none."""
-    from edm2_jax.analysis import tpu_slices
+    from edm2_jax.planner import tpu_slices
     from edm2_jax.training import sharding as shard_lib
     chip = tpu_slices.CHIPS[generation]
     devices_per_chip = 2 if generation == "v4" else 1  # libtpu's v4: one per TensorCore
@@ -141,7 +141,7 @@ def distilled_row(name: str) -> str:
 
 def compiled_row(spec: str) -> str:
     """The compiled row of `CONFIG:SLICE:FSDP:BATCH_PER_DEVICE`."""
-    from edm2_jax.analysis import plan, tpu_slices
+    from edm2_jax.planner import plan, tpu_slices
     name, slice_name, fsdp, per_device = spec.split(":")
     config = preset_config(name)
     config.mesh.fsdp, config.batch_per_device = int(fsdp), int(per_device)

@@ -34,7 +34,8 @@ LAYERS = (
     ("edm2_jax.configs",),                                  # ml_collections configs, presets
     ("edm2_jax.training",),                                 # train state, step, loop
     ("edm2_jax.toy",),                                      # the 2D toy of the paper's ideas
-    ("edm2_jax.analysis",),                                 # dynamics, precision audit, TPU plan
+    ("edm2_jax.analysis",),                                 # dynamics, precision audit
+    ("edm2_jax.planner",),                                  # a run compiled for a TPU slice
     ("edm2_jax.modes",),                                    # command-line modes (flags + orchestration)
     ("edm2_jax.process", "edm2_jax.process_exit",           # entry points, process set-up
      "edm2_jax.main", "edm2_jax"),                          # and exit

@@ -440,7 +440,7 @@ def test_forward_passes_are_the_ratio_of_xla_flop_counts():
     0.91 of the model's count (a forward and backward pass at 0.99 of 3: measured on
     this network), so the ratios come out 1.91, 2.64 and 3.55 against 2, 2.67 and 3.67;
     a count off by one pass moves them by a third or more. Bound: 10 %."""
-    from edm2_jax.analysis import plan
+    from edm2_jax.planner import plan
     from edm2_jax.training import sharding as shard_lib
     from edm2_jax.training import state as state_lib
     from edm2_jax.training import optim as optim_lib

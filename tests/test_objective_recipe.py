@@ -54,7 +54,7 @@ def test_a_registered_objective_is_picked_by_its_name_and_checked():
 @pytest.mark.ci
 def test_the_objective_trains_resumes_reconstructs_generates_and_plans(tmp_path, xla_cache,
                                                                        libtpu):
-    from edm2_jax.analysis import plan, tpu_slices
+    from edm2_jax.planner import plan, tpu_slices
     from edm2_jax.ema import posthoc
     from edm2_jax.modes.generate import main_generate
     from edm2_jax.training import loop

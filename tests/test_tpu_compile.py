@@ -1,5 +1,5 @@
 """The training step and the sampler compile for real TPU slices on this CPU (libtpu,
-`edm2_jax/analysis/plan.py`), as the run shards them: a single-host v5e 2x2 and a v5p
+`edm2_jax/planner/plan.py`), as the run shards them: a single-host v5e 2x2 and a v5p
 slice of 4 hosts with FSDP. The compiled program's shardings are the run's, its HBM holds
 the train state's own bytes split by fsdp (a distribution-matching state's teacher and
 fake denoiser too), and every convolution and matmul of the bf16 TPU program outside the
@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from edm2_jax import configs, objectives, process
-from edm2_jax.analysis import fit, plan, precision, tpu_slices
+from edm2_jax.analysis import precision
+from edm2_jax.planner import fit, plan, tpu_slices
 from edm2_jax.model.networks import count_params
 from edm2_jax.training import setup
 from edm2_jax.training import sharding as shard_lib

@@ -1,8 +1,7 @@
 """Analysis: reading runs and programs. The training dynamics of runs (plots and
 comparisons of the diagnostics the training loop logs, `diagnostics.py`; Sec. 2, Figures
 2-3); the precision policy and its audit of a traced or compiled program's convolutions
-and matmuls (`precision.py`); a run's plan on a TPU slice compiled without one
-(`plan.py`, `tpu_slices.py`).
+and matmuls (`precision.py`).
 
 May import every subpackage below it (model, encoders, data, run, release, sampling,
 evaluation, ema, configs, training); never `modes` or the entry points.

@@ -11,9 +11,7 @@ import ast
 import math
 import os
 import pickle
-import re
 import sys
-import textwrap
 import traceback
 from types import ModuleType
 from typing import Callable
@@ -22,7 +20,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from edm2_jax import configs, paths
-from edm2_jax.analysis.plan import LibtpuMissingError
+from edm2_jax.planner.plan import LibtpuMissingError
 from edm2_jax.release.pickle_io import TorchMissingError
 from edm2_jax.run import checkpoints, integrity, layout, lock
 from edm2_jax.training.progress import NonFiniteLossError

@@ -1,6 +1,6 @@
 """`--mode=plan`: before renting a TPU slice, whether `--config` fits it and how fast it can
 go at best, from XLA's TPU compiler on this machine (libtpu; no TPU needed):
-`edm2_jax/analysis/plan.py`.
+`edm2_jax/planner/plan.py`.
 
     python -m edm2_jax.main --mode=plan --config=configs/img512.py:xxl --tpu=v5p-64
     python -m edm2_jax.main --mode=plan --config=configs/img64.py:s --tpu=v5e-16 \
@@ -16,7 +16,7 @@ import os
 
 from absl import app, flags
 
-from edm2_jax.analysis import plan, tpu_slices
+from edm2_jax.planner import plan, tpu_slices
 from edm2_jax.modes import common
 
 FLAGS = flags.FLAGS

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from edm2_jax import configs, objectives
-from edm2_jax.analysis import fit, tpu_slices
+from edm2_jax.planner import fit, tpu_slices
 from edm2_jax.model.networks import init_variables
 from edm2_jax.analysis.precision import matmul_flops
 from edm2_jax.sampling import sampler as sampler_lib
@@ -180,7 +180,7 @@ class Plan:
 
     def lines(self) -> list[str]:
         """The report, one string per line (per device figures; see module docstring)."""
-        t, chip = self.topology, self.topology.slice.chip
+        t = self.topology
         n = len(t.devices)
         unit = "chip" if t.devices_per_chip == 1 else "device (TensorCore)"
         per = self.batch_size // n
