@@ -168,8 +168,24 @@ def _denoised(denoise: Denoiser, x: Array, sigma: Array, labels: Array | None,
 # ---------------------------------------------------------------------------------------
 # The samplers as values.
 
+class _Settings:
+    """What both samplers share: their fields held as the types they declare (equal
+    settings, equal hashes: a sampler is a static argument of the jitted `_sample`), and
+    a copy with another step count."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _TYPES[f.type](getattr(self, f.name)))
+
+    def with_steps(self, num_steps: int):
+        return dataclasses.replace(self, num_steps=int(num_steps))
+
+
+_TYPES = {"int": int, "float": float}
+
+
 @dataclasses.dataclass(frozen=True)
-class Heun:
+class Heun(_Settings):
     """The EDM Heun sampler (`edm_sampler`) of `num_steps` steps, `2 num_steps - 1`
     network evaluations, on the schedule `sigma_min`, `sigma_max`, `rho` (EDM Eq. 5),
     with churn `S_churn`, `S_min`, `S_max`, `S_noise` (EDM Sec. 4; 0: deterministic).
@@ -188,8 +204,7 @@ class Heun:
     S_noise: float = 1.0
 
     def __post_init__(self):
-        _normalise(self, num_steps=int, sigma_min=float, sigma_max=float, rho=float,
-                   S_churn=float, S_min=float, S_max=float, S_noise=float)
+        super().__post_init__()
         edm_sigma_steps(self.num_steps, self.sigma_min, self.sigma_max, self.rho)
 
     @property
@@ -206,9 +221,6 @@ class Heun:
         """The steps of the schedule the release's per-seed churn draws follow."""
         return self.num_steps
 
-    def with_steps(self, num_steps: int) -> "Heun":
-        return dataclasses.replace(self, num_steps=int(num_steps))
-
     def describe(self) -> str:
         return (f"the Heun sampler, {self.num_steps} steps ({self.evaluations} "
                 f"evaluations)")
@@ -221,7 +233,7 @@ class Heun:
 
 
 @dataclasses.dataclass(frozen=True)
-class FewStep:
+class FewStep(_Settings):
     """The few-step sampler (`consistency.consistency_sampler`): `num_steps` network
     evaluations, a DDIM step to each of the segment ends of the grid of `teacher_steps`
     EDM steps of `sigma_min`, `sigma_max`, `rho`. Deterministic; no guidance interval.
@@ -235,8 +247,7 @@ class FewStep:
     rho: float = RHO
 
     def __post_init__(self):
-        _normalise(self, num_steps=int, teacher_steps=int, sigma_min=float, sigma_max=float,
-                   rho=float)
+        super().__post_init__()
         consistency.segment_bounds(self.num_steps, self.teacher_steps)
         consistency.grid_sigmas(self.teacher_steps, self.sigma_min, self.sigma_max, self.rho)
 
@@ -247,9 +258,6 @@ class FewStep:
     @property
     def schedule_steps(self) -> int:
         return self.teacher_steps
-
-    def with_steps(self, num_steps: int) -> "FewStep":
-        return dataclasses.replace(self, num_steps=int(num_steps))
 
     def describe(self) -> str:
         return f"the few-step sampler, {self.num_steps} evaluation(s)"
@@ -269,8 +277,3 @@ SAMPLERS = {cls.name: cls for cls in (Heun, FewStep)}
 def settings(sampler: Sampler) -> dict:
     """`{'sampler': name, **fields}`: a sampler as JSON (records, resumable state)."""
     return {"sampler": sampler.name, **dataclasses.asdict(sampler)}
-
-
-def _normalise(obj: Any, **types: Any) -> None:
-    for k, t in types.items():   # ints and floats as such: equal settings, equal hashes
-        object.__setattr__(obj, k, t(getattr(obj, k)))
