@@ -8,7 +8,8 @@ no traceback, no library noise, and nothing lost.
 - A run's config.json deleted or edited does not turn the same-run check off: a resume
   is compared with the copy of the config its checkpoints keep (and refused without
   either); an edited network section is refused by generate and post-hoc EMA too; an
-  edited network.json (sigma_data, img_resolution=30000) is refused by its reader.
+  edited network.json (sigma_data, img_resolution=30000), or one whose integrity record
+  is deleted, is refused by its readers.
 - A checkpoint whose Orbax `_CHECKPOINT_METADATA` is missing brings no Orbax warning
   before our own lines.
 - Images too large to be training data, in `dataset_tool convert` or an image folder.
@@ -343,6 +344,35 @@ def test_an_edited_network_json_is_refused_in_one_line(network, tmp_path, field,
         assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
         assert _error_lines(r.stderr) == [f"error: {message}"]
         assert not any((tmp_path / "gen").rglob("*.png"))
+
+
+@pytest.mark.parametrize("deleted", ["integrity", "integrity.fields_sha256",
+                                     "integrity.digests"])
+def test_a_network_json_without_its_integrity_record_is_refused(network, tmp_path, deleted):
+    """network.json's integrity record deleted, or the digest of its sections or of its
+    arrays: each reader refuses the network naming the file and the fix, before any
+    array is read, instead of reading its arrays and sections unchecked."""
+    import json
+    from edm2_jax import nets
+    from edm2_jax.run import network_dir
+    from edm2_jax.run.integrity import IntegrityError
+    net = tmp_path / "net"
+    shutil.copytree(network, net)
+    info = json.loads((net / "network.json").read_text())
+    if deleted == "integrity":
+        del info["integrity"]
+    else:
+        del info["integrity"][deleted.split(".")[1]]
+    (net / "network.json").write_text(json.dumps(info, indent=2))
+    message = (f"{net}/network.json has no integrity record (the checksums of its arrays "
+               f"and sections, which every network checkpoint is saved with): it was deleted "
+               f"or damaged, so the network cannot be checked; write that network checkpoint "
+               f"again (--mode=convert or post-hoc EMA)")
+    for read in (nets.load_net, nets.net_sampler, nets.net_config,
+                 network_dir.network_checker):
+        with pytest.raises(IntegrityError) as e:
+            read(str(net))
+        assert str(e.value) == message, read
 
 
 # --------------------------------------------------------------------------------------

@@ -4,11 +4,10 @@ files a run writes do not depend on what they should not.
 The claims:
 - Each checkpoint and snapshot has two copies of its integrity record: Orbax's
   `_CHECKPOINT_METADATA` and the run's own `records/<kind>/<step>.json`. With one copy
-  lost, the other checks the arrays; with both lost in a run whose config.json says it
-  records every step, the step is not trusted: a checkpoint is set aside and the one
-  before is used (or the run stops naming `--config.start_over`), a snapshot is refused
-  by post-hoc EMA and generate with one line naming it. Copies that disagree are not
-  trusted either. Runs started before records existed read as before.
+  lost, the other checks the arrays; with both lost, whatever the run's config.json
+  says, the step is not trusted: a checkpoint is set aside and the one before is used
+  (or the run stops naming `--config.start_over`), a snapshot is refused by post-hoc EMA
+  and generate with one line naming it. Copies that disagree are not trusted either.
 - An emptied `checkpoints/` beside the run's snapshots stops the run, naming
   `--config.start_over`, instead of starting a second run over the first one's outputs.
 - Sample grids are named by the images trained on: none overwrites another.
@@ -246,38 +245,28 @@ def test_snapshot_with_one_copy_of_its_record_is_still_checked(full_run, tmp_pat
         phema.reconstruct(str(run), [0.07], out_dir=str(tmp_path / "bad"), progress=False)
 
 
-def test_run_from_before_records_reads_as_before(full_run, tmp_path, capsys):
-    """config.json without `integrity_records`, no records/: a step without Orbax's
-    metadata is read as one saved before records existed (finiteness only), and
-    config.json does not start claiming records for such a run."""
-    from edm2_jax.ema import posthoc as phema
+def test_a_step_without_its_record_is_refused_whatever_config_json_says(full_run, tmp_path):
+    """Both copies of the records of checkpoint 4 and snapshot 4 deleted, and config.json
+    without an `integrity_records` entry: neither step is read unchecked. Every step is
+    saved with its record, so a step without one is refused by its readers, naming it,
+    whatever config.json holds."""
+    from edm2_jax import nets
+    from edm2_jax.run import checkpoints
     run = _copy(full_run, tmp_path)
     config = json.loads((run / "config.json").read_text())
-    del config[layout.RECORDS_FIELD]
+    config.pop("integrity_records", None)
     (run / "config.json").write_text(json.dumps(config))
-    shutil.rmtree(run / "records")
-    (run / "checkpoints" / "2" / layout.STEP_METADATA).unlink()
-    (run / "snapshots" / "2" / layout.STEP_METADATA).unlink()
-    assert records.step_record(str(run / "checkpoints" / "2")) is None
-    r = loop.train_and_evaluate(_config(full_run["data"], total_kimg=0.048), str(run))
-    assert r["finished"] and "at step 4," in capsys.readouterr().out
-    assert layout.RECORDS_FIELD not in json.loads((run / "config.json").read_text())
-    assert records.step_record(str(run / "checkpoints" / "6"))["digests"]
-    phema.reconstruct(str(run), [0.07], out_dir=str(tmp_path / "ph"), progress=False)
-
-
-def test_write_config_records_the_field_for_new_runs_only(tmp_path):
-    new = tmp_path / "new"
-    new.mkdir()
-    layout.write_config(str(new), {"a": 1})
-    assert layout.read_config(str(new)) == {"a": 1, layout.RECORDS_FIELD: 1}
-    layout.write_config(str(new), {"a": 2})  # kept when rewritten
-    assert layout.writes_records(str(new))
-    old = tmp_path / "old"
-    (old / "checkpoints" / "2").mkdir(parents=True)
-    (old / "config.json").write_text('{"a": 1}')
-    layout.write_config(str(old), {"a": 2})
-    assert layout.read_config(str(old)) == {"a": 2} and not layout.writes_records(str(old))
+    assert records.step_record(str(run / "snapshots" / "4"))["digests"]
+    for kind in ("checkpoints", "snapshots"):
+        _lose_records(run, kind, 4, "both")
+        with pytest.raises(integrity.IntegrityError, match=f"{kind}/4 has no integrity record"):
+            records.step_record(str(run / kind / "4"))
+    with pytest.raises(integrity.IntegrityError,
+                       match="checkpoint .*checkpoints/4 has no integrity record"):
+        checkpoints.restore_latest_state(str(run))
+    with pytest.raises(integrity.IntegrityError,
+                       match="snapshot .*snapshots/4 has no integrity record"):
+        nets.load_net(str(run / "snapshots" / "4"))
 
 
 # --------------------------------------------------------------------------------------

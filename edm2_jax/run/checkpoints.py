@@ -221,7 +221,7 @@ class TrainCheckpoints:
             for s, _ in mismatched:  # newer than a good one with the right shapes
                 self._set_aside(s, "corrupt", f"checkpoint {s}'s metadata names other arrays "
                                 f"or shapes than checkpoint {step}")
-            self.reference_rms = (record or {}).get("reference_rms") or actual["rms"]
+            self.reference_rms = record.get("reference_rms") or actual["rms"]
             self.restored = record
             return state
         if mismatched:

@@ -246,8 +246,8 @@ def mismatches(record: dict, actual: dict, prefix: str = "") -> list[str]:
 
 def check(record: dict | None, actual: dict, what: str, prefix: str = "") -> None:
     """Raise IntegrityError when the arrays read (`actual`, a `digest_tree`) are not
-    what `record` says was saved, or any is non-finite. `record` None (saved before
-    digests were recorded): only finiteness is checked."""
+    what `record` says was saved, or any is non-finite. `record` None (a file that
+    records no digests, e.g. a release pickle): only finiteness is checked."""
     bad = mismatches(record, actual, prefix) if record is not None else []
     if bad:
         raise IntegrityError(f"{what}: {len(bad)} array(s) differ from what was saved "

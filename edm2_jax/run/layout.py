@@ -35,8 +35,7 @@ Orbax writes into a temporary directory and renames it when complete, so a run k
 mid-save never sees a half-written checkpoint; `step_dirs` lists only finalised ones. The
 integrity record is part of that rename (Orbax's step metadata), so a checkpoint and its
 checksums appear together; the run's own copy in `records/` is written just before that
-rename. config.json's `integrity_records` (`RECORDS_FIELD`, set when a run starts) says
-that every step of the run has a record: a step without one is then not trusted.
+rename. Every step has a record: a step without one is not trusted.
 
 WORKDIR may be a `gs://` URL: every access goes through `paths.py` (etils epath) and
 Orbax/TensorStore. There, `train.lock` is advisory (`lock.RunLock`), `stats.jsonl` is
@@ -69,7 +68,6 @@ LOCK = "train.lock"
 COMMIT_SUCCESS = "commit_success.txt"  # Orbax's mark of a complete step on object storage
 STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's per-step JSON; ours under custom_metadata
 RECORDS = "records"  # the run's own copies of the integrity records
-RECORDS_FIELD = "integrity_records"  # in config.json: every step of the run has a record
 
 
 # --------------------------------------------------------------------------------------
@@ -204,25 +202,8 @@ class StartOutputs:
 
 
 def write_config(workdir: str, config: dict) -> None:
-    """Write the run's config (a JSON-able dict), atomically (`paths.write_text_atomic`),
-    with `RECORDS_FIELD`: kept from the config.json it replaces, set for a new run (or one
-    with no checkpoint or snapshot yet); a run started before records existed keeps
-    none, so that its older steps still read as they did."""
-    saved = read_config(workdir)
-    new = saved is None or not (step_dirs(os.path.join(workdir, CHECKPOINTS))
-                                or step_dirs(os.path.join(workdir, SNAPSHOTS)))
-    if new or (saved or {}).get(RECORDS_FIELD):
-        config = dict(config, **{RECORDS_FIELD: 1})
+    """Write the run's config (a JSON-able dict), atomically (`paths.write_text_atomic`)."""
     paths.write_text_atomic(config_path(workdir), json.dumps(config, indent=2))
-
-
-def writes_records(workdir: str) -> bool:
-    """Whether the run's config.json says every step of the run has an integrity record
-    (`RECORDS_FIELD`); False for a directory that is no run."""
-    try:
-        return bool((read_config(workdir) or {}).get(RECORDS_FIELD))
-    except (ValueError, OSError):  # an unreadable config.json is reported by its readers
-        return False
 
 
 def read_config(workdir: str) -> dict | None:

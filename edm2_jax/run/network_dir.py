@@ -173,20 +173,29 @@ def variables_dir(path: str) -> str:
 
 
 def _network_json(path: str) -> dict:
-    """network.json of `path`, its `network` and `meta` sections checked against their
-    digest (`FIELDS_DIGEST`, in the integrity record; none in a file written before
-    it was recorded). Raises IntegrityError when unreadable or edited."""
+    """network.json of `path`, with its integrity record (`integrity`: the digests of the
+    arrays, and `FIELDS_DIGEST` of the `network` and `meta` sections, which
+    `save_network` writes into every network.json) and those sections checked against
+    it. Raises IntegrityError when the file is unreadable, edited, or without its record:
+    a network that cannot be checked is not read."""
     file = os.path.join(path, NETWORK_JSON)
     try:
         info = json.loads(paths.read_text(file))
         if not isinstance(info.get("network"), dict):
             raise ValueError("no 'network' section")
-        saved = (info.get("integrity") or {}).get(FIELDS_DIGEST)
+        record = info.get("integrity")
     except (ValueError, UnicodeDecodeError, AttributeError) as e:
         raise integrity.IntegrityError(
             f"{file} is unreadable ({e}); it is written last by --mode=convert and post-hoc "
             f"EMA: write that network checkpoint again") from None
-    if saved is not None and saved != _fields_digest(info):
+    if not (isinstance(record, dict) and isinstance(record.get("digests"), dict)
+            and record.get(FIELDS_DIGEST)):
+        raise integrity.IntegrityError(
+            f"{file} has no integrity record (the checksums of its arrays and sections, "
+            f"which every network checkpoint is saved with): it was deleted or damaged, so "
+            f"the network cannot be checked; write that network checkpoint again "
+            f"(--mode=convert or post-hoc EMA)")
+    if record[FIELDS_DIGEST] != _fields_digest(info):
         raise integrity.IntegrityError(
             f"{file}: its network config or meta differs from what was saved (checksum "
             f"mismatch: the file was edited or damaged), so the network it describes is not "
@@ -198,16 +207,16 @@ def _network_json(path: str) -> dict:
 def read_network_json(path: str) -> tuple[dict, dict]:
     """`(net_config, meta)` of the network checkpoint `path`, without reading its
     variables (the one reader of `network.json`). Raises IntegrityError when the file
-    is unreadable."""
+    is unreadable, edited or without its integrity record (`_network_json`)."""
     info = _network_json(path)
     return info["network"], info.get("meta", {}) or {}
 
 
 def network_checker(path: str) -> integrity.LeafChecker:
     """Checks the arrays of network checkpoint `path` one at a time as a streaming
-    reader reads them (`checker('params/<param path>', array)`); finiteness only for
-    one written before checksums were recorded."""
-    return integrity.LeafChecker(_network_json(path).get("integrity"),
+    reader reads them (`checker('params/<param path>', array)`) against the checksums
+    its network.json records."""
+    return integrity.LeafChecker(_network_json(path)["integrity"],
                                  f"network checkpoint {path}",
                                  "Write it again (--mode=convert or post-hoc EMA).")
 
@@ -232,7 +241,7 @@ def load_network(path: str) -> tuple[dict, dict, dict]:
             f"Write it again (--mode=convert or post-hoc EMA).") from None
     variables = jax.tree_util.tree_map(np.asarray, variables)
     try:
-        integrity.check(_network_json(path).get("integrity"),
+        integrity.check(_network_json(path)["integrity"],
                         integrity.digest_tree_numpy(variables), f"network checkpoint {path}")
     except integrity.IntegrityError as e:
         raise integrity.IntegrityError(f"{e}. Write it again (--mode=convert or post-hoc "

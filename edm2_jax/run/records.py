@@ -9,8 +9,8 @@ read back by `TrainCheckpoints.restored` and `kept_entry`). It lives in Orbax's 
 there), so Orbax renames it into place atomically with the arrays, and in the run's own
 copy `WORKDIR/records/<kind>/<step>.json` (`save_record`, written just before that
 rename), so that losing one file does not lose the checksums. `step_record` reads
-both: when they disagree, or when both are missing in a run whose config.json says it
-records every step (`layout.writes_records`), the step is not trusted (IntegrityError).
+both: when they disagree, or when both are missing (every step is saved with them), the
+step is not trusted (IntegrityError).
 """
 from __future__ import annotations
 
@@ -108,12 +108,12 @@ def _read(path: str, in_orbax_metadata: bool) -> dict | None:
     return record
 
 
-def step_record(step_dir: str) -> dict | None:
+def step_record(step_dir: str) -> dict:
     """The integrity record of checkpoint or snapshot `step_dir`: Orbax's copy (in its
-    `_CHECKPOINT_METADATA`) or the run's own (`save_record`), or None for a step saved
-    before records existed. Raises IntegrityError when a copy is unreadable, when the two
-    differ, and when both are missing in a run whose config.json says that every step
-    has one (a lost record must not turn the checksums off)."""
+    `_CHECKPOINT_METADATA`) or the run's own (`save_record`). Raises IntegrityError when
+    a copy is unreadable, when the two differ, and when both are missing: every step is
+    saved with its record, so a step without one cannot be checked (a lost record must
+    not turn the checksums off)."""
     orbax = _read(os.path.join(step_dir, STEP_METADATA), True)
     owner = _owner(step_dir)
     own_path = layout.record_path(*owner) if owner else None
@@ -123,11 +123,11 @@ def step_record(step_dir: str) -> dict | None:
             f"{step_dir}: its integrity record differs from the run's copy {own_path} "
             f"(one of them was altered)")
     record = orbax if orbax is not None else own
-    if record is None and owner and layout.writes_records(owner[0]):
+    if record is None:
+        copies = f"{STEP_METADATA} and {own_path} are" if own_path else f"{STEP_METADATA} is"
         raise integrity.IntegrityError(
-            f"{step_dir} has no integrity record ({STEP_METADATA} and {own_path} are "
-            f"missing or hold none) though its run records one for every step, so what it "
-            f"holds cannot be checked")
+            f"{step_dir} has no integrity record ({copies} missing or hold none) though its "
+            f"run records one for every step, so what it holds cannot be checked")
     return record
 
 
@@ -176,7 +176,7 @@ def kept_entry(workdir: str, key: str) -> tuple[int, object] | None:
             record = step_record(d)
         except integrity.IntegrityError:
             continue
-        if record and key in record:
+        if key in record:
             return int(os.path.basename(d)), record[key]
     return None
 
@@ -185,10 +185,10 @@ def _canonical(record: dict) -> str:
     return json.dumps(record, sort_keys=True)
 
 
-def is_healthy(record: dict | None, reference_rms: dict | None) -> bool:
+def is_healthy(record: dict, reference_rms: dict | None) -> bool:
     """Whether a checkpoint's record says its arrays are finite and its parameters'
     RMS within `HEALTHY_RMS_FACTOR` of the run's initial RMS (`reference_rms`)."""
-    if record is None or record.get("nonfinite"):
+    if record.get("nonfinite"):
         return False
     ref = (reference_rms or record.get("reference_rms") or {}).get("params")
     value = record.get("rms", {}).get("params")

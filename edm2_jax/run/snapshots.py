@@ -101,10 +101,9 @@ def snapshot_fix(workdir: str, step: int) -> str:
             f"writes it again.")
 
 
-def snapshot_record(workdir: str, step: int) -> dict | None:
+def snapshot_record(workdir: str, step: int) -> dict:
     """The integrity record of snapshot `step` (`records.step_record`). Raises
-    IntegrityError naming the snapshot and the fix when it is unreadable, or missing in
-    a run that records every step."""
+    IntegrityError naming the snapshot and the fix when it is unreadable or missing."""
     try:
         return step_record(os.path.join(workdir, SNAPSHOTS, str(step)))
     except integrity.IntegrityError as e:
@@ -116,9 +115,8 @@ def snapshot_checker(workdir: str, step: int) -> integrity.LeafChecker:
     (post-hoc EMA) reads them: `checker('power/0.050/<param path>', array)`."""
     d = os.path.join(workdir, SNAPSHOTS, str(step))
     record = snapshot_record(workdir, step)
-    if record is not None:
-        record = {"digests": {k[4:]: v for k, v in record["digests"].items()
-                              if k.startswith("ema/")}}
+    record = {"digests": {k[4:]: v for k, v in record["digests"].items()
+                          if k.startswith("ema/")}}
     return integrity.LeafChecker(record, f"snapshot {d}", snapshot_fix(workdir, step))
 
 
