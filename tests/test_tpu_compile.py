@@ -4,13 +4,16 @@ slice of 4 hosts with FSDP. The compiled program's shardings are the run's, its 
 the train state's own bytes split by fsdp (a distribution-matching state's teacher and
 fake denoiser too), and every convolution and matmul of the bf16 TPU program outside the
 float32 layers takes bf16 operands. A distillation is planned from its teacher's network
-config without its weights.
+config without its weights. `--mode=plan` refuses batches that cannot run in one line
+before it compiles, and writes no file it was not asked for (libtpu's logs, JAX's
+compilation cache).
 
 Needs libtpu (`pip install -e ".[tpu]"`); without it the compiling tests skip, unless
 `EDM2_JAX_REQUIRE_LIBTPU=1` (set by .ci/run), which makes a missing libtpu a failure.
 """
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -42,6 +45,7 @@ def libtpu():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TPU_SKIP_MDS_QUERY", "1")
         mp.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        mp.setenv("TPU_LOG_DIR", "disabled")  # no log files in /tmp/tpu_logs
         yield
 
 
@@ -336,3 +340,80 @@ def test_mesh_that_does_not_tile_the_torus_is_refused_with_the_sizes_that_do(lib
         shard_lib.make_mesh(fsdp=8, devices=devices)
     for fsdp in (1, 4, 16, 64):
         assert shard_lib.make_mesh(fsdp=fsdp, devices=devices).shape["fsdp"] == fsdp
+
+
+@pytest.mark.parametrize("field,value,line", [
+    ("batch_size", 0, "--config.batch_size=0: the global batch must be a positive number of "
+                      "images, e.g. 64"),
+    ("sample_batch", -1, "--sample_batch=-1: the sampler's seeds are split over the 4 devices "
+                         "of the v5e-4, so its batch is a multiple of 4, e.g. --sample_batch=4 "
+                         "(0 = no sampler)"),
+    ("sample_batch", 5, "--sample_batch=5: the sampler's seeds are split over the 4 devices "
+                        "of the v5e-4, so its batch is a multiple of 4, e.g. --sample_batch=8 "
+                        "(0 = no sampler)")],
+    ids=["batch_size_0", "sample_batch_negative", "sample_batch_not_split"])
+def test_plan_refuses_batches_that_cannot_run_before_compiling(libtpu, monkeypatch, field,
+                                                               value, line):
+    """A global batch of 0 (a ZeroDivisionError), a negative sampler batch and one that
+    does not split over the slice's devices (each JAX's error after a minute of
+    compiling) are one ValueError naming the flag and a value that works, before
+    anything compiles."""
+    monkeypatch.setattr(plan, "_compile", lambda lowered: pytest.fail("compiled"))
+    config, sample_batch = tiny_config(), None
+    if field == "batch_size":
+        config.batch_size = value
+    else:
+        sample_batch = value
+    topology = plan.open_topology(tpu_slices.parse_slice("v5e-4"))
+    with pytest.raises(ValueError) as e:
+        plan.plan_run(config, topology, sample_batch, log=lambda _: None)
+    assert str(e.value) == line
+
+
+def _plan_cli(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, int]:
+    """`python -m edm2_jax.main --mode=plan` of the tiny Fashion-MNIST config for a v5e-4
+    with `flags`, its compilation cache under `tmp_path` and libtpu's log directory left
+    to the plan: `(result, pid)`."""
+    env = dict(os.environ, EDM2_JAX_COMPILATION_CACHE=str(tmp_path / "xla"))
+    env.pop("TPU_LOG_DIR", None)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    cmd = [sys.executable, "-m", "edm2_jax.main", "--mode=plan", "--tpu=v5e-4",
+           f"--config={ROOT}/configs/fashion_mnist.py:tiny", *flags]
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as p:
+        out, err = p.communicate(timeout=600)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err), p.pid
+
+
+def _tpu_logs_of(pid: int) -> list[str]:
+    """The files libtpu wrote for process `pid` where it writes them by default."""
+    return glob.glob(f"/tmp/tpu_logs/*.{pid}")
+
+
+def test_cli_plan_refuses_a_sampler_batch_in_one_line_and_writes_no_tpu_logs(libtpu,
+                                                                             tmp_path):
+    """`--sample_batch=5` on a v5e-4 (4 devices): one `error:` line, exit status 1, before
+    anything compiles; libtpu, loaded to lay the slice out, leaves no log file in
+    /tmp/tpu_logs (the plan turns its log files off)."""
+    r, pid = _plan_cli(tmp_path, "--sample_batch=5")
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 1 and len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].startswith("error: --sample_batch=5: the sampler's seeds are split over "
+                               "the 4 devices of the v5e-4"), lines
+    assert "Compiling" not in r.stdout
+    assert _tpu_logs_of(pid) == []
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_cli_plan_warns_nothing_and_leaves_no_files(libtpu, tmp_path):
+    """A plan prints the plan and nothing on stderr, and writes neither to JAX's
+    persistent compilation cache nor libtpu's log files. The cache could not load a
+    program compiled for a topology without its devices: a plan that wrote its
+    programs there warned, when repeated, "Error reading persistent compilation cache
+    entry"; with nothing written there is nothing to read."""
+    r, pid = _plan_cli(tmp_path, "--sample_batch=0", "--config.network.channel_mult=(1,)")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "training step: compiled in" in r.stdout and r.stderr.strip() == "", r.stderr
+    assert _tpu_logs_of(pid) == []
+    assert not any((tmp_path / "xla").rglob("*"))

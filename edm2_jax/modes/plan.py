@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 from absl import app, flags
 
 from edm2_jax.planner import plan, tpu_slices
@@ -37,10 +38,17 @@ def run() -> plan.Plan:
         raise app.UsageError(f"--mode=plan needs --tpu=SLICE, e.g. --tpu=v5p-64 (a Cloud TPU "
                              f"accelerator type: {tpu_slices.EXAMPLES})")
     tpu_slice = tpu_slices.parse_slice(FLAGS.tpu)
-    # This process compiles for a TPU it does not have: no metadata server to ask, and
-    # other compiling processes may hold libtpu's lock file.
+    # This process compiles for a TPU it does not have: no metadata server to ask, other
+    # compiling processes may hold libtpu's lock file, and libtpu's log files (by default
+    # in /tmp/tpu_logs) are nobody's to read; set before libtpu loads, a user's own
+    # settings kept.
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_LOG_DIR", "disabled")
+    # A program compiled for a topology without its devices is written to JAX's
+    # persistent cache but cannot be loaded from it ("PjRtCompiler must be constructed
+    # with a Client"): a repeated plan would only warn and compile again.
+    jax.config.update("jax_enable_compilation_cache", False)
     topology = plan.open_topology(tpu_slice)
     result = plan.plan_run(config, topology, FLAGS.sample_batch,
                            log=lambda line: print(line, flush=True))

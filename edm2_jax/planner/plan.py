@@ -246,21 +246,42 @@ def tpu_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return config
 
 
+def sampler_batch(config: ml_collections.ConfigDict, topology: Topology,
+                  sample_batch: int | None = None) -> int:
+    """The sampler's batch of a plan: `sample_batch` (`--sample_batch`), default
+    `config.eval.batch_size` rounded up to a multiple of the devices; 0 = no sampler.
+    Raises ValueError naming the flag and a batch that works when it is negative or
+    does not split over the devices (its seeds are split over all of them)."""
+    n = len(topology.devices)
+    if sample_batch is None:
+        flag, value = "--config.eval.batch_size", int(config.eval.batch_size)
+        batch = -(-value // n) * n
+    else:
+        flag, value = "--sample_batch", int(sample_batch)
+        batch = value
+    if batch < 0 or batch % n:
+        raise ValueError(f"{flag}={value}: the sampler's seeds are split over the {n} devices "
+                         f"of the {topology.slice.name}, so its batch is a multiple of {n}, "
+                         f"e.g. --sample_batch={max(n, -(-value // n) * n)} (0 = no sampler)")
+    return batch
+
+
 def plan_run(config: ml_collections.ConfigDict, topology: Topology,
              sample_batch: int | None = None, log: Callable[[str], None] = print) -> Plan:
     """Compile `config`'s training step for `topology` as the run would shard it (mesh
     of `config.mesh` over the slice's devices, `batch_per_device` micro-batches), and
-    its Heun sampler (`config.sample.num_steps` steps) at `sample_batch` images (default
-    `config.eval.batch_size` rounded up to a multiple of the devices; 0 = none). The
-    network's 'auto' settings are the TPU's (`tpu_config`). Raises ValueError for batches that
-    do not split over the devices and, naming the fix, for a run that does not fit the
-    HBM (`fit.check_state_fits` before compiling; the compiled peak after). `log` gets a
-    line on the network the objective starts from (`fit.plan_start`) and one as the
-    compiles start."""
+    its Heun sampler (`config.sample.num_steps` steps) at `sample_batch` images
+    (`sampler_batch`). The network's 'auto' settings are the TPU's (`tpu_config`).
+    Raises ValueError before compiling for a config that cannot train
+    (`configs.validate`), batches that do not split over the devices, and, naming the
+    fix, a train state over the HBM (`fit.check_state_fits`); after, for a compiled
+    program over it. `log` gets a line on the network the objective starts from
+    (`fit.plan_start`) and one as the compiles start."""
+    configs.validate(config)
     config = tpu_config(config)
     n = len(topology.devices)
+    sample_batch = sampler_batch(config, topology, sample_batch)
     objective = objectives.from_config(config)
-    objective.check()
     config, start = fit.plan_start(config, objective, log)
     model = setup.setup_model(config, start, devices=list(topology.devices))
     state = fit.check_state_fits(config, topology, model.abstract_state)
@@ -269,8 +290,6 @@ def plan_run(config: ml_collections.ConfigDict, topology: Topology,
     log(f"Compiling for {topology.slice.name} ({topology.slice.topology}) with libtpu...")
     try:
         step = _compile_step(config, model)
-        sample_batch = (-(-int(config.eval.batch_size) // n) * n if sample_batch is None
-                        else int(sample_batch))
         sampler = _compile_sampler(config, model, objective, sample_batch) if sample_batch else None
     except _OverHbm as e:
         raise ValueError(f"{topology.slice.name}: the program does not fit the HBM ({e}); "
