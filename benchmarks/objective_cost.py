@@ -16,7 +16,10 @@ matching the fake denoiser with its Adam moments). `--kernels=xla` (default) com
 the network a GPU or TPU runs; XLA:CPU's buffer assignment differs from XLA:GPU's, so
 compare the objectives with each other, on one backend.
 
-`--objectives` picks them: `edm2`, `consistency:K` (K sampling steps), `dmd:K`.
+`--objectives` picks them: `edm2`, `consistency:K` (K sampling steps), `dmd:K`, and
+`dmd:K:gan` (with DMD2's GAN head; its step trains the fake denoiser and the head on
+every step and computes the generator's gradient whatever the update ratio, so its cost
+per step does not depend on `distill.dfake_gen_update_ratio`).
 """
 from __future__ import annotations
 
@@ -46,14 +49,17 @@ from edm2_jax.training import step as step_lib  # noqa: E402
 
 
 def objective_config(config, spec: str):
-    """`config` set for the objective `spec` ('NAME' or 'NAME:K', NAME any registered
-    objective, `objectives.REGISTRY`): an objective that starts from a network gets a
-    teacher path the step never opens (its weights are the train state's), and with K
-    `distill.steps` K on a grid of at least K points."""
-    name, _, k = spec.partition(":")
-    if name not in objectives.REGISTRY:
+    """`config` set for the objective `spec` ('NAME', 'NAME:K' or 'dmd:K:gan', NAME any
+    registered objective, `objectives.REGISTRY`): an objective that starts from a
+    network gets a teacher path the step never opens (its weights are the train
+    state's), with K `distill.steps` K on a grid of at least K points, and with ':gan'
+    DMD2's GAN head (`distill.gan`, its other settings the config's)."""
+    name, _, rest = spec.partition(":")
+    k, _, head = rest.partition(":")
+    if name not in objectives.REGISTRY or head not in ("", "gan") or (head and name != "dmd"):
         raise SystemExit(f"error: --objectives: unknown {spec!r}; use one of "
-                         f"{', '.join(sorted(objectives.REGISTRY))}, with ':K' for K steps")
+                         f"{', '.join(sorted(objectives.REGISTRY))}, with ':K' for K steps "
+                         f"(and 'dmd:K:gan' for DMD2's GAN head)")
     c = config.copy_and_resolve_references()
     c.objective = name
     if objectives.from_config(c).start() is not None:
@@ -61,6 +67,8 @@ def objective_config(config, spec: str):
     if k:
         steps = int(k)
         c.distill.update(steps=steps, teacher_steps=max(int(c.distill.teacher_steps), steps))
+    if head:
+        c.distill.gan = True
     return c
 
 
@@ -122,7 +130,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="speed", choices=["speed", "memory"])
     ap.add_argument("--objectives", default="edm2,consistency:1,consistency:4,dmd:1,dmd:4",
-                    help="comma list of edm2, consistency:K, dmd:K")
+                    help="comma list of edm2, consistency:K, dmd:K, dmd:K:gan")
     ap.add_argument("--config", default="configs/fashion_mnist.py",
                     help="--work=speed: config file[:variant] (the quick start's by default)")
     ap.add_argument("--preset", default="img64-s", help="--work=memory: a release preset")

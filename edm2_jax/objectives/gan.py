@@ -122,24 +122,32 @@ def features(net: Precond, params: Any, buffers: Any, x: Array, sigma: Array,
 
 class Head(nn.Module):
     """The classifier on the bottleneck, plain flax in float32 (not the paper's MP
-    network): DMD2's first stage (a 4x4 convolution of stride 2, GroupNorm of 32 groups,
-    SiLU), then the mean over positions and a dense layer to one logit, where DMD2's
-    second 4x4 convolution fixes its input at 8x8. Call: `[B, h, w, C]` -> `[B]` float32."""
+    network), DMD2's `cls_pred_branch`: a 4x4 convolution of stride 2 (8x8 -> 4x4),
+    GroupNorm, SiLU; a convolution over the whole remaining map (DMD2's 4x4 of stride
+    4: 4x4 -> 1x1), GroupNorm, SiLU; a 1x1 convolution (here a dense layer) to one
+    logit. GroupNorm of DMD2's 32 groups where each holds at least 16 channels (its
+    768 hold 24), else of 16 channels each: on the 1x1 map a group of 2 channels would
+    normalise every output to +-1. Call: `[B, h, w, C]` -> `[B]` float32."""
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         x = jnp.asarray(x, jnp.float32)
         channels = x.shape[-1]
+        groups = math.gcd(channels, max(1, min(32, channels // 16)))
         x = nn.Conv(channels, (4, 4), strides=(2, 2), padding="SAME")(x)
-        x = nn.silu(nn.GroupNorm(num_groups=math.gcd(32, channels))(x))
-        return nn.Dense(1)(jnp.mean(x, axis=(1, 2)))[:, 0]
+        x = nn.silu(nn.GroupNorm(num_groups=groups)(x))
+        x = nn.Conv(channels, x.shape[1:3], padding="VALID")(x)
+        x = nn.silu(nn.GroupNorm(num_groups=groups)(x))
+        return nn.Dense(1)(x.reshape(x.shape[0], -1))[:, 0]
 
 
 def init_head(unet_params: Any, rng: Array) -> Any:
     """The head's initial weights (flax's default initialisers) for the bottleneck of a
-    U-Net of weights `unet_params`."""
-    _, channels = bottleneck(unet_params)
-    return Head().init(rng, jnp.zeros((1, 1, 1, channels), jnp.float32))["params"]
+    U-Net of weights `unet_params` (its resolution read from the block's name,
+    `enc_{r}x{r}_...`)."""
+    name, channels = bottleneck(unet_params)
+    r = int(name[len("enc_"):].split("x")[0])
+    return Head().init(rng, jnp.zeros((1, r, r, channels), jnp.float32))["params"]
 
 
 def classifier_loss(real_logits: Array, fake_logits: Array) -> Array:
