@@ -202,7 +202,7 @@ def dmd_loss_per_element(params: Any, buffers: Any, net: Precond, extras: dict,
 def dmd_objective(params: Any, buffers: Any, net: Precond, extras: dict,
                   labels: Array | None, *, batch_size: int | None = None,
                   images: Array | None = None, gan_weights: tuple[float, float] | None = None,
-                  **kwargs: Any) -> tuple[Array, dict[str, Array]]:
+                  gan_features: str = "fake", **kwargs: Any) -> tuple[Array, dict[str, Array]]:
     """`sum(per-image loss_G + loss_F) / batch_size` of `dmd_loss_per_element` and the
     logged means: `loss` (per element, of both), `dm` (`loss_G`), the fake denoiser's
     `fake_loss`, `weighted_mse`, `logvar`, `sigma` and `log_sigma` (of `t_f`), and
@@ -211,7 +211,8 @@ def dmd_objective(params: Any, buffers: Any, net: Precond, extras: dict,
     With `gan_weights = (gen_cls_loss_weight, guidance_cls_loss_weight)` (the GAN head,
     `extras['gan_head']`, on the training `images`; draws `NUM_DRAWS + gan.NUM_DRAWS`
     per image) each image's loss gains `N (w_gen loss_gen + w_cls loss_cls)` of
-    `gan.gan_losses`, `N` its elements, logged as `gen_cls`, `guidance_cls`, and the
+    `gan.gan_losses` on the bottleneck of `extras[gan_features]` ('fake' or the frozen
+    'teacher'), `N` its elements, logged as `gen_cls`, `guidance_cls`, and the
     classifier's mean `real_prob` and `fake_prob`."""
     rnd_normal, noise_unit = kwargs.pop("rnd_normal"), kwargs.pop("noise_unit")
     loss_g, loss_f, aux = dmd_loss_per_element(
@@ -225,7 +226,7 @@ def dmd_objective(params: Any, buffers: Any, net: Precond, extras: dict,
     if gan_weights is not None:
         dropout_rng = kwargs.get("dropout_rng")
         gen, cls, probs = gan_lib.gan_losses(
-            net, buffers, extras["fake"], extras["gan_head"], aux["x0"], images, labels,
+            net, buffers, extras[gan_features], extras["gan_head"], aux["x0"], images, labels,
             rnd_normal=rnd_normal[:, NUM_DRAWS:], noise_unit=noise_unit[:, NUM_DRAWS:],
             dropout_rng=(jax.random.split(dropout_rng)[1] if dropout_rng is not None
                          else None))
@@ -352,6 +353,7 @@ class DistributionMatching(Objective):
                              dropout_rng=dropout_rng,
                              sigma_data=float(self.get("loss.sigma_data", 0.5)),
                              batch_size=batch_size, images=images, gan_weights=gan_weights,
+                             gan_features=str(self.gan_setting("gan_features")),
                              **grid_settings(self.config))
 
     def update(self, state: dict, grads: dict, nimg: Array) -> tuple[dict, dict]:

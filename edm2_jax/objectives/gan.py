@@ -41,10 +41,15 @@ Array = jax.Array
 # `--guidance_cls_loss_weight` in its Stable Diffusion scripts), 5 updates of the fake
 # denoiser and head per generator update (`--dfake_gen_update_ratio`, Sec. 4.2's two
 # time-scale rule). `gan_head_lr`: the head's Adam learning rate, 0 for the fake
-# denoiser's `fake_lr` (DMD2 trains both with one optimiser, `--guidance_lr`). All but
-# `gan` are read only with `gan=True`.
+# denoiser's `fake_lr` (DMD2 trains both with one optimiser, `--guidance_lr`).
+# `gan_features`: whose bottleneck the head reads, 'fake' (DMD2's: the fake denoiser,
+# which `loss_cls` trains too) or 'teacher' (the frozen teacher's, as LADD's
+# discriminator reads its teacher's features, Sauer et al. 2024, arXiv:2403.12015,
+# Sec. 3.2: features that do not move under the head; `loss_cls` trains the head
+# alone). All but `gan` are read only with `gan=True`.
 GAN_FIELDS = dict(gan=False, gen_cls_loss_weight=3e-3, guidance_cls_loss_weight=1e-2,
-                  dfake_gen_update_ratio=5, gan_head_lr=0.0)
+                  dfake_gen_update_ratio=5, gan_head_lr=0.0, gan_features="fake")
+GAN_FEATURES = ("fake", "teacher")
 # The U-Net encoder's share of its forward pass's flops (XLA's counts of the compiled
 # passes on CPU: 0.263 for img64-s, 0.156 for configs/fashion_mnist.py's network), for the
 # plan's flops of the head's encoder passes (`DistributionMatching.flops_per_image`).
@@ -58,7 +63,7 @@ NUM_DRAWS = 3
 def check_gan(config: Any) -> None:
     """Raise ValueError naming the `--config.distill` flag where a setting of the head is
     not one: `gan` a bool, the weights numbers >= 0, the update ratio an int >= 1, the
-    head's learning rate a number >= 0."""
+    head's learning rate a number >= 0, `gan_features` one of `GAN_FEATURES`."""
     d = field(config, "distill", {})
 
     def need(ok: bool, name: str, what: str) -> None:
@@ -79,6 +84,8 @@ def check_gan(config: Any) -> None:
          "an int >= 1, e.g. 5 (DMD2)")
     need(number("gan_head_lr"), "gan_head_lr",
          "the head's learning rate, >= 0 (0: distill.fake_lr)")
+    need(d.get("gan_features", GAN_FIELDS["gan_features"]) in GAN_FEATURES, "gan_features",
+         "whose bottleneck the head reads: " + " or ".join(map(repr, GAN_FEATURES)))
 
 
 def gan_sigma(rnd_normal: Array, *, sigma_min: float = SIGMA_MIN,
