@@ -20,6 +20,7 @@ Claims tested:
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -230,6 +231,43 @@ def test_each_gan_term_reaches_its_own_players_only(tiny_net):
     assert float(jnp.max(jnp.abs(g_x0))) > 0
 
 
+# Slow (~40 s on 2 cores): a U-Net step compiled; in the end-to-end ci stage.
+@pytest.mark.slow
+@pytest.mark.ci
+def test_a_head_on_the_teachers_features_leaves_the_fake_denoiser_to_its_own_loss(tiny_net):
+    """With `gan_features='teacher'` the fake denoiser's gradient is the head-off one
+    (its denoising loss alone), exactly; the head's is not zero, the teacher's is never
+    taken (a frozen entry)."""
+    net, v = tiny_net
+    B = 4
+    keys = jax.random.split(jax.random.PRNGKey(7), 4)
+    params = v["params"]
+    fake = jax.tree.map(lambda x: x * 1.01, params)     # a fake unlike the teacher
+    extras = {"teacher": params, "fake": fake,
+              "gan_head": gan.init_head(params["unet"], jax.random.PRNGKey(2))}
+    labels = jnp.eye(2)[jnp.arange(B) % 2]
+    images = jax.random.uniform(keys[0], (B, 8, 8, 1), minval=-1, maxval=1)
+    draws = dict(rnd_normal=jax.random.normal(keys[1], (B, 6)),
+                 noise_unit=jax.random.normal(keys[2], (B, 6, 8, 8, 1)))
+    grid = dict(steps=1, teacher_steps=8, sigma_min=0.002, sigma_max=2.5, rho=7.0)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def grads(gan_weights, trained):
+        def f(trained):
+            loss, _ = dmd.dmd_objective(params, v["buffers"], net, {**extras, **trained},
+                                        labels, images=images, gan_weights=gan_weights,
+                                        gan_features="teacher", dropout_rng=None,
+                                        **draws, **grid)
+            return loss
+        return jax.grad(f)(trained)
+
+    trained = {"fake": fake, "gan_head": extras["gan_head"]}
+    on, off = grads((0.03, 0.01), trained), grads(None, trained)
+    same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), on["fake"], off["fake"])
+    assert all(jax.tree.leaves(same))
+    assert max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(on["gan_head"])) > 0
+
+
 # ---------------------------------------------------------------------------------------
 # The objective and its settings
 
@@ -271,7 +309,8 @@ def test_the_head_adds_its_entries_draws_and_generator_steps(tiny_net):
 
 @pytest.mark.parametrize("flag, value", [
     ("gan", "yes"), ("gen_cls_loss_weight", -1e-3), ("guidance_cls_loss_weight", "1e-2"),
-    ("dfake_gen_update_ratio", 0), ("dfake_gen_update_ratio", 2.0), ("gan_head_lr", -1.0)])
+    ("dfake_gen_update_ratio", 0), ("dfake_gen_update_ratio", 2.0), ("gan_head_lr", -1.0),
+    ("gan_features", "real")])
 def test_a_bad_setting_of_the_head_is_refused_naming_its_flag(flag, value):
     with pytest.raises(ValueError, match=f"--config.distill.{flag}="):
         objectives.check_config(dmd_config(**{"gan": True, flag: value}))
