@@ -25,10 +25,13 @@ Heun sampler (`2 num_steps - 1` evaluations) and the teacher under the same `K`-
 sampler (DDIM on the same segments), all from the same noise, and by the distance of each
 point to the teacher's Heun point from that noise (what distillation drives to 0).
 Beside them, 1, 2 and 4-step generators distilled by distribution matching (`toy.dmd`,
-DMD2 without its GAN head), sampled with the same few-step sampler from the same noise.
+DMD2 without its GAN head) and the same with DMD2's GAN head (`DMDSettings.gan`, on the
+teacher's features), sampled with the same few-step sampler from the same noise.
 
-    python -m edm2_jax.toy.distill --out=toy_distill_out  # 137 s of CPU time
-    python -m edm2_jax.toy.distill --out=/tmp/td --tiny    # 45 s, for tests
+    python -m edm2_jax.toy.distill --out=toy_distill_out  # 492 s of CPU time
+    python -m edm2_jax.toy.distill --out=/tmp/td --tiny    # 150 s, for tests
+
+(2 cores shared with other jobs, load average 3.4 to 5.4.)
 """
 from __future__ import annotations
 
@@ -78,11 +81,12 @@ class DistillSettings:
     ema_sigma_rel: float = 0.05
     chunk: int = 128   # steps per jitted `lax.scan` call
     dmd: DMDSettings = DMDSettings()   # the distribution-matching generators beside them
+    gan_head: bool = True   # and the same generators with DMD2's GAN head (`dmd` with gan)
 
     @classmethod
     def tiny(cls) -> "DistillSettings":
-        """The tiny toy (16 Heun steps) and 256 distillation steps: 45 s of CPU time
-        (tests, CI)."""
+        """The tiny toy (16 Heun steps), 256 distillation steps and 512 of distribution
+        matching: 150 s of CPU time (tests, CI)."""
         return cls(toy=ToySettings.tiny(), steps=256, t_ref=64, dmd=DMDSettings.tiny())
 
 
@@ -211,13 +215,17 @@ def run(out: str | None = None, settings: DistillSettings = DistillSettings(),
     and `out/samples.npz`.
 
     Returns `{'mix', 'teacher': (net, variables), 'students': {K: variables},
-    'generators': {K: variables}, 'losses': {'teacher' | K: [steps], 'dmd_K': [steps,
-    2]}, 'samples': {name: [n, 2]}, 'metrics': {name: dict}, 'to_heun': {name: float},
-    'evaluations': {name: int}, 'train_s': {'teacher' | 'students' | 'dmd': s}, 'plot'}`;
-    the sample names are 'data', 'heun', 'ddim_K', 'student_K' and 'dmd_K' (the
-    distribution-matching generators of `settings.dmd`, `toy.dmd`). `to_heun`: for the few-step samples, the mean distance from each point
-    to the teacher's Heun point from the same noise (0 for a student that reproduces the
-    teacher's ODE map, which distillation aims at).
+    'generators', 'gan_generators': {K: variables}, 'losses': {'teacher' | K: [steps],
+    'dmd_K' | 'dmd_gan_K': [steps, columns]}, 'samples': {name: [n, 2]}, 'metrics':
+    {name: dict}, 'to_heun': {name: float}, 'evaluations': {name: int}, 'train_s':
+    {'teacher' | 'students' | 'dmd' | 'dmd_gan': s}, 'plot'}`; the sample names are
+    'data', 'heun', 'ddim_K', 'student_K', 'dmd_K' (the distribution-matching generators
+    of `settings.dmd`, `toy.dmd`) and, with `settings.gan_head`, 'dmd_gan_K' (the same
+    with DMD2's GAN head: same seeds and draws; `gan_generators` is empty without).
+    `to_heun`: for the few-step samples, the mean distance from each point to the
+    teacher's Heun point from the same noise (0 for a student that reproduces the
+    teacher's ODE map, which distillation aims at). metrics.json's `final_loss`: each
+    loss's mean over the last 32 steps, a list of its columns (`train_generator`'s).
     """
     say = print if verbose else (lambda *a, **k: None)
     toy_settings = settings.toy
@@ -245,6 +253,16 @@ def run(out: str | None = None, settings: DistillSettings = DistillSettings(),
                                                             settings.dmd, seed=seed + 200 + K)
     train_s["dmd"] = time.perf_counter() - t0
     say(f"[{train_s['dmd']:.1f} s for the {len(generators)} distribution-matching generators]")
+    gan_generators = {}
+    if settings.gan_head:   # the same, seeds and draws, with the GAN head
+        t0 = time.perf_counter()
+        gan_settings = dataclasses.replace(settings.dmd, gan=True)
+        for K in settings.dmd.students:
+            gan_generators[K], losses[f"dmd_gan_{K}"] = train_generator(
+                net, teacher, mix, K, grid, gan_settings, seed=seed + 200 + K)
+        train_s["dmd_gan"] = time.perf_counter() - t0
+        say(f"[{train_s['dmd_gan']:.1f} s for the {len(gan_generators)} generators with "
+            f"the GAN head]")
 
     samples = {"data": np.asarray(sample_mixture(mix, jax.random.PRNGKey(seed + 11), n, 0)[0]),
                "heun": sample_points(net, teacher, n, 0, num_steps=N, sigma_max=SIGMA_MAX,
@@ -255,20 +273,21 @@ def run(out: str | None = None, settings: DistillSettings = DistillSettings(),
             samples[name] = consistency_points(net, variables, n, 0, num_steps=K,
                                                teacher_steps=N, seed=seed + 1)
             evaluations[name] = K
-    for K, variables in generators.items():
-        samples[f"dmd_{K}"] = consistency_points(net, variables, n, 0, num_steps=K,
-                                                 teacher_steps=N, seed=seed + 1)
-        evaluations[f"dmd_{K}"] = K
+    for prefix, gens in (("dmd", generators), ("dmd_gan", gan_generators)):
+        for K, variables in gens.items():
+            samples[f"{prefix}_{K}"] = consistency_points(net, variables, n, 0, num_steps=K,
+                                                          teacher_steps=N, seed=seed + 1)
+            evaluations[f"{prefix}_{K}"] = K
     metrics = {name: sample_metrics(mix, x, 0) for name, x in samples.items()}
     to_heun = {name: float(np.mean(np.linalg.norm(x - samples["heun"], axis=-1)))
                for name, x in samples.items() if name not in ("data", "heun")}
     for name, m in metrics.items():
-        say(f"{name:10s} ({evaluations[name]:2d} evaluations) on branches "
+        say(f"{name:11s} ({evaluations[name]:2d} evaluations) on branches "
             f"{m['on_branches']:.3f}  coverage {m['coverage']:.3f}  "
             f"mean log p {m['mean_logp']:6.2f}"
             + (f"  to Heun's point {to_heun[name]:.4f}" if name in to_heun else ""))
     result = {"mix": mix, "teacher": (net, teacher), "students": students,
-              "generators": generators, "losses": losses,
+              "generators": generators, "gan_generators": gan_generators, "losses": losses,
               "samples": samples, "metrics": metrics, "to_heun": to_heun,
               "evaluations": evaluations, "train_s": train_s, "plot": None}
     if out:
@@ -280,7 +299,7 @@ def run(out: str | None = None, settings: DistillSettings = DistillSettings(),
                        "grid": {"teacher_steps": N, "sigma_min": SIGMA_MIN,
                                 "sigma_max": SIGMA_MAX, "rho": RHO},
                        "train_s": {str(k): round(v, 1) for k, v in train_s.items()},
-                       "final_loss": {str(k): float(np.mean(v[-32:]))
+                       "final_loss": {str(k): np.mean(v[-32:], axis=0).tolist()
                                       for k, v in losses.items()},
                        "evaluations": evaluations, "metrics": metrics,
                        "to_heun": to_heun}, f, indent=1)
@@ -293,9 +312,11 @@ def plot_distill(result: dict, path: str | None = None,
                  center: tuple[float, float] = (0.45, 0.45), view: float = 0.95) -> Any:
     """Class-0 samples over the true class-0 density (shaded) and class 1 (grey), as
     `plot.plot_guidance`: top row the teacher's Heun sampler, then its `K`-step DDIM
-    for each `K`; bottom row the data, then the `K`-step students below their teacher's
-    DDIM (`K` steps: `K` evaluations). Each title gives `autoguidance.sample_metrics`. Saves a PNG at
-    `path` if given; returns the matplotlib figure."""
+    for each `K`; second row the data, then the `K`-step students below their teacher's
+    DDIM (`K` steps: `K` evaluations); then, where `result` has them, the
+    distribution-matching generators (`dmd_K`) and those with the GAN head (`dmd_gan_K`).
+    Each title gives `autoguidance.sample_metrics`. Saves a PNG at `path` if given;
+    returns the matplotlib figure."""
     import matplotlib.pyplot as plt
 
     mix, samples, metrics, evals = (result[k] for k in ("mix", "samples", "metrics",
@@ -312,9 +333,11 @@ def plot_distill(result: dict, path: str | None = None,
               + [(f"ddim_{K}", f"teacher, DDIM, {steps[K]}") for K in Ks],
               [("data", "data (class 0)")]
               + [(f"student_{K}", f"student, {steps[K]}") for K in Ks]]
-    if result.get("generators"):   # a third row: the distribution-matching generators
-        panels.append([None] + [(f"dmd_{K}", f"distribution matching, {steps[K]}")
-                                if f"dmd_{K}" in samples else None for K in Ks])
+    for prefix, what in (("dmd", "distribution matching"),   # third and fourth rows
+                         ("dmd_gan", "distribution matching + GAN head")):
+        if any(f"{prefix}_{K}" in samples for K in Ks):
+            panels.append([None] + [(f"{prefix}_{K}", f"{what}, {steps[K]}")
+                                    if f"{prefix}_{K}" in samples else None for K in Ks])
     fig, axes = plt.subplots(len(panels), len(Ks) + 1,
                              figsize=(4 * (len(Ks) + 1), 4.5 * len(panels)))
     for i, row in enumerate(panels):
