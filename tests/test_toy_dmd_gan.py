@@ -25,6 +25,8 @@ def _variables(*out_gains: float) -> list[dict]:
             for g in out_gains]
 
 
+@pytest.mark.slow   # ~11 s on 2 cores: out of the quick suite, which is at its budget
+@pytest.mark.ci
 def test_the_head_reads_what_the_denoisers_output_layer_reads():
     # features() is the last hidden layer: D = c_skip x + c_out out_dense(features).
     v, = _variables(0.7)
