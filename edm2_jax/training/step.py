@@ -95,28 +95,32 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
     def train_step(state, batch):
         images, labels = batch["image"], batch["label"]
         rng, k_sigma, k_noise, k_drop = jax.random.split(state["rng"], 4)
-        draws = objective.draws(k_sigma, k_noise, images.shape)
-        params = force_normalize(state["params"]) if forced_wn else state["params"]
+        with jax.named_scope("draws"):
+            draws = objective.draws(k_sigma, k_noise, images.shape)
+        with jax.named_scope("force_normalize"):
+            params = force_normalize(state["params"]) if forced_wn else state["params"]
         own = {k: v for k, v in state.items() if k not in state_lib.BASE_KEYS}
         trained = {k: own[k] for k in objective.trained}
         frozen = {k: v for k, v in own.items() if k not in trained}
         (loss, aux), (grads, tgrads) = gradients(params, trained, frozen, state["buffers"],
                                                  images, labels, draws, k_drop)
         nimg = state["step"].astype(jnp.float32) * batch_size
-        updates, opt_state = tx.update(grads, state["opt_state"], params, nimg=nimg)
-        new_params = optax.apply_updates(params, updates)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, state["opt_state"], params, nimg=nimg)
+            new_params = optax.apply_updates(params, updates)
         trains = objective.trains_weights(state["step"])
         if trains is not True:   # the objective's other steps hold the weights as stored
             new_params, opt_state, updates = jax.tree.map(
                 lambda new, old: jnp.where(trains, new, old), (new_params, opt_state, updates),
                 (state["params"], state["opt_state"], jax.tree.map(jnp.zeros_like, updates)))
-        ema = ema_lib.update_ema(state["ema"], new_params, nimg + batch_size, batch_size,
-                                 **ema_kw)
+        with jax.named_scope("ema"):
+            ema = ema_lib.update_ema(state["ema"], new_params, nimg + batch_size, batch_size,
+                                     **ema_kw)
         updated, obj_metrics = objective.update(own, tgrads, nimg)
-        metrics = {"objective": loss, "lr": jnp.asarray(lr_fn(nimg), jnp.float32),
-                   "grad_norm": norm(grads),
-                   "update_norm": norm(updates),
-                   "param_norm": norm(new_params),
+        with jax.named_scope("logged_norms"):
+            norms = {"grad_norm": norm(grads), "update_norm": norm(updates),
+                     "param_norm": norm(new_params)}
+        metrics = {"objective": loss, "lr": jnp.asarray(lr_fn(nimg), jnp.float32), **norms,
                    **{f"loss/{k}": v for k, v in aux.items()}, **obj_metrics}
         new_state = dict(state, step=state["step"] + 1, params=new_params, opt_state=opt_state,
                          ema=ema, rng=rng, **updated)
