@@ -68,6 +68,10 @@ def test_gan_sigma_spans_the_whole_edm_schedule():
     t = np.asarray(gan.gan_sigma(jnp.array([0.0, -40.0, 40.0])))
     np.testing.assert_allclose(t[0], ((80 ** (1 / 7) + 0.002 ** (1 / 7)) / 2) ** 7, rtol=1e-5)
     np.testing.assert_allclose(t[1:], [80.0, 0.002], rtol=1e-5)
+    # `gan_sigma_max` moves the top of the schedule alone.
+    t = np.asarray(gan.gan_sigma(jnp.array([0.0, -40.0, 40.0]), sigma_max=2.5))
+    np.testing.assert_allclose(t, [((2.5 ** (1 / 7) + 0.002 ** (1 / 7)) / 2) ** 7, 2.5, 0.002],
+                               rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------
@@ -310,7 +314,7 @@ def test_the_head_adds_its_entries_draws_and_generator_steps(tiny_net):
 @pytest.mark.parametrize("flag, value", [
     ("gan", "yes"), ("gen_cls_loss_weight", -1e-3), ("guidance_cls_loss_weight", "1e-2"),
     ("dfake_gen_update_ratio", 0), ("dfake_gen_update_ratio", 2.0), ("gan_head_lr", -1.0),
-    ("gan_features", "real")])
+    ("gan_features", "real"), ("gan_sigma_max", 0.001), ("gan_sigma_max", "80")])
 def test_a_bad_setting_of_the_head_is_refused_naming_its_flag(flag, value):
     with pytest.raises(ValueError, match=f"--config.distill.{flag}="):
         objectives.check_config(dmd_config(**{"gan": True, flag: value}))

@@ -202,7 +202,8 @@ def dmd_loss_per_element(params: Any, buffers: Any, net: Precond, extras: dict,
 def dmd_objective(params: Any, buffers: Any, net: Precond, extras: dict,
                   labels: Array | None, *, batch_size: int | None = None,
                   images: Array | None = None, gan_weights: tuple[float, float] | None = None,
-                  gan_features: str = "fake", **kwargs: Any) -> tuple[Array, dict[str, Array]]:
+                  gan_features: str = "fake", gan_sigma_max: float = gan_lib.SIGMA_MAX,
+                  **kwargs: Any) -> tuple[Array, dict[str, Array]]:
     """`sum(per-image loss_G + loss_F) / batch_size` of `dmd_loss_per_element` and the
     logged means: `loss` (per element, of both), `dm` (`loss_G`), the fake denoiser's
     `fake_loss`, `weighted_mse`, `logvar`, `sigma` and `log_sigma` (of `t_f`), and
@@ -212,7 +213,7 @@ def dmd_objective(params: Any, buffers: Any, net: Precond, extras: dict,
     `extras['gan_head']`, on the training `images`; draws `NUM_DRAWS + gan.NUM_DRAWS`
     per image) each image's loss gains `N (w_gen loss_gen + w_cls loss_cls)` of
     `gan.gan_losses` on the bottleneck of `extras[gan_features]` ('fake' or the frozen
-    'teacher'), `N` its elements, logged as `gen_cls`, `guidance_cls`, and the
+    'teacher'), its noise levels up to `gan_sigma_max`, `N` its elements, logged as `gen_cls`, `guidance_cls`, and the
     classifier's mean `real_prob` and `fake_prob`."""
     rnd_normal, noise_unit = kwargs.pop("rnd_normal"), kwargs.pop("noise_unit")
     loss_g, loss_f, aux = dmd_loss_per_element(
@@ -229,7 +230,7 @@ def dmd_objective(params: Any, buffers: Any, net: Precond, extras: dict,
             net, buffers, extras[gan_features], extras["gan_head"], aux["x0"], images, labels,
             rnd_normal=rnd_normal[:, NUM_DRAWS:], noise_unit=noise_unit[:, NUM_DRAWS:],
             dropout_rng=(jax.random.split(dropout_rng)[1] if dropout_rng is not None
-                         else None))
+                         else None), sigma_max=gan_sigma_max)
         w_gen, w_cls = gan_weights
         per_image = per_image + loss_g[0].size * (w_gen * gen + w_cls * cls)
         metrics.update(gen_cls=jnp.mean(gen), guidance_cls=jnp.mean(cls),
@@ -354,6 +355,7 @@ class DistributionMatching(Objective):
                              sigma_data=float(self.get("loss.sigma_data", 0.5)),
                              batch_size=batch_size, images=images, gan_weights=gan_weights,
                              gan_features=str(self.gan_setting("gan_features")),
+                             gan_sigma_max=float(self.gan_setting("gan_sigma_max")),
                              **grid_settings(self.config))
 
     def update(self, state: dict, grads: dict, nimg: Array) -> tuple[dict, dict]:

@@ -46,9 +46,12 @@ Array = jax.Array
 # which `loss_cls` trains too) or 'teacher' (the frozen teacher's, as LADD's
 # discriminator reads its teacher's features, Sauer et al. 2024, arXiv:2403.12015,
 # Sec. 3.2: features that do not move under the head; `loss_cls` trains the head
-# alone). All but `gan` are read only with `gan=True`.
+# alone). `gan_sigma_max`: the highest noise level of the head's images (`gan_sigma`;
+# DMD2's 80, its schedule's top, where half of the draws lie above 2.5). All but `gan`
+# are read only with `gan=True`.
 GAN_FIELDS = dict(gan=False, gen_cls_loss_weight=3e-3, guidance_cls_loss_weight=1e-2,
-                  dfake_gen_update_ratio=5, gan_head_lr=0.0, gan_features="fake")
+                  dfake_gen_update_ratio=5, gan_head_lr=0.0, gan_features="fake",
+                  gan_sigma_max=SIGMA_MAX)
 GAN_FEATURES = ("fake", "teacher")
 # The U-Net encoder's share of its forward pass's flops (XLA's counts of the compiled
 # passes on CPU: 0.263 for img64-s, 0.156 for configs/fashion_mnist.py's network), for the
@@ -63,7 +66,8 @@ NUM_DRAWS = 3
 def check_gan(config: Any) -> None:
     """Raise ValueError naming the `--config.distill` flag where a setting of the head is
     not one: `gan` a bool, the weights numbers >= 0, the update ratio an int >= 1, the
-    head's learning rate a number >= 0, `gan_features` one of `GAN_FEATURES`."""
+    head's learning rate a number >= 0, `gan_features` one of `GAN_FEATURES`,
+    `gan_sigma_max` a number above the schedule's lowest level."""
     d = field(config, "distill", {})
 
     def need(ok: bool, name: str, what: str) -> None:
@@ -86,6 +90,9 @@ def check_gan(config: Any) -> None:
          "the head's learning rate, >= 0 (0: distill.fake_lr)")
     need(d.get("gan_features", GAN_FIELDS["gan_features"]) in GAN_FEATURES, "gan_features",
          "whose bottleneck the head reads: " + " or ".join(map(repr, GAN_FEATURES)))
+    need(number("gan_sigma_max") and d.get("gan_sigma_max", SIGMA_MAX) > SIGMA_MIN,
+         "gan_sigma_max", f"the highest noise level of the head's images, > {SIGMA_MIN}, "
+         f"e.g. {SIGMA_MAX} (DMD2)")
 
 
 def gan_sigma(rnd_normal: Array, *, sigma_min: float = SIGMA_MIN,
@@ -170,7 +177,8 @@ def generator_loss(fake_logits: Array) -> Array:
 
 def gan_losses(net: Precond, buffers: Any, fake: Any, head: Any, x0: Array, images: Array,
                labels: Array | None, *, rnd_normal: Array, noise_unit: Array,
-               dropout_rng: Array | None) -> tuple[Array, Array, dict]:
+               dropout_rng: Array | None, sigma_max: float = SIGMA_MAX
+               ) -> tuple[Array, Array, dict]:
     """`(loss_gen, loss_cls, aux)` of the module docstring, `[B]` float32 each.
 
     Args:
@@ -183,13 +191,14 @@ def gan_losses(net: Precond, buffers: Any, fake: Any, head: Any, x0: Array, imag
       rnd_normal: `[B, 3]` standard normal draws (`t_r`, `t_c`, `t_g`).
       noise_unit: `[B, 3, H, W, C]` unit Gaussian noise of the three.
       dropout_rng: the fake denoiser's dropout key for the three passes, or None.
+      sigma_max: the highest of the noise levels (`gan_sigma`; DMD2's 80).
     Returns `aux = {'real_prob', 'fake_prob'}` `[B]`: the classifier's sigmoid of the real
     and the generated images.
     """
     sg = jax.lax.stop_gradient
 
     def logit(p_fake, p_head, x, i):
-        t = gan_sigma(rnd_normal[:, i])
+        t = gan_sigma(rnd_normal[:, i], sigma_max=sigma_max)
         rngs = ({"dropout": jax.random.fold_in(dropout_rng, i)} if dropout_rng is not None
                 else None)
         x_t = x + t.reshape(-1, 1, 1, 1) * noise_unit[:, i]
