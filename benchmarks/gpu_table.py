@@ -34,7 +34,8 @@ it measures:
   between kernels (`profile_summary`).
 
 A/B of the first preset's training step: `--against=DIR` (a checkout of another commit:
-its package) and `--variant NAME=XLA_FLAGS` (repeatable) each add a training worker that
+its package), `--variant NAME=XLA_FLAGS` and `--config_variant NAME=FIELD=VALUE,...`
+(config fields, e.g. `backend.attention=cudnn`; both repeatable) each add a training worker that
 compiles with the others and is measured, then profiled, alone on the device, between two
 measurements of the plain step (their mean is the "plain" the variants are compared with;
 the two together show the drift); the table gives each variant's compile time, img/s,
@@ -198,7 +199,24 @@ def profile_summary(logdir: str, steps: int) -> dict:
 # ----------------------------------------------------------------------------- workers
 
 
-def build_config(preset: str, batch: int, dtype: str):
+def set_fields(config, assignments) -> None:
+    """Apply `key.sub=value` assignments (`--config_variant`'s) to `config`: the value
+    read as a Python literal where it is one ('True', '0.5'), else as a string."""
+    import ast
+    for a in assignments:
+        key, _, text = a.partition("=")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        *parents, leaf = key.split(".")
+        node = config
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+
+
+def build_config(preset: str, batch: int, dtype: str, assignments=()):
     from edm2_jax.model.presets import NETWORK_PRESETS, TRAINING_PRESETS
     from train_throughput import load_config
     config = load_config(os.path.join(os.path.dirname(HERE), "configs", "fashion_mnist.py"))
@@ -212,6 +230,7 @@ def build_config(preset: str, batch: int, dtype: str):
     config.batch_size = batch
     config.batch_per_device = 0
     config.network.dtype = dtype
+    set_fields(config, assignments)
     return config
 
 
@@ -229,10 +248,11 @@ class OursTrain:
         from compare_release import forward_flops
         from train_throughput import compiled_step
         self.jax, self.args = jax, args
-        self.config = build_config(args.preset, args.batch, args.dtype)
+        self.config = build_config(args.preset, args.batch, args.dtype, args.set)
         self.step, self.state, self.batch, info = compiled_step(self.config)
         self.bs = args.batch
         self.info = {"compile_s": info["compile_s"], "params": info["n_params"],
+                     "backend": self.config.backend.to_dict(),
                      "flops_per_img": 3 * forward_flops(info["net"], 1), **_mem(self.step)}
 
     def run(self, iters: int) -> float:
@@ -593,23 +613,37 @@ def write_table(results: dict, args) -> str:
     return table
 
 
-def parse_variants(specs: list[str], against: str) -> dict[str, dict]:
-    """`{name: {'xla_flags', 'code', 'what'}}` of `--variant NAME=FLAGS` and `--against
-    DIR`; exits with one `error:` line for a malformed spec or a DIR without edm2_jax."""
+def parse_variants(specs: list[str], against: str,
+                   config_specs: list[str] = ()) -> dict[str, dict]:
+    """`{name: {'xla_flags', 'code', 'what', 'set'}}` of `--variant NAME=FLAGS`,
+    `--against DIR` and `--config_variant NAME=field=value,...`; exits with one `error:`
+    line for a malformed spec or a DIR without edm2_jax."""
     variants: dict[str, dict] = {}
     if against:  # first: a code change is what an A/B is most often for
         if not os.path.isfile(os.path.join(against, "edm2_jax", "training", "step.py")):
             raise SystemExit(f"error: --against={against!r} is not an edm2-jax checkout (no "
                              "edm2_jax/training/step.py there); e.g. git worktree add DIR HEAD~1")
         variants["against"] = {"xla_flags": "", "code": os.path.abspath(against),
-                               "what": f"the code of {against}"}
+                               "what": f"the code of {against}", "set": []}
     for spec in specs:
         name, sep, flags = spec.partition("=")
         if not sep or not re.fullmatch(r"[\w.-]+", name) or not flags.strip().startswith("--") \
                 or name in variants or name in ("train", "sample", "release", "against"):
             raise SystemExit(f"error: --variant={spec!r}: expected NAME=--xla_flag=VALUE... "
                              "with a new NAME of letters, digits, '.', '_' or '-'")
-        variants[name] = {"xla_flags": flags.strip(), "code": "", "what": flags.strip()}
+        variants[name] = {"xla_flags": flags.strip(), "code": "", "what": flags.strip(),
+                          "set": []}
+    for spec in config_specs:
+        name, sep, rest = spec.partition("=")
+        fields = [f.strip() for f in rest.split(",") if f.strip()]
+        if not sep or not re.fullmatch(r"[\w.-]+", name) or name in variants \
+                or name in ("train", "sample", "release", "against") \
+                or not fields or not all(re.fullmatch(r"[\w.]+=\S+", f) for f in fields):
+            raise SystemExit(f"error: --config_variant={spec!r}: expected "
+                             "NAME=field.sub=value[,field.sub=value] with a new NAME, e.g. "
+                             "cudnn=backend.attention=cudnn")
+        variants[name] = {"xla_flags": "", "code": "", "what": ", ".join(fields),
+                          "set": fields}
     return variants
 
 
@@ -628,7 +662,7 @@ def measure_variants(variants: dict, ours: dict, preset: str, t0: float, timeout
         try:
             info = w.ready()
             row.update(compile_s=info["compile_s"], temp_gib=info.get("temp_gib"),
-                       package=info.get("package"))
+                       package=info.get("package"), backend=info.get("backend"))
             row.update(w.ask("measure", timeout))
             save(out)
             row.update(w.ask("profile", timeout))
@@ -681,6 +715,11 @@ def main():
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=XLA_FLAGS",
                     help="also measure the first preset's training step with these XLA flags "
                          "added (repeatable), between two measurements of the plain step")
+    ap.add_argument("--config_variant", action="append", default=[],
+                    metavar="NAME=FIELD=VALUE,...",
+                    help="also measure the first preset's training step with these config "
+                         "fields set (repeatable), e.g. cudnn=backend.attention=cudnn")
+    ap.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
     ap.add_argument("--against", default="", metavar="DIR",
                     help="also measure the first preset's training step of the edm2-jax "
                          "checkout DIR (another commit), likewise")
@@ -692,7 +731,7 @@ def main():
     if args.worker:
         return worker(args)
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
-    variants = parse_variants(args.variant, args.against)
+    variants = parse_variants(args.variant, args.against, args.config_variant)
     from edm2_jax.model.presets import NETWORK_PRESETS
     unknown = [p for p in presets if p != "tiny" and p not in NETWORK_PRESETS]
     if unknown:
@@ -711,7 +750,8 @@ def main():
                          "without an index, install their wheels: pip install --no-deps "
                          "--target DIR WHEELS, then PYTHONPATH=DIR")
 
-    argv = [a for a in sys.argv[1:] if not a.startswith(("--worker", "--preset=", "--code="))]
+    argv = [a for a in sys.argv[1:] if not a.startswith(
+        ("--worker", "--preset=", "--code=", "--set="))]
     argv.append(f"--batch={args.batch}")
     env = dict(os.environ)
     # Several processes share the GPU: none takes memory up front, each takes its own.
@@ -730,7 +770,8 @@ def main():
             for name, v in variants.items():
                 venv = dict(env, XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} {v['xla_flags']}".strip())
                 ours[p, name] = Worker("train", p, argv + ([f"--code={v['code']}"]
-                                                           if v["code"] else []), venv, name)
+                                                           if v["code"] else [])
+                                       + [f"--set={a}" for a in v["set"]], venv, name)
     results = {"presets": {p: {} for p in presets},
                "command": "python benchmarks/gpu_table.py " + " ".join(sys.argv[1:])}
     # Measurements start once every program is compiled: XLA:GPU autotunes by running

@@ -13,6 +13,7 @@ import ml_collections
 
 from edm2_jax import backends, objectives
 from edm2_jax.backends import cpu as cpu_backend
+from edm2_jax.backends import gpu as gpu_backend
 from edm2_jax.ema import power as ema
 from edm2_jax.model import presets
 
@@ -100,11 +101,14 @@ def base_config() -> ml_collections.ConfigDict:
 
     # Hardware backend (backends/): the kernels the network is built with and how the
     # step runs on the machine; every choice computes the same function (gradients
-    # equal up to float32 summation order), so a run may change it on resume.
+    # equal up to float32 summation order; attention='cudnn' in a bfloat16 network up
+    # to the rounding of the logits), so a run may change it on resume.
     # kernels: 'auto' (XLA:CPU kernels on the CPU backend, else the model's own math),
     # 'xla' or 'cpu'; cpu_conv_grad: the 3x3-conv weight-gradient path of the CPU
     # kernels ('relayout', 'xla', 'matmul': `python benchmarks/conv_grad.py` says which
-    # is fastest); cpu_barriers: the CPU kernels' fusion barriers.
+    # is fastest); cpu_barriers: the CPU kernels' fusion barriers; attention ('xla' |
+    # 'cudnn': cuDNN's fused attention, GPUs, bfloat16 networks) and clip_mask ('bits' |
+    # 'bytes'): GPU kernels of backends/gpu.py.
     c.backend = ml_collections.ConfigDict(dict(backends.DEFAULTS))
 
     # The training objective (edm2_jax/objectives): 'edm2' (the EDM2 loss), 'consistency'
@@ -211,6 +215,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
         need(str(b.cpu_conv_grad) in cpu_backend.CONV_GRADS, "backend.cpu_conv_grad",
              f"one of {', '.join(cpu_backend.CONV_GRADS)}")
         need(isinstance(b.cpu_barriers, bool), "backend.cpu_barriers", "True or False")
+        need(str(b.get("attention", "xla")) in gpu_backend.ATTENTIONS, "backend.attention",
+             f"one of {', '.join(gpu_backend.ATTENTIONS)}")
+        need(str(b.get("clip_mask", "bits")) in gpu_backend.CLIP_MASKS, "backend.clip_mask",
+             f"one of {', '.join(gpu_backend.CLIP_MASKS)}")
     objectives.check_config(c)
     n = c.network
     need(isinstance(n.model_channels, int) and not isinstance(n.model_channels, bool)

@@ -159,7 +159,15 @@ def test_variants_are_parsed_with_the_code_change_first(tmp_path):
     assert list(v) == ["against", "no_cmdbuf"]
     assert v["against"]["code"] == str(tmp_path) and v["against"]["xla_flags"] == ""
     assert v["no_cmdbuf"] == {"xla_flags": "--xla_gpu_enable_command_buffer=", "code": "",
-                              "what": "--xla_gpu_enable_command_buffer="}
+                              "what": "--xla_gpu_enable_command_buffer=", "set": []}
+    v = gpu_table.parse_variants([], "", ["cudnn=backend.attention=cudnn,backend.clip_mask=bytes"])
+    assert v["cudnn"]["set"] == ["backend.attention=cudnn", "backend.clip_mask=bytes"]
+    for bad in (["cudnn"], ["cudnn=attention"], ["x y=a=b"], ["train=a=b"], ["c=a=b", "c=a=c"]):
+        with pytest.raises(SystemExit, match="error: --config_variant="):
+            gpu_table.parse_variants([], "", bad)
+    config = gpu_table.build_config("tiny", 4, "float32", ["backend.clip_mask=bytes",
+                                                           "backend.cpu_barriers=False"])
+    assert config.backend.clip_mask == "bytes" and config.backend.cpu_barriers is False
     for bad in (["x"], ["a b=--f"], ["x=f"], ["release=--f"], ["x=--f", "x=--g"]):
         with pytest.raises(SystemExit, match="error: --variant="):
             gpu_table.parse_variants(bad, "")
@@ -171,7 +179,8 @@ def test_variants_are_parsed_with_the_code_change_first(tmp_path):
 @pytest.mark.ci
 def test_gpu_table_measures_a_variant_and_another_checkout_beside_the_plain_step(tmp_path):
     """`--against=DIR` runs the training step of the package in DIR (here a copy of this
-    one), `--variant` the step under other XLA flags; both rows, their kernel classes and
+    one), `--variant` the step under other XLA flags, `--config_variant` with other config
+    fields (the GPU's clip mask, on the 'xla' backend); the rows, their kernel classes and
     the plain step measured before and after them are in the table."""
     import shutil
     shutil.copytree(REPO / "edm2_jax", tmp_path / "other" / "edm2_jax",
@@ -183,12 +192,15 @@ def test_gpu_table_measures_a_variant_and_another_checkout_beside_the_plain_step
         [sys.executable, str(REPO / "benchmarks" / "gpu_table.py"), "--presets=tiny", "--batch=4",
          "--sample_batch=2", "--steps=2", "--iters=1", "--warmup=1", "--repeats=1",
          "--profile_steps=1", "--data_workers=", f"--out={out}",
-         f"--against={tmp_path / 'other'}", "--variant=fast_math=--xla_cpu_enable_fast_math=false"],
+         f"--against={tmp_path / 'other'}", "--variant=fast_math=--xla_cpu_enable_fast_math=false",
+         "--config_variant=bytes=backend.kernels=xla,backend.clip_mask=bytes"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     figures = json.loads((tmp_path / "table.md.json").read_text())
     tiny = figures["presets"]["tiny"]
-    assert list(tiny["variants"]) == ["against", "fast_math"]
+    assert list(tiny["variants"]) == ["against", "fast_math", "bytes"]
+    assert tiny["variants"]["bytes"]["backend"]["clip_mask"] == "bytes"
+    assert tiny["variants"]["fast_math"]["backend"]["clip_mask"] == "bits"
     assert tiny["variants"]["against"]["package"] == str(tmp_path / "other" / "edm2_jax")
     assert tiny["variants"]["fast_math"]["package"] == str(REPO / "edm2_jax")
     for row in tiny["variants"].values():
@@ -196,4 +208,4 @@ def test_gpu_table_measures_a_variant_and_another_checkout_beside_the_plain_step
     assert tiny["ours"]["train_img_s"] > 0 and tiny["ours"]["train_img_s_again"] > 0
     table = out.read_text()
     assert "## Variants of the tiny training step" in table
-    assert "| class | plain | against | fast_math |" in table
+    assert "| class | plain | against | fast_math | bytes |" in table

@@ -227,7 +227,7 @@ def test_bf16_step_keeps_its_activations_for_the_backward_pass_in_bf16():
 def test_attention_keeps_one_map_per_layer_for_the_backward_pass(dtype):
     """Of the attention maps `[N, heads, q, k]` (the largest arrays of the attention
     layers), the backward pass keeps the logits alone, in the compute dtype: the softmax
-    weights that both gradients need are recomputed from them (`networks._attend`)."""
+    weights that both gradients need are recomputed from them (`mp._attend`)."""
     from flax import traverse_util
     from edm2_jax.model.networks import init_variables
     batch = 8

@@ -4,16 +4,20 @@ Role: the model (`edm2_jax.model`) is the paper's math and never asks which mach
 runs on; a `Backend` names the kernel set (`mp.Kernels`) to build it with
 (`precond_from_config(cfg, kernels=backend.kernels)`) and how the training step runs
 on that machine (`unroll_micro_batches`, `norms_in_one_reduction`). Every backend computes the same function:
-values equal, gradients equal up to float32 summation order.
+values equal, gradients equal up to float32 summation order (cuDNN's fused attention in
+a bfloat16 network: up to the rounding of its logits, `backends/gpu.py`).
 
     'xla'  the model's own math (plain autodiff): GPU, TPU, and CPU when asked for;
-           the logged norms a reduction per parameter.
+           the logged norms a reduction per parameter. On a GPU it may take the
+           kernels of `backends/gpu.py` instead: `attention='cudnn'` (cuDNN's fused
+           attention, bfloat16 and float16 networks) and `clip_mask='bytes'`.
     'cpu'  XLA:CPU kernels (`backends/cpu.py`): fusion barriers and a chosen 3x3-conv
            weight-gradient path; the micro-batch loop unrolled; the logged norms one
            reduction each over all parameters.
 
 Selected by `config.backend` (`kernels`: 'auto' | 'xla' | 'cpu', `cpu_conv_grad`,
-`cpu_barriers`): `from_config(config)`, or `select(...)` directly.
+`cpu_barriers`, `attention`, `clip_mask`): `from_config(config)`, or `select(...)`
+directly.
 
 May import: jax, numpy and `edm2_jax.model` (and `edm2_jax.paths`).
 """
@@ -24,13 +28,14 @@ from typing import Any
 
 import jax
 
-from edm2_jax.backends import cpu
+from edm2_jax.backends import cpu, gpu
 from edm2_jax.model.mp import MODEL_MATH, Kernels
 
 NAMES = ("auto", "xla", "cpu")
 # `config.backend`'s defaults, the one source of them.
 DEFAULTS = {"kernels": "auto", "cpu_conv_grad": cpu.DEFAULT_CONV_GRAD,
-            "cpu_barriers": cpu.DEFAULT_BARRIERS}
+            "cpu_barriers": cpu.DEFAULT_BARRIERS, "attention": gpu.DEFAULT_ATTENTION,
+            "clip_mask": gpu.DEFAULT_CLIP_MASK}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,8 @@ class Backend:
         up to float32 summation order; the train state is the same either way.
       cpu_conv_grad, cpu_barriers: the CPU options it was selected with (they change
         the kernels only when `name == 'cpu'`).
+      attention, clip_mask: the GPU options it was selected with (`backends/gpu.py`;
+        they change the kernels only when `name == 'xla'`).
     """
 
     name: str
@@ -60,38 +67,51 @@ class Backend:
     norms_in_one_reduction: bool
     cpu_conv_grad: str = cpu.DEFAULT_CONV_GRAD
     cpu_barriers: bool = cpu.DEFAULT_BARRIERS
+    attention: str = gpu.DEFAULT_ATTENTION
+    clip_mask: str = gpu.DEFAULT_CLIP_MASK
 
 
 def select(name: str = "auto", *, cpu_conv_grad: str = cpu.DEFAULT_CONV_GRAD,
-           cpu_barriers: bool = cpu.DEFAULT_BARRIERS) -> Backend:
+           cpu_barriers: bool = cpu.DEFAULT_BARRIERS, attention: str = gpu.DEFAULT_ATTENTION,
+           clip_mask: str = gpu.DEFAULT_CLIP_MASK) -> Backend:
     """The backend `name`: 'xla', 'cpu', or 'auto' ('cpu' when `jax.default_backend()` is
     'cpu', else 'xla'). `cpu_conv_grad` ('relayout' | 'xla' | 'matmul') and
-    `cpu_barriers` set the CPU kernels (`backends/cpu.py`). Raises ValueError for any
-    other `name` or `cpu_conv_grad`, naming the valid ones."""
+    `cpu_barriers` set the CPU kernels (`backends/cpu.py`), `attention` ('xla' |
+    'cudnn') and `clip_mask` ('bits' | 'bytes') the GPU ones (`backends/gpu.py`).
+    Raises ValueError for any other value, naming the valid ones, and for
+    `attention='cudnn'` on a process whose devices are not GPUs."""
     if name not in NAMES:
         raise ValueError(f"backend kernels={name!r}: expected one of {NAMES}")
     if cpu_conv_grad not in cpu.CONV_GRADS:
         raise ValueError(f"backend cpu_conv_grad={cpu_conv_grad!r}: expected one of "
                          f"{cpu.CONV_GRADS} (python benchmarks/conv_grad.py says which is "
                          "faster here)")
+    gpu_kernels = gpu.kernels(attention, clip_mask)  # raises for unknown values
+    if attention == "cudnn" and jax.default_backend() != "gpu":
+        raise ValueError(f"backend attention='cudnn' is cuDNN's fused attention, for GPUs; "
+                         f"this process's devices are {jax.default_backend()!r}: use "
+                         "--config.backend.attention=xla")
     if name == "auto":
         name = "cpu" if jax.default_backend() == "cpu" else "xla"
-    options = dict(cpu_conv_grad=cpu_conv_grad, cpu_barriers=bool(cpu_barriers))
+    options = dict(cpu_conv_grad=cpu_conv_grad, cpu_barriers=bool(cpu_barriers),
+                   attention=attention, clip_mask=clip_mask)
     if name == "cpu":
         return Backend("cpu", cpu.kernels(cpu_conv_grad, bool(cpu_barriers)), True, True,
                        **options)
-    return Backend("xla", MODEL_MATH, False, False, **options)
+    default = (attention, clip_mask) == (gpu.DEFAULT_ATTENTION, gpu.DEFAULT_CLIP_MASK)
+    return Backend("xla", MODEL_MATH if default else gpu_kernels, False, False, **options)
 
 
 def from_config(config: Any) -> Backend:
     """`select` with the fields of `config.backend` (a ConfigDict or mapping with
-    `kernels`, `cpu_conv_grad`, `cpu_barriers`); a config without `backend`, or a
-    `backend` missing fields, takes `DEFAULTS` ('auto', 'relayout', True). Raises
-    ValueError for an unknown field or value."""
+    `kernels`, `cpu_conv_grad`, `cpu_barriers`, `attention`, `clip_mask`); a config
+    without `backend`, or a `backend` missing fields, takes `DEFAULTS` ('auto',
+    'relayout', True, 'xla', 'bits'). Raises ValueError for an unknown field or value."""
     get = config.get if hasattr(config, "get") else lambda k, d=None: getattr(config, k, d)
     fields = dict(DEFAULTS, **dict(get("backend", None) or {}))
     unknown = sorted(set(fields) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"unknown config.backend fields {unknown}; valid: {sorted(DEFAULTS)}")
     return select(fields["kernels"], cpu_conv_grad=fields["cpu_conv_grad"],
-                  cpu_barriers=fields["cpu_barriers"])
+                  cpu_barriers=fields["cpu_barriers"], attention=fields["attention"],
+                  clip_mask=fields["clip_mask"])

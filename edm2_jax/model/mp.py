@@ -11,8 +11,8 @@ the others. Everything here is a pure function or a parameter-holding `linen` mo
 with no training logic; forced weight normalisation (`force_normalize`) is a pure
 function over the params pytree that the training step applies to the online weights.
 
-`Kernels` names the three ops whose computation a backend may replace (`mp_silu`,
-`clip_act`, the spatial convolution) by the same function computed another way;
+`Kernels` names the four ops whose computation a backend may replace (`mp_silu`,
+`clip_act`, the spatial convolution, attention) by the same function computed another way;
 its defaults are the math of this module, plain autodiff (`edm2_jax.backends`).
 """
 from __future__ import annotations
@@ -206,6 +206,34 @@ def conv_same(x: Array, w: Array) -> Array:
         preferred_element_type=x.dtype)
 
 
+# Multi-head attention (the blocks' self-attention, Figure 21).
+
+def attention(q: Array, k: Array, v: Array) -> Array:
+    """`softmax(q k^T / sqrt(c)) v` over the keys, per head: `q`, `k`, `v` `[N, L, heads,
+    c]` of one dtype (the compute dtype) -> `[N, L, heads, c]` of it.
+
+    Both matmuls take and give that dtype (float32 accumulation inside): the logits
+    `q (k / sqrt(c))^T` in it, the softmax over the keys in float32, its weights cast
+    back for the second matmul (`_attend`).
+    """
+    c = q.shape[-1]
+    logits = jnp.einsum("nqhc,nkhc->nhqk", q, k / jnp.asarray(math.sqrt(c), k.dtype),
+                        preferred_element_type=q.dtype)
+    return _attend(logits, v)
+
+
+@jax.checkpoint
+def _attend(logits: Array, v: Array) -> Array:
+    """`softmax(logits) v`: the softmax over the keys taken in float32, its weights cast
+    to `logits.dtype` for the matmul (float32 accumulation inside), the result in that
+    dtype. `logits` `[N, heads, q, k]`, `v` `[N, k, heads, c]` -> `[N, q, heads, c]`.
+    Rematerialised: the backward pass keeps the logits and `v` and recomputes the
+    weights for both gradients (autodiff would keep the weights beside the logits, or
+    their float32 copy: one or two more arrays of attention-map size)."""
+    weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
+    return jnp.einsum("nhqk,nkhc->nqhc", weights, v, preferred_element_type=logits.dtype)
+
+
 # The ops a backend may compute its own way.
 
 @dataclasses.dataclass(frozen=True)
@@ -222,11 +250,14 @@ class Kernels:
       conv: `(x [N, H, W, in], w [kh, kw, in, out]) -> [N, H, W, out]` in the dtype of
         `x` and `w` (the compute dtype, `conv_same`), stride 1, 'same' padding; called for
         kernels larger than 1x1 (1x1 is a matmul).
+      attention: `(q, k, v [N, L, heads, c]) -> [N, L, heads, c]`, `softmax(q k^T /
+        sqrt(c)) v` in the compute dtype (`attention`).
     """
 
     mp_silu: Callable[[Array], Array] = mp_silu
     clip_act: Callable[[Array, float], Array] = clip_act
     conv: Callable[[Array, Array], Array] = conv_same
+    attention: Callable[[Array, Array, Array], Array] = attention
 
 
 MODEL_MATH = Kernels()

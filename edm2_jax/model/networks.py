@@ -178,24 +178,8 @@ class Block(BlockFields):
         qkv = self._conv(c, 3 * c, (1, 1), "attn_qkv")(x)
         qkv = normalize(qkv.reshape(n, h * w, heads, cph, 3), axis=3)
         q, k, v = (qkv[..., i].astype(self.dtype) for i in range(3))
-        # Both matmuls take and give `dtype` (float32 accumulation inside); the softmax
-        # is taken in float32 and its weights cast back to `dtype`.
-        logits = jnp.einsum("nqhc,nkhc->nhqk", q, k / jnp.asarray(math.sqrt(cph), self.dtype),
-                            preferred_element_type=self.dtype)
-        y = _attend(logits, v)
+        y = self.kernels.attention(q, k, v)   # `mp.attention`: in `dtype`
         return self._conv(c, c, (1, 1), "attn_proj")(y.reshape(n, h, w, c))
-
-
-@jax.checkpoint
-def _attend(logits: Array, v: Array) -> Array:
-    """`softmax(logits) v`: the softmax over the keys taken in float32, its weights cast
-    to `logits.dtype` for the matmul (float32 accumulation inside), the result in that
-    dtype. `logits` `[N, heads, q, k]`, `v` `[N, k, heads, c]` -> `[N, q, heads, c]`.
-    Rematerialised: the backward pass keeps the logits and `v` and recomputes the
-    weights for both gradients (autodiff would keep the weights beside the logits, or
-    their float32 copy: one or two more arrays of attention-map size)."""
-    weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
-    return jnp.einsum("nhqk,nkhc->nqhc", weights, v, preferred_element_type=logits.dtype)
 
 
 # The U-Net (Figure 21).

@@ -1,0 +1,73 @@
+"""XLA:GPU kernels the 'xla' backend may take in place of the model's own math
+(`mp.Kernels`), each the same function computed another way:
+
+  attention 'cudnn': the blocks' attention as cuDNN's fused attention
+      (`jax.nn.dot_product_attention(..., implementation='cudnn')`): one kernel where the
+      model's math runs two matmuls, the softmax, and the reshapes between them (16.2 ms
+      of the img64-s step at batch 128 on an H200, benchmarks/README.md). bfloat16 and
+      float16 networks only: a float32 network keeps `mp.attention`, unchanged. The
+      matmuls take and give the compute dtype with float32 accumulation, as the
+      precision policy asks; the logits stay float32 inside the kernel, where
+      `mp.attention` rounds them to the compute dtype before the softmax, so the two
+      differ at that rounding.
+  clip_mask 'bytes': `clip_act` keeps its gradient's mask as one bool per element
+      instead of packed bits (`mp.clip_act`), sparing the packing reductions (1.9 ms of
+      that step) for 7/8 of a byte per clipped element of saved memory. The same
+      gradient, bit for bit.
+
+Both defaults ('xla', 'bits') are the model's math; `backends.select` builds the set.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from edm2_jax.model import mp
+from edm2_jax.model.mp import Array, Kernels
+
+ATTENTIONS = ("xla", "cudnn")
+CLIP_MASKS = ("bits", "bytes")
+DEFAULT_ATTENTION, DEFAULT_CLIP_MASK = "xla", "bits"
+
+
+def fused_attention(q: Array, k: Array, v: Array, implementation: str = "cudnn") -> Array:
+    """`mp.attention` as one fused kernel (`jax.nn.dot_product_attention`, whose
+    `[batch, length, heads, head_dim]` layout is `mp.attention`'s) for bfloat16 and
+    float16 `q`, `k`, `v`; float32 ones take `mp.attention` itself. `implementation`:
+    'cudnn' (GPUs only), or 'xla' (any device: JAX's own composition)."""
+    if q.dtype == jnp.float32:
+        return mp.attention(q, k, v)
+    return jax.nn.dot_product_attention(q, k, v, scale=1 / math.sqrt(q.shape[-1]),
+                                        implementation=implementation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def clip_act_bytes(x: Array, limit: float) -> Array:
+    """`mp.clip_act` (`torch.clamp`'s gradient) with its mask kept as bools."""
+    return jnp.clip(x, -limit, limit)
+
+
+def _clip_fwd(x, limit):
+    return jnp.clip(x, -limit, limit), mp.clip_mask(x, limit)
+
+
+def _clip_bwd(limit, inside, dy):
+    return (jnp.where(inside, dy, jnp.zeros_like(dy)),)
+
+
+clip_act_bytes.defvjp(_clip_fwd, _clip_bwd)
+
+
+def kernels(attention: str = DEFAULT_ATTENTION, clip_mask: str = DEFAULT_CLIP_MASK) -> Kernels:
+    """The model's kernels with `attention` ('xla': `mp.attention`; 'cudnn':
+    `fused_attention`) and `clip_mask` ('bits': `mp.clip_act`; 'bytes':
+    `clip_act_bytes`). Raises ValueError for other values, naming the valid ones."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"backend attention={attention!r}: expected one of {ATTENTIONS}")
+    if clip_mask not in CLIP_MASKS:
+        raise ValueError(f"backend clip_mask={clip_mask!r}: expected one of {CLIP_MASKS}")
+    return Kernels(attention=fused_attention if attention == "cudnn" else mp.attention,
+                   clip_act=clip_act_bytes if clip_mask == "bytes" else mp.clip_act)
