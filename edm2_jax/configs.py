@@ -107,8 +107,8 @@ def base_config() -> ml_collections.ConfigDict:
     # 'xla' or 'cpu'; cpu_conv_grad: the 3x3-conv weight-gradient path of the CPU
     # kernels ('relayout', 'xla', 'matmul': `python benchmarks/conv_grad.py` says which
     # is fastest); cpu_barriers: the CPU kernels' fusion barriers; attention ('xla' |
-    # 'cudnn': cuDNN's fused attention, GPUs, bfloat16 networks) and clip_mask ('bits' |
-    # 'bytes'): GPU kernels of backends/gpu.py.
+    # 'cudnn': cuDNN's fused attention, GPUs, bfloat16 networks), clip_mask ('bits' |
+    # 'bytes') and grad_layout ('xla' | 'stored'): GPU options of backends/gpu.py.
     c.backend = ml_collections.ConfigDict(dict(backends.DEFAULTS))
 
     # The training objective (edm2_jax/objectives): 'edm2' (the EDM2 loss), 'consistency'
@@ -219,6 +219,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
              f"one of {', '.join(gpu_backend.ATTENTIONS)}")
         need(str(b.get("clip_mask", "bits")) in gpu_backend.CLIP_MASKS, "backend.clip_mask",
              f"one of {', '.join(gpu_backend.CLIP_MASKS)}")
+        need(str(b.get("grad_layout", "xla")) in gpu_backend.GRAD_LAYOUTS,
+             "backend.grad_layout", f"one of {', '.join(gpu_backend.GRAD_LAYOUTS)}")
     objectives.check_config(c)
     n = c.network
     need(isinstance(n.model_channels, int) and not isinstance(n.model_channels, bool)

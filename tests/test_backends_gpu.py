@@ -93,3 +93,31 @@ def test_config_validation_names_the_backend_flag(field, value):
     c.backend[field] = value
     with pytest.raises(ValueError, match=f"backend.{field}"):
         configs.validate(c)
+
+
+def test_grads_in_the_stored_layout_are_the_same_values_and_reach_the_step():
+    tree = {"w": jnp.arange(2 * 3 * 4 * 5, dtype=jnp.float32).reshape(2, 3, 4, 5),
+            "gain": jnp.float32(2.0), "b": jnp.ones((3,))}
+    out = jax.jit(gpu.grads_in_stored_layout)(tree)
+    jax.tree.map(np.testing.assert_array_equal, out, tree)
+    text = jax.jit(gpu.grads_in_stored_layout).lower(tree).as_text()
+    assert text.count("@LayoutConstraint") == 1   # the rank-4 weight alone
+
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gpu_table
+    from edm2_jax.training import optim as optim_lib, state as state_lib, step as step_lib
+    from train_throughput import random_train_state
+    for layout, want in (("xla", 0), ("stored", None)):
+        config = gpu_table.build_config("tiny", 4, "float32", [
+            "backend.kernels=xla", f"backend.grad_layout={layout}"])
+        net = state_lib.make_network(config)
+        tx = optim_lib.make_optimizer(config.optim, 4)
+        state = jax.eval_shape(lambda: random_train_state(config, net, tx))
+        batch = {"image": jax.ShapeDtypeStruct((4, 16, 16, 3), "float32"),
+                 "label": jax.ShapeDtypeStruct((4, 10), "float32")}
+        text = jax.jit(step_lib.make_train_step(config, net, tx)).lower(state, batch).as_text()
+        n = text.count("@LayoutConstraint")
+        weights = sum(x.ndim >= 2 for x in jax.tree.leaves(state["params"]))
+        assert n == (weights if want is None else want), (layout, n, weights)

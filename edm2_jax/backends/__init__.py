@@ -10,14 +10,15 @@ a bfloat16 network: up to the rounding of its logits, `backends/gpu.py`).
     'xla'  the model's own math (plain autodiff): GPU, TPU, and CPU when asked for;
            the logged norms a reduction per parameter. On a GPU it may take the
            kernels of `backends/gpu.py` instead: `attention='cudnn'` (cuDNN's fused
-           attention, bfloat16 and float16 networks) and `clip_mask='bytes'`.
+           attention, bfloat16 and float16 networks), `clip_mask='bytes'`, and
+           `grad_layout='stored'` (the step's gradients in the train state's layout).
     'cpu'  XLA:CPU kernels (`backends/cpu.py`): fusion barriers and a chosen 3x3-conv
            weight-gradient path; the micro-batch loop unrolled; the logged norms one
            reduction each over all parameters.
 
 Selected by `config.backend` (`kernels`: 'auto' | 'xla' | 'cpu', `cpu_conv_grad`,
-`cpu_barriers`, `attention`, `clip_mask`): `from_config(config)`, or `select(...)`
-directly.
+`cpu_barriers`, `attention`, `clip_mask`, `grad_layout`): `from_config(config)`, or
+`select(...)` directly.
 
 May import: jax, numpy and `edm2_jax.model` (and `edm2_jax.paths`).
 """
@@ -35,7 +36,7 @@ NAMES = ("auto", "xla", "cpu")
 # `config.backend`'s defaults, the one source of them.
 DEFAULTS = {"kernels": "auto", "cpu_conv_grad": cpu.DEFAULT_CONV_GRAD,
             "cpu_barriers": cpu.DEFAULT_BARRIERS, "attention": gpu.DEFAULT_ATTENTION,
-            "clip_mask": gpu.DEFAULT_CLIP_MASK}
+            "clip_mask": gpu.DEFAULT_CLIP_MASK, "grad_layout": gpu.DEFAULT_GRAD_LAYOUT}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +58,12 @@ class Backend:
         up to float32 summation order; the train state is the same either way.
       cpu_conv_grad, cpu_barriers: the CPU options it was selected with (they change
         the kernels only when `name == 'cpu'`).
-      attention, clip_mask: the GPU options it was selected with (`backends/gpu.py`;
-        they change the kernels only when `name == 'xla'`).
+      attention, clip_mask, grad_layout: the GPU options it was selected with
+        (`backends/gpu.py`; they change the kernels and the step only when
+        `name == 'xla'`).
+      place_grads: what the training step applies to the weights' gradients before the
+        optimiser: the identity, or `gpu.grads_in_stored_layout` (`grad_layout='stored'`):
+        the same values either way.
     """
 
     name: str
@@ -69,15 +74,19 @@ class Backend:
     cpu_barriers: bool = cpu.DEFAULT_BARRIERS
     attention: str = gpu.DEFAULT_ATTENTION
     clip_mask: str = gpu.DEFAULT_CLIP_MASK
+    grad_layout: str = gpu.DEFAULT_GRAD_LAYOUT
+    place_grads: Any = gpu.identity
 
 
 def select(name: str = "auto", *, cpu_conv_grad: str = cpu.DEFAULT_CONV_GRAD,
            cpu_barriers: bool = cpu.DEFAULT_BARRIERS, attention: str = gpu.DEFAULT_ATTENTION,
-           clip_mask: str = gpu.DEFAULT_CLIP_MASK) -> Backend:
+           clip_mask: str = gpu.DEFAULT_CLIP_MASK,
+           grad_layout: str = gpu.DEFAULT_GRAD_LAYOUT) -> Backend:
     """The backend `name`: 'xla', 'cpu', or 'auto' ('cpu' when `jax.default_backend()` is
     'cpu', else 'xla'). `cpu_conv_grad` ('relayout' | 'xla' | 'matmul') and
     `cpu_barriers` set the CPU kernels (`backends/cpu.py`), `attention` ('xla' |
-    'cudnn') and `clip_mask` ('bits' | 'bytes') the GPU ones (`backends/gpu.py`).
+    'cudnn'), `clip_mask` ('bits' | 'bytes') and `grad_layout` ('xla' | 'stored') the
+    GPU ones (`backends/gpu.py`).
     Raises ValueError for any other value, naming the valid ones, and for
     `attention='cudnn'` on a process whose devices are not GPUs."""
     if name not in NAMES:
@@ -87,6 +96,9 @@ def select(name: str = "auto", *, cpu_conv_grad: str = cpu.DEFAULT_CONV_GRAD,
                          f"{cpu.CONV_GRADS} (python benchmarks/conv_grad.py says which is "
                          "faster here)")
     gpu_kernels = gpu.kernels(attention, clip_mask)  # raises for unknown values
+    if grad_layout not in gpu.GRAD_LAYOUTS:
+        raise ValueError(f"backend grad_layout={grad_layout!r}: expected one of "
+                         f"{gpu.GRAD_LAYOUTS}")
     if attention == "cudnn" and jax.default_backend() != "gpu":
         raise ValueError(f"backend attention='cudnn' is cuDNN's fused attention, for GPUs; "
                          f"this process's devices are {jax.default_backend()!r}: use "
@@ -94,19 +106,21 @@ def select(name: str = "auto", *, cpu_conv_grad: str = cpu.DEFAULT_CONV_GRAD,
     if name == "auto":
         name = "cpu" if jax.default_backend() == "cpu" else "xla"
     options = dict(cpu_conv_grad=cpu_conv_grad, cpu_barriers=bool(cpu_barriers),
-                   attention=attention, clip_mask=clip_mask)
+                   attention=attention, clip_mask=clip_mask, grad_layout=grad_layout)
     if name == "cpu":
         return Backend("cpu", cpu.kernels(cpu_conv_grad, bool(cpu_barriers)), True, True,
                        **options)
     default = (attention, clip_mask) == (gpu.DEFAULT_ATTENTION, gpu.DEFAULT_CLIP_MASK)
-    return Backend("xla", MODEL_MATH if default else gpu_kernels, False, False, **options)
+    return Backend("xla", MODEL_MATH if default else gpu_kernels, False, False, **options,
+                   place_grads=(gpu.grads_in_stored_layout if grad_layout == "stored"
+                                else gpu.identity))
 
 
 def from_config(config: Any) -> Backend:
     """`select` with the fields of `config.backend` (a ConfigDict or mapping with
-    `kernels`, `cpu_conv_grad`, `cpu_barriers`, `attention`, `clip_mask`); a config
-    without `backend`, or a `backend` missing fields, takes `DEFAULTS` ('auto',
-    'relayout', True, 'xla', 'bits'). Raises ValueError for an unknown field or value."""
+    `kernels`, `cpu_conv_grad`, `cpu_barriers`, `attention`, `clip_mask`,
+    `grad_layout`); a config without `backend`, or a `backend` missing fields, takes
+    `DEFAULTS` ('auto', 'relayout', True, 'xla', 'bits', 'xla'). Raises ValueError for an unknown field or value."""
     get = config.get if hasattr(config, "get") else lambda k, d=None: getattr(config, k, d)
     fields = dict(DEFAULTS, **dict(get("backend", None) or {}))
     unknown = sorted(set(fields) - set(DEFAULTS))
@@ -114,4 +128,4 @@ def from_config(config: Any) -> Backend:
         raise ValueError(f"unknown config.backend fields {unknown}; valid: {sorted(DEFAULTS)}")
     return select(fields["kernels"], cpu_conv_grad=fields["cpu_conv_grad"],
                   cpu_barriers=fields["cpu_barriers"], attention=fields["attention"],
-                  clip_mask=fields["clip_mask"])
+                  clip_mask=fields["clip_mask"], grad_layout=fields["grad_layout"])

@@ -15,7 +15,15 @@
       that step) for 7/8 of a byte per clipped element of saved memory. The same
       gradient, bit for bit.
 
-Both defaults ('xla', 'bits') are the model's math; `backends.select` builds the set.
+  grad_layout 'stored': the training step's gradients of the weights held in the layout
+      the train state stores them in (row-major, `with_layout_constraint`) before Adam
+      and the EMAs read them. cuDNN's weight-gradient kernels write `[out, kh, kw, in]`;
+      left to itself XLA:GPU carries that layout into Adam and transposes the new
+      weights back to the stored HWIO in the EMAs' fusions (9.6 ms of transposes in the
+      img64-s step, benchmarks/README.md). The same values: a layout is not a value.
+
+The defaults ('xla', 'bits', 'xla') are the model's math and XLA's own layouts;
+`backends.select` builds the set.
 """
 from __future__ import annotations
 
@@ -30,7 +38,8 @@ from edm2_jax.model.mp import Array, Kernels
 
 ATTENTIONS = ("xla", "cudnn")
 CLIP_MASKS = ("bits", "bytes")
-DEFAULT_ATTENTION, DEFAULT_CLIP_MASK = "xla", "bits"
+GRAD_LAYOUTS = ("xla", "stored")
+DEFAULT_ATTENTION, DEFAULT_CLIP_MASK, DEFAULT_GRAD_LAYOUT = "xla", "bits", "xla"
 
 
 def fused_attention(q: Array, k: Array, v: Array, implementation: str = "cudnn") -> Array:
@@ -71,3 +80,19 @@ def kernels(attention: str = DEFAULT_ATTENTION, clip_mask: str = DEFAULT_CLIP_MA
         raise ValueError(f"backend clip_mask={clip_mask!r}: expected one of {CLIP_MASKS}")
     return Kernels(attention=fused_attention if attention == "cudnn" else mp.attention,
                    clip_act=clip_act_bytes if clip_mask == "bytes" else mp.clip_act)
+
+
+def grads_in_stored_layout(grads):
+    """`grads` (a pytree of arrays), each of rank >= 2 constrained to the row-major
+    layout the train state stores its arrays in; the same values."""
+    from jax.experimental.layout import Layout, with_layout_constraint
+
+    def place(g):
+        if getattr(g, "ndim", 0) < 2:
+            return g
+        return with_layout_constraint(g, Layout(major_to_minor=tuple(range(g.ndim))))
+    return jax.tree.map(place, grads)
+
+
+def identity(tree):
+    return tree

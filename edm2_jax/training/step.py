@@ -105,6 +105,7 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
         (loss, aux), (grads, tgrads) = gradients(params, trained, frozen, state["buffers"],
                                                  images, labels, draws, k_drop)
         nimg = state["step"].astype(jnp.float32) * batch_size
+        grads = backend.place_grads(grads)   # the same values (backends.Backend)
         with jax.named_scope("optimizer"):
             updates, opt_state = tx.update(grads, state["opt_state"], params, nimg=nimg)
             new_params = optax.apply_updates(params, updates)
