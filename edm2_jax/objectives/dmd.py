@@ -213,8 +213,8 @@ def dmd_objective(params: Any, buffers: Any, net: Precond, extras: dict,
     `extras['gan_head']`, on the training `images`; draws `NUM_DRAWS + gan.NUM_DRAWS`
     per image) each image's loss gains `N (w_gen loss_gen + w_cls loss_cls)` of
     `gan.gan_losses` on the bottleneck of `extras[gan_features]` ('fake' or the frozen
-    'teacher'), its noise levels up to `gan_sigma_max`, `N` its elements, logged as `gen_cls`, `guidance_cls`, and the
-    classifier's mean `real_prob` and `fake_prob`."""
+    'teacher') at noise levels up to `gan_sigma_max`, `N` its elements, logged as
+    `gen_cls`, `guidance_cls`, and the classifier's mean `real_prob` and `fake_prob`."""
     rnd_normal, noise_unit = kwargs.pop("rnd_normal"), kwargs.pop("noise_unit")
     loss_g, loss_f, aux = dmd_loss_per_element(
         params, buffers, net, extras, labels, rnd_normal=rnd_normal[:, :NUM_DRAWS],
@@ -229,8 +229,8 @@ def dmd_objective(params: Any, buffers: Any, net: Precond, extras: dict,
         gen, cls, probs = gan_lib.gan_losses(
             net, buffers, extras[gan_features], extras["gan_head"], aux["x0"], images, labels,
             rnd_normal=rnd_normal[:, NUM_DRAWS:], noise_unit=noise_unit[:, NUM_DRAWS:],
-            dropout_rng=(jax.random.split(dropout_rng)[1] if dropout_rng is not None
-                         else None), sigma_max=gan_sigma_max)
+            dropout_rng=None if dropout_rng is None else jax.random.split(dropout_rng)[1],
+            sigma_max=gan_sigma_max)
         w_gen, w_cls = gan_weights
         per_image = per_image + loss_g[0].size * (w_gen * gen + w_cls * cls)
         metrics.update(gen_cls=jnp.mean(gen), guidance_cls=jnp.mean(cls),
@@ -250,9 +250,7 @@ def fake_optimizer(fake_lr: float, beta1: float = presets.ADAM["beta1"],
 
 
 # --------------------------------------------------------------------------------------
-# The objective
-
-# The fake denoiser's learning rate by default (`distill.fake_lr`).
+# The objective, and the fake denoiser's learning rate by default (`distill.fake_lr`).
 FAKE_LR = 0.01
 
 
@@ -344,9 +342,8 @@ class DistributionMatching(Objective):
     def loss(self, params: Any, buffers: Any, net: Any, state: dict, images: Array,
              labels: Array | None, *, draws: dict, dropout_rng: Array | None,
              batch_size: int) -> tuple[Array, dict]:
-        """`dmd_objective` (the clean `images` are read by the GAN head alone: without it
-        the generator and the fake denoiser see only generated images; the labels are
-        the data's)."""
+        """`dmd_objective`; the clean `images` are read by the GAN head alone (without it
+        the generator and the fake denoiser see only generated images, of the data's labels)."""
         gan_weights = (tuple(float(self.gan_setting(k)) for k in (
             "gen_cls_loss_weight", "guidance_cls_loss_weight")) if self.gan else None)
         return dmd_objective(params, buffers, net, state, labels,
