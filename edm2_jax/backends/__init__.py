@@ -120,7 +120,8 @@ def from_config(config: Any) -> Backend:
     """`select` with the fields of `config.backend` (a ConfigDict or mapping with
     `kernels`, `cpu_conv_grad`, `cpu_barriers`, `attention`, `clip_mask`,
     `grad_layout`); a config without `backend`, or a `backend` missing fields, takes
-    `DEFAULTS` ('auto', 'relayout', True, 'xla', 'bits', 'xla'). Raises ValueError for an unknown field or value."""
+    `DEFAULTS` ('auto', 'relayout', True, 'xla', 'bits', 'xla'). Raises ValueError for
+    an unknown field or value."""
     get = config.get if hasattr(config, "get") else lambda k, d=None: getattr(config, k, d)
     fields = dict(DEFAULTS, **dict(get("backend", None) or {}))
     unknown = sorted(set(fields) - set(DEFAULTS))
