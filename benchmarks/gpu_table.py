@@ -143,23 +143,26 @@ def _trace_events(logdir: str) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
+def kernel_events(events: list[dict]) -> tuple[list[dict], dict, str]:
+    """`(kernels, device_processes, source)` of a trace's events: on a GPU the device's
+    kernels (every stream of every `/device:` process, `{pid: name}` of those), on the
+    CPU the XLA ops the runtime records (`hlo_op`), and which of the two it was."""
+    procs = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    devices = {p: n for p, n in procs.items() if n.startswith("/device:")}
+    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    if devices:
+        return [e for e in xs if e.get("pid") in devices], devices, "device kernels"
+    return [e for e in xs if e.get("args", {}).get("hlo_op")], devices, "host XLA ops"
+
+
 def profile_summary(logdir: str, steps: int) -> dict:
     """Kernel time of a `jax.profiler` trace in `logdir` summed by class (`classify`),
     per step: `{'classes': {class: {'ms': .., 'count': ..}}, 'top': [the TOP_KERNELS
     kernels of most time, by name: {'name', 'ms', 'count', 'class', 'hlo_op'}],
     'busy_ms', 'idle_ms', 'span_ms', 'source'}`. On a GPU the device's kernels (every stream); on the CPU the
     XLA ops the runtime records (`hlo_op`), where idle is the time no op runs."""
-    events = _trace_events(logdir)
-    procs = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device_pids = {p for p, n in procs.items() if n.startswith("/device:")}
-    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    if device_pids:
-        kernels = [e for e in xs if e.get("pid") in device_pids]
-        source = "device kernels"
-    else:
-        kernels = [e for e in xs if e.get("args", {}).get("hlo_op")]
-        source = "host XLA ops"
+    kernels, _, source = kernel_events(_trace_events(logdir))
     if not kernels:
         raise ValueError(f"the trace in {logdir} holds no kernels")
     classes: dict[str, dict] = {}

@@ -180,12 +180,7 @@ def attribute(events: list[dict], instrs: dict, comps: dict, steps: int) -> dict
     """Per-kernel rows and sums by (pass, operation, class), per step, from the trace
     `events` (those with a `dur`, on the device's streams where there are any)."""
     import gpu_table
-    procs = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device_pids = {p for p, n in procs.items() if n.startswith("/device:")}
-    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    kernels = ([e for e in xs if e.get("pid") in device_pids] if device_pids
-               else [e for e in xs if e.get("args", {}).get("hlo_op")])
+    kernels, _, _ = gpu_table.kernel_events(events)
     rows: dict[tuple, dict] = {}
     total = 0.0
     unmatched = 0.0
@@ -246,17 +241,12 @@ def write_kernels(logdir: str, path: str) -> None:
     """The kernels of the `jax.profiler` trace in `logdir` (the device's, else XLA's
     thunks) as a compact trace at `path`: their name, HLO op, start and duration."""
     import gpu_table
-    events = gpu_table._trace_events(logdir)
-    procs = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device_pids = {p for p, n in procs.items() if n.startswith("/device:")}
-    keep = [e for e in events if e.get("ph") == "X" and "dur" in e and (
-        e.get("pid") in device_pids if device_pids else e.get("args", {}).get("hlo_op"))]
+    kernels, devices, _ = gpu_table.kernel_events(gpu_table._trace_events(logdir))
     slim = [{"ph": "X", "pid": e.get("pid"), "name": e["name"], "ts": e["ts"], "dur": e["dur"],
              "args": {k: e["args"][k] for k in ("hlo_op", "long_name") if k in e.get("args", {})}}
-            for e in keep]
-    meta = [{"ph": "M", "name": "process_name", "pid": p, "args": {"name": procs[p]}}
-            for p in device_pids]
+            for e in kernels]
+    meta = [{"ph": "M", "name": "process_name", "pid": p, "args": {"name": n}}
+            for p, n in devices.items()]
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": meta + slim}, f)
 
