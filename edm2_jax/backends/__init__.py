@@ -95,10 +95,8 @@ def select(name: str = "auto", *, cpu_conv_grad: str = cpu.DEFAULT_CONV_GRAD,
         raise ValueError(f"backend cpu_conv_grad={cpu_conv_grad!r}: expected one of "
                          f"{cpu.CONV_GRADS} (python benchmarks/conv_grad.py says which is "
                          "faster here)")
-    gpu_kernels = gpu.kernels(attention, clip_mask)  # raises for unknown values
-    if grad_layout not in gpu.GRAD_LAYOUTS:
-        raise ValueError(f"backend grad_layout={grad_layout!r}: expected one of "
-                         f"{gpu.GRAD_LAYOUTS}")
+    gpu_kernels = gpu.kernels(attention, clip_mask)  # these two raise for unknown values
+    place_grads = gpu.grad_placement(grad_layout)
     if attention == "cudnn" and jax.default_backend() != "gpu":
         raise ValueError(f"backend attention='cudnn' is cuDNN's fused attention, for GPUs; "
                          f"this process's devices are {jax.default_backend()!r}: use "
@@ -112,8 +110,7 @@ def select(name: str = "auto", *, cpu_conv_grad: str = cpu.DEFAULT_CONV_GRAD,
                        **options)
     default = (attention, clip_mask) == (gpu.DEFAULT_ATTENTION, gpu.DEFAULT_CLIP_MASK)
     return Backend("xla", MODEL_MATH if default else gpu_kernels, False, False, **options,
-                   place_grads=(gpu.grads_in_stored_layout if grad_layout == "stored"
-                                else gpu.identity))
+                   place_grads=place_grads)
 
 
 def from_config(config: Any) -> Backend:

@@ -82,6 +82,15 @@ def kernels(attention: str = DEFAULT_ATTENTION, clip_mask: str = DEFAULT_CLIP_MA
                    clip_act=clip_act_bytes if clip_mask == "bytes" else mp.clip_act)
 
 
+def grad_placement(grad_layout: str = DEFAULT_GRAD_LAYOUT):
+    """What the training step applies to the weights' gradients for `grad_layout`:
+    'xla' the identity, 'stored' `grads_in_stored_layout`. Raises ValueError for another
+    value, naming the valid ones."""
+    if grad_layout not in GRAD_LAYOUTS:
+        raise ValueError(f"backend grad_layout={grad_layout!r}: expected one of {GRAD_LAYOUTS}")
+    return grads_in_stored_layout if grad_layout == "stored" else identity
+
+
 def grads_in_stored_layout(grads):
     """`grads` (a pytree of arrays), each of rank >= 2 constrained to the row-major
     layout the train state stores its arrays in; the same values."""
