@@ -321,8 +321,9 @@ def test_a_bad_setting_of_the_head_is_refused_naming_its_flag(flag, value):
 
 
 def test_the_gan_configs_validate():
-    """configs/distill.py:dmd-gan (Fashion-MNIST, 1 step, the head on), :dmd-gan-tiny and
-    the presets' :dmd-gan-img64-s, :dmd-gan-img512-s (DMD2's recipe: sigma 80, one
+    """configs/distill.py:dmd-gan (Fashion-MNIST, 1 step, the head on, the settings of
+    docs/distillation.md's measured generator), :dmd-gan-tiny and the presets'
+    :dmd-gan-img64-s, :dmd-gan-img512-s (DMD2's recipe: its GAN weights, sigma 80, one
     learning rate, 5 fake updates per generator update) are valid DMD configs with the
     head; 'dmd' keeps it off."""
     from edm2_jax import configs
@@ -333,10 +334,18 @@ def test_the_gan_configs_validate():
         configs.validate(c)
         obj = objectives.from_config(c)
         assert obj.name == "dmd" and obj.gan and c.distill.steps == 1, variant
-        assert (c.distill.gen_cls_loss_weight, c.distill.guidance_cls_loss_weight) == (
-            3e-3, 1e-2)
         base = _config_file("distill", variant.replace("dmd-gan", "dmd", 1))
-        assert c.total_kimg == base.total_kimg and c.optim.ref_lr == base.optim.ref_lr
+        assert c.optim.ref_lr == base.optim.ref_lr
+        if variant == "dmd-gan":   # docs/distillation.md's measured one-step generator
+            assert (c.distill.gen_cls_loss_weight, c.distill.guidance_cls_loss_weight,
+                    c.distill.gan_features, c.distill.gan_head_lr) == (
+                        0.3, 1e-2, "teacher", c.optim.ref_lr)
+            assert c.distill.fake_lr == base.distill.fake_lr == 10 * c.optim.ref_lr
+            assert (c.batch_size, c.total_kimg) == (32, 128) and base.batch_size == 64
+            continue
+        assert (c.distill.gen_cls_loss_weight, c.distill.guidance_cls_loss_weight,
+                c.distill.gan_features) == (3e-3, 1e-2, "fake")
+        assert c.total_kimg == base.total_kimg and c.batch_size == base.batch_size
         if variant.endswith("-s"):
             assert c.distill.sigma_max == 80.0 and obj.update_ratio == 5
             assert c.distill.fake_lr == c.optim.ref_lr and obj.head_tx is not None
