@@ -370,24 +370,25 @@ def test_plan_refuses_batches_that_cannot_run_before_compiling(libtpu, monkeypat
     assert str(e.value) == line
 
 
-def _plan_cli(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, int]:
+def _plan_cli(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     """`python -m edm2_jax.main --mode=plan` of the tiny Fashion-MNIST config for a v5e-4
     with `flags`, its compilation cache under `tmp_path` and libtpu's log directory left
-    to the plan: `(result, pid)`."""
+    to the plan: `(result, the log files libtpu wrote for it)`.
+
+    libtpu names its log files after the process id, which the system reuses: a file of
+    an earlier process with the same id is not the plan's, so only files that appeared
+    while the plan ran count."""
     env = dict(os.environ, EDM2_JAX_COMPILATION_CACHE=str(tmp_path / "xla"))
     env.pop("TPU_LOG_DIR", None)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     cmd = [sys.executable, "-m", "edm2_jax.main", "--mode=plan", "--tpu=v5e-4",
            f"--config={ROOT}/configs/fashion_mnist.py:tiny", *flags]
+    before = set(glob.glob("/tmp/tpu_logs/*"))
     with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True) as p:
         out, err = p.communicate(timeout=600)
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err), p.pid
-
-
-def _tpu_logs_of(pid: int) -> list[str]:
-    """The files libtpu wrote for process `pid` where it writes them by default."""
-    return glob.glob(f"/tmp/tpu_logs/*.{pid}")
+    logs = sorted(set(glob.glob(f"/tmp/tpu_logs/*.{p.pid}")) - before)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err), logs
 
 
 def test_cli_plan_refuses_a_sampler_batch_in_one_line_and_writes_no_tpu_logs(libtpu,
@@ -395,13 +396,13 @@ def test_cli_plan_refuses_a_sampler_batch_in_one_line_and_writes_no_tpu_logs(lib
     """`--sample_batch=5` on a v5e-4 (4 devices): one `error:` line, exit status 1, before
     anything compiles; libtpu, loaded to lay the slice out, leaves no log file in
     /tmp/tpu_logs (the plan turns its log files off)."""
-    r, pid = _plan_cli(tmp_path, "--sample_batch=5")
+    r, logs = _plan_cli(tmp_path, "--sample_batch=5")
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 1 and len(lines) == 1, r.stderr[-3000:]
     assert lines[0].startswith("error: --sample_batch=5: the sampler's seeds are split over "
                                "the 4 devices of the v5e-4"), lines
     assert "Compiling" not in r.stdout
-    assert _tpu_logs_of(pid) == []
+    assert logs == []
 
 
 @pytest.mark.slow
@@ -412,8 +413,8 @@ def test_cli_plan_warns_nothing_and_leaves_no_files(libtpu, tmp_path):
     program compiled for a topology without its devices: a plan that wrote its
     programs there warned, when repeated, "Error reading persistent compilation cache
     entry"; with nothing written there is nothing to read."""
-    r, pid = _plan_cli(tmp_path, "--sample_batch=0", "--config.network.channel_mult=(1,)")
+    r, logs = _plan_cli(tmp_path, "--sample_batch=0", "--config.network.channel_mult=(1,)")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "training step: compiled in" in r.stdout and r.stderr.strip() == "", r.stderr
-    assert _tpu_logs_of(pid) == []
+    assert logs == []
     assert not any((tmp_path / "xla").rglob("*"))
