@@ -120,6 +120,9 @@ def base_config() -> ml_collections.ConfigDict:
     # sigma_max, rho: the teacher's sampler grid; fake_lr: DMD's fake denoiser's
     # learning rate).
     c.objective = "edm2"
+    # The modules outside the package that define the run's objective and sampler,
+    # recorded by the run (`training.setup.run_config`; edm2_jax/plugins.py).
+    c.plugins = ()
     for section, fields in objectives.section_defaults().items():
         c[section] = ml_collections.ConfigDict(fields)
 

@@ -91,6 +91,7 @@ def main(argv):
 
 
 def _dispatch():
+    common.load_plugins()  # what --sampler and --config.objective may name
     common.check_flags(FLAGS.mode)  # before any work
     MODES[FLAGS.mode]()
 

@@ -124,22 +124,24 @@ def net_config(path: str) -> dict:
     return cfg
 
 
-def net_sampler(path: str, heun_steps: int = 32) -> solvers.Sampler:
+def net_sampler(path: str, num_steps: int = 32) -> solvers.Sampler:
     """The sampler (a `sampling.solvers` value) of the network at `path` (any kind
     `load_net` reads), from its own metadata only: that of the objective it was trained
-    with (`objectives.from_metadata`, `Objective.sampler(heun_steps)`): a network
+    with (`objectives.from_metadata`, `Objective.sampler(num_steps)`): a network
     checkpoint's network.json record (`objectives.record`, which a post-hoc EMA copies
     from its run), a run's or its snapshot's config.json. A diffusion network:
-    `solvers.Heun(heun_steps)`; a distilled student or generator: its few-step sampler
-    (`solvers.FewStep`) on its own grid, whatever `heun_steps`. Raises ValueError for a
+    `solvers.Heun(num_steps)`; a distilled student or generator: its few-step sampler
+    (`solvers.FewStep`) on its own grid, whatever `num_steps`. Raises ValueError for a
     post-hoc EMA whose network.json records no objective (it cannot say how it is
     sampled without reading its source run)."""
     _, meta, config = _metadata(path)
+    source = (f"{path}/{ckpt_lib.NETWORK_JSON}" if ckpt_lib.is_network_checkpoint(path)
+              else f"the config.json of {path}")
     if meta.get("phema") and "objective" not in meta:
         raise ValueError(f"{path}: this post-hoc EMA's network.json records no objective, "
                          f"so how it is sampled is unknown; make it again with --mode=phema "
                          f"--workdir={meta.get('source', 'RUN')}")
-    return objectives.from_metadata(meta, config).sampler(heun_steps)
+    return objectives.from_metadata(meta, config, source).sampler(num_steps)
 
 
 def net_encoder(path: str) -> str:

@@ -19,7 +19,7 @@ PACKAGE = ROOT / "edm2_jax"
 # Lowest first. A module may import modules of its own layer or of a lower one. The
 # first prefix that matches a module name gives its layer.
 LAYERS = (
-    ("edm2_jax.paths",),                                    # storage paths (local, gs://)
+    ("edm2_jax.paths", "edm2_jax.plugins"),                 # storage paths; modules from outside
     ("edm2_jax.model",),                                    # the paper's math: MP layers, U-Net, loss
     ("edm2_jax.encoders",),                                 # SD VAE, PyTorch weight files
     ("edm2_jax.backends",),                                 # hardware kernels the model receives

@@ -18,6 +18,7 @@ from edm2_jax.data import dataset_tool as DT
 from edm2_jax.data.image_folder import ImageFolder
 from edm2_jax.data.latents import LatentFolder
 from edm2_jax.encoders import vae as V
+from edm2_jax.sampling.solvers import Heun
 
 TINY = V.VAEConfig(block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -289,7 +290,7 @@ def test_eval_decodes_a_latent_net_and_latent_reference_data(tmp_path, monkeypat
                            ref=None, data_config=data)
     assert calls == []
     res = commands.main_eval(images_dir=None, net_path=net, num_images=8, metrics="fid",
-                             ref=None, data_config=data, vae_path=vae_dir, num_steps=2,
+                             ref=None, data_config=data, vae_path=vae_dir, sampler=Heun(2),
                              batch_size=4)
     assert np.isfinite(res["fid8"]) and res["fid8"] >= 0
     assert seen and all(s[1:] == (16, 16, 3) and d == np.uint8 for s, d in seen)

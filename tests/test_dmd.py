@@ -31,6 +31,7 @@ import pytest
 from edm2_jax import objectives
 from edm2_jax.objectives import dmd
 from edm2_jax.sampling import consistency, solvers
+from edm2_jax.sampling.solvers import Heun
 from tests.test_train import xla_cache  # noqa: F401  (a fixture: the runs share compiles)
 
 # ---------------------------------------------------------------------------------------
@@ -425,7 +426,7 @@ def test_post_hoc_ema_of_a_generator_is_sampled_as_the_generator(dmd_runs, tmp_p
     a = np.asarray(sampling.sample_images(net, variables, np.arange(3), sampler=kw))
     b = np.asarray(sampling.sample_images(net, variables, np.array([2]), sampler=kw))
     np.testing.assert_array_equal(a[[2]], b)
-    heun = np.asarray(sampling.sample_images(net, variables, np.array([2]), num_steps=2))
+    heun = np.asarray(sampling.sample_images(net, variables, np.array([2]), sampler=Heun(2)))
     assert a.shape == (3, 8, 8, 1) and not np.array_equal(heun, b)
 
 

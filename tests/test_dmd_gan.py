@@ -287,7 +287,7 @@ def test_the_head_adds_its_entries_draws_and_generator_steps(tiny_net):
     off = objectives.from_config(dmd_config())
     assert off.trained == ("fake",) and off.trains_weights(jnp.int32(3)) is True
     assert set(jax.eval_shape(off.init_state, v["params"])) == {"teacher", "fake", "fake_opt"}
-    assert off.draws(*jax.random.split(jax.random.PRNGKey(0)), (2, 8, 8, 1))[
+    assert off.draws(tuple(jax.random.split(jax.random.PRNGKey(0))), (2, 8, 8, 1))[
         "noise_unit"].shape == (2, 3, 8, 8, 1)
     assert off.flops_per_image(1.0) == 8
     assert objectives.from_config({"objective": "edm2"}).trains_weights(jnp.int32(1)) is True
@@ -301,7 +301,7 @@ def test_the_head_adds_its_entries_draws_and_generator_steps(tiny_net):
     specs = jax.tree_util.tree_map_with_path(lambda p, x: state_spec(p, x.shape, 2), state)
     assert FSDP in tuple(specs["gan_head"]["Conv_0"]["kernel"])
     assert FSDP in tuple(specs["gan_head_opt"][1].mu["Conv_0"]["kernel"])
-    assert on.draws(*jax.random.split(jax.random.PRNGKey(0)), (2, 8, 8, 1))[
+    assert on.draws(tuple(jax.random.split(jax.random.PRNGKey(0))), (2, 8, 8, 1))[
         "rnd_normal"].shape == (2, 6)
     # DMD2's ratio 5: the generator on steps 0, 5, 10, ...; ratio 1: every step.
     assert [bool(on.trains_weights(jnp.int32(s))) for s in range(7)] == [

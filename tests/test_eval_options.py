@@ -44,7 +44,7 @@ def test_eval_generates_with_guidance_seeds_and_schedule(net_paths):
     """`net_images` (what `--mode=eval --net` measures) gives exactly `sample_images`
     with the guide, guidance weight, seeds and schedule it was asked for."""
     net_path, guide_path = net_paths
-    kw = dict(num_steps=3, sigma_min=0.01, sigma_max=20.0, rho=3.0)
+    kw = dict(sampler=solvers.Heun(3, sigma_min=0.01, sigma_max=20.0, rho=3.0))
     got = np.concatenate(list(eval_images.net_images(
         net_path, [7, 3], batch_size=2, guide_path=guide_path, guidance=2.0, class_idx=1,
         progress=False, **kw)))
@@ -129,8 +129,9 @@ def test_release_rng_feeds_the_release_draws_to_the_sampler(net_paths):
     from edm2_jax.sampling.solvers import edm_sampler
     net, v, _ = nets.load_net(net_paths[0])
     kw = dict(num_steps=3, S_churn=2.0, S_min=3.0, S_max=100.0)
-    got = np.asarray(sampling.sample_images(net, v, [4, 2**32 + 9], rng="release", **kw))
-    noise, labels, table = sampling.release_seed_draws([4, 2**32 + 9], (8, 8, 1), 3, **kw)
+    heun = solvers.Heun(**kw)
+    got = np.asarray(sampling.sample_images(net, v, [4, 2**32 + 9], rng="release", sampler=heun))
+    noise, labels, table = sampling.release_seed_draws([4, 2**32 + 9], (8, 8, 1), 3, heun)
     t = edm_sigma_steps(3)  # 80, 2.5, 0.002: churn at step 0 only
     assert np.all(table[1:] == 0) and np.all(table[0] != 0)
     x = edm_sampler(make_denoiser(net, v), noise, labels,

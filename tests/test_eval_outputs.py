@@ -26,6 +26,7 @@ from edm2_jax.evaluation import metrics as metrics_lib
 from edm2_jax.sampling import seed_images
 from edm2_jax.training import loop
 from tests.test_train import make_image_folder, tiny_config, xla_cache  # noqa: F401
+from edm2_jax.sampling.solvers import Heun
 
 
 def _features(params, images):
@@ -77,7 +78,7 @@ def test_eval_of_a_run_writes_beside_the_run_not_in_the_cwd(tmp_path, monkeypatc
     monkeypatch.chdir(cwd)
     kw = dict(images_dir=None, net_path=str(run), num_images=8, metrics="fid", ref=None,
               data_config=dict(source="folder", path=str(data), use_labels=True),
-              num_steps=2, batch_size=4, progress=False)
+              sampler=Heun(2), batch_size=4, progress=False)
     with monkeypatch.context() as m:
         m.setattr(seed_images, "generate_images", _failing_after(1))
         with pytest.raises(RuntimeError, match="killed"):

@@ -54,6 +54,7 @@ from edm2_jax.model.networks import init_variables, precond_from_config
 from edm2_jax.modes import generate as generate_mode
 from edm2_jax.run import network_dir as checkpoint
 from edm2_jax.sampling import seed_images
+from edm2_jax.sampling.solvers import Heun
 from tests.tolerances import forward_terms, reorder_tol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,7 +91,7 @@ def _setup(root):
 
 def _eval_kw(data, metrics="cls,fid", **kw):
     return dict(dict(images_dir=None, num_images=NUM, metrics=metrics, ref=None,
-                     data_config=data, classifier_config=CLASSIFIER, num_steps=STEPS,
+                     data_config=data, classifier_config=CLASSIFIER, sampler=Heun(STEPS),
                      batch_size=BATCH, progress=False), **kw)
 
 
@@ -276,7 +277,7 @@ def test_guidance_interval_preset_and_outdir_reach_the_stream(setup, tmp_path, m
     want = {}
     for interval in ((0.5, 5.0), None):
         want[interval] = np.concatenate([b for _, b in _GENERATE_IMAGES(
-            net, variables, [3, 4, 5, 6], batch_size=BATCH, num_steps=STEPS, guide=guide,
+            net, variables, [3, 4, 5, 6], batch_size=BATCH, sampler=Heun(STEPS), guide=guide,
             guidance=3.0, guidance_interval=interval, progress=False)])
     np.testing.assert_array_equal(_png_images(tmp_path / "png", range(3, 7)), want[(0.5, 5.0)])
     assert np.abs(want[(0.5, 5.0)].astype(int) - want[None]).max() > 0
@@ -342,7 +343,7 @@ def test_resume_after_an_exception_generates_only_the_rest(setup, tmp_path, monk
     clf, _ = cls_lib.get_classifier(folder, folder, config=CLASSIFIER, log=False)
     net, variables, _ = nets.load_net(net_path)
     images = np.concatenate([b for _, b in seed_images.generate_images(
-        net, variables, list(range(NUM)), batch_size=BATCH, num_steps=STEPS, progress=False)])
+        net, variables, list(range(NUM)), batch_size=BATCH, sampler=Heun(STEPS), progress=False)])
     gen, ref = clf.features(images), clf.features(cls_lib.source_arrays(folder)[0])
     tol = fd_tolerance(gen, *fid.FeatureStats.from_features(ref).mean_cov(),
                        forward_terms(clf.params))
@@ -373,7 +374,7 @@ def test_partial_state_of_other_settings_is_not_used(setup, tmp_path, monkeypatc
     capsys.readouterr()
     seen: list = []
     monkeypatch.setattr(seed_images, "generate_images", _counting(None, seen))
-    res = eval_commands.main_eval(**dict(kw, num_steps=3))
+    res = eval_commands.main_eval(**dict(kw, sampler=Heun(3)))
     assert (f"Partial state {state} is of other settings (num_steps differ); not used"
             in capsys.readouterr().out)
     assert seen == list(range(8))
@@ -393,7 +394,7 @@ def test_streamed_eval_equals_generate_then_eval(setup, streamed, tmp_path, monk
     root, net_path, data = setup
     monkeypatch.setenv("EDM2_JAX_CACHE", str(root / "cache"))
     generate_mode.main_generate(net_path, f"0-{NUM - 1}", str(tmp_path / "png"), batch_size=BATCH,
-                           num_steps=STEPS)
+                           sampler=Heun(STEPS))
     images = _png_images(tmp_path / "png", range(NUM))
     np.testing.assert_array_equal(images, _png_images(root / "png_streamed", range(NUM)))
     from_folder = eval_commands.main_eval(**_eval_kw(data, net_path=None,

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 from tests.test_train import make_image_folder, tiny_config, xla_cache  # noqa: F401
+from edm2_jax.sampling.solvers import Heun
 
 if importlib.util.find_spec("gcp_storage_emulator") is None or importlib.util.find_spec(
         "gcsfs") is None:
@@ -206,7 +207,7 @@ def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  
 
     # Generate from the run (newest checkpoint) and from the post-hoc EMA, PNGs to gs://.
     for i, net in enumerate((run, outs[0], f"{run}/snapshots/4")):
-        generate_mode.main_generate(net, "0-1", f"{root}/images{i}", batch_size=2, num_steps=2,
+        generate_mode.main_generate(net, "0-1", f"{root}/images{i}", batch_size=2, sampler=Heun(2),
                                grid=f"{root}/grids/grid{i}.png")
         assert sorted(fs.ls(f"{BUCKET}/images{i}")) == [f"{BUCKET}/images{i}/000000.png",
                                                         f"{BUCKET}/images{i}/000001.png"]
@@ -225,7 +226,7 @@ def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  
     local = tmp_path / "phema_local"
     fs.get(outs[0][5:], str(local), recursive=True)
     a = next(seed_images.generate_images(*nets.load_net(outs[0])[:2], [0, 1], batch_size=2,
-                                      num_steps=2, progress=False))[1]
+                                      sampler=Heun(2), progress=False))[1]
     c = next(seed_images.generate_images(*nets.load_net(str(local))[:2], [0, 1],
-                                      batch_size=2, num_steps=2, progress=False))[1]
+                                      batch_size=2, sampler=Heun(2), progress=False))[1]
     np.testing.assert_array_equal(a, c)

@@ -14,6 +14,7 @@ from edm2_jax.modes import generate as generate_mode
 from edm2_jax.run import network_dir as checkpoint
 from edm2_jax.sampling import seed_images
 from edm2_jax.model.networks import init_variables, precond_from_config
+from edm2_jax.sampling.solvers import Heun
 
 NET = dict(img_resolution=8, img_channels=1, label_dim=3, model_channels=8, channel_mult=(1,),
            num_blocks=1, attn_resolutions=())
@@ -39,7 +40,7 @@ def netdir(tmp_path_factory):
 def _images(netdir, batch, seeds):
     net, v, _ = nets.load_net(netdir)
     out = list(seed_images.generate_images(net, v, seeds, batch_size=batch, class_idx=1,
-                                        num_steps=3, progress=False))
+                                        sampler=Heun(3), progress=False))
     return np.concatenate([imgs for _, imgs in out])
 
 
@@ -74,7 +75,7 @@ def test_same_seeds_same_images_batch_1_vs_8_and_1_vs_8_devices(netdir, tmp_path
 def test_generate_writes_pngs_in_subdirs(netdir, tmp_path):
     import PIL.Image
     generate_mode.main_generate(netdir, "998-1001", str(tmp_path / "out"), subdirs=True,
-                           num_steps=2, grid=str(tmp_path / "grid.png"), class_idx=0)
+                           sampler=Heun(2), grid=str(tmp_path / "grid.png"), class_idx=0)
     assert sorted(os.listdir(tmp_path / "out")) == ["000000", "001000"]
     assert sorted(os.listdir(tmp_path / "out" / "001000")) == ["001000.png", "001001.png"]
     img = np.asarray(PIL.Image.open(tmp_path / "out" / "000000" / "000998.png"))

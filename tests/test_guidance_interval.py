@@ -21,7 +21,7 @@ from edm2_jax.sampling.guidance import guided_steps, make_denoiser
 from edm2_jax.sampling.sampler import sample_images
 from edm2_jax.sampling.schedule import edm_sigma_steps
 from edm2_jax.sampling.seeds import split_seeds
-from edm2_jax.sampling.solvers import edm_sampler
+from edm2_jax.sampling.solvers import Heun, edm_sampler
 from tests.test_sampling import tiny_net
 from tests.tolerances import EPS32, forward_terms, reorder_tol
 
@@ -219,8 +219,8 @@ def nets():
 
 
 @pytest.mark.parametrize("guide, kw", [
-    ("auto", dict(S_churn=5.0)),
-    ("cfg", dict(S_churn=5.0, rng="release")),
+    ("auto", dict(sampler=Heun(4, S_churn=5.0))),
+    ("cfg", dict(sampler=Heun(4, S_churn=5.0), rng="release")),
 ])
 def test_whole_interval_and_no_step_match_plain_sampling_bitwise(nets, guide, kw):
     """`(0, inf)` is the guided sampler and an interval with no step the unguided one,
@@ -229,7 +229,7 @@ def test_whole_interval_and_no_step_match_plain_sampling_bitwise(nets, guide, kw
     (net, v), (g_net, g_v), (u_net, u_v) = nets
     gn, gv = (u_net, u_v) if guide == "cfg" else (g_net, g_v)
     run = lambda **k: np.asarray(sample_images(
-        net, v, [3, 8], guide_net=gn, guide_variables=gv, num_steps=4, raw=True, **kw, **k))
+        net, v, [3, 8], guide_net=gn, guide_variables=gv, raw=True, **kw, **k))
     t = edm_sigma_steps(4)
     guided = run(guidance=2.0)
     np.testing.assert_array_equal(run(guidance=2.0, guidance_interval=(0, INF)), guided)
@@ -244,7 +244,7 @@ def _device_images(out: str) -> None:
     process's devices (`split_seeds`), saved to `out`."""
     (net, v), (u_net, u_v) = tiny_net(5, 0), tiny_net(0, 2)
     x = sample_images(net, v, split_seeds(np.arange(4)), guide_net=u_net, guide_variables=u_v,
-                      guidance=2.0, num_steps=4, S_churn=5.0, raw=True,
+                      guidance=2.0, sampler=Heun(4, S_churn=5.0), raw=True,
                       guidance_interval=(0.5, 20.0))
     np.save(out, np.asarray(x))
     print(f"devices={jax.device_count()}")
@@ -258,7 +258,7 @@ def test_interval_images_equal_on_1_and_2_devices(tmp_path, nets):
     2.9e-4 of the images' scale (measured on an AMD EPYC: 4.3e-6); a wrong split is O(1)."""
     (net, v), _, (u_net, u_v) = nets
     ref = np.asarray(sample_images(net, v, np.arange(4), guide_net=u_net, guide_variables=u_v,
-                                   guidance=2.0, num_steps=4, S_churn=5.0, raw=True,
+                                   guidance=2.0, sampler=Heun(4, S_churn=5.0), raw=True,
                                    guidance_interval=(0.5, 20.0)))
     env = {k: val for k, val in os.environ.items()
            if k not in ("XLA_FLAGS", process.DEVICES_SET)}

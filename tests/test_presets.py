@@ -28,6 +28,7 @@ from edm2_jax.release import convert as C
 from edm2_jax.run import network_dir
 from edm2_jax.sampling import presets
 from edm2_jax.sampling.sampler import sample_images
+from edm2_jax.sampling.solvers import Heun
 from tests.test_cli_errors import assert_one_error, run_cli
 from tests.test_convert import write_release_pickle
 from tests.test_eval_options import dispatch
@@ -312,7 +313,7 @@ def test_generate_with_a_preset_end_to_end(tmp_path):
     gnet, gv, _ = nets.load_net(presets.cache_path(str(tmp_path / "models" / p.guide)))
     want = np.asarray(sample_images(net, v, jax.numpy.asarray([3, 4], jax.numpy.uint32), 1,
                                     guide_net=gnet, guide_variables=gv, guidance=1.7,
-                                    num_steps=3))
+                                    sampler=Heun(3)))
     np.testing.assert_array_equal(got, np.concatenate(list(want), axis=1))
-    plain = np.asarray(sample_images(net, v, [3, 4], 1, num_steps=3))
+    plain = np.asarray(sample_images(net, v, [3, 4], 1, sampler=Heun(3)))
     assert np.abs(want.astype(int) - plain).max() > 8         # the guide changes the images

@@ -15,7 +15,7 @@ from edm2_jax.sampling.guidance import make_denoiser
 from edm2_jax.sampling.sampler import decode_uint8, sample_images, save_image_grid
 from edm2_jax.sampling.schedule import edm_sigma_steps
 from edm2_jax.sampling.seeds import random_labels, seed_noise
-from edm2_jax.sampling.solvers import edm_sampler
+from edm2_jax.sampling.solvers import Heun, edm_sampler
 from tests.testdata import golden
 from tests.tolerances import forward_terms, reorder_tol
 
@@ -211,7 +211,7 @@ def test_seed_noise_and_labels_do_not_depend_on_the_batch():
 def test_sample_images_same_seed_same_image_at_batch_1_and_4(nets):
     (net, v), _, _ = nets
     seeds = [3, 7, 11, 42]
-    kw = dict(num_steps=4, S_churn=5.0)  # churn noise must follow the seed too
+    kw = dict(sampler=Heun(num_steps=4, S_churn=5.0))  # churn noise must follow the seed too
     batch = np.asarray(sample_images(net, v, seeds, **kw))
     assert batch.shape == (4, 8, 8, 3) and batch.dtype == np.uint8
     single = np.concatenate([np.asarray(sample_images(net, v, [s], **kw)) for s in seeds])
@@ -221,16 +221,16 @@ def test_sample_images_same_seed_same_image_at_batch_1_and_4(nets):
 
 def test_sample_images_label_handling(nets):
     (net, v), _, (u_net, u_v) = nets
-    kw = dict(num_steps=4, S_churn=5.0)  # as above: reuses that compilation
+    kw = dict(sampler=Heun(num_steps=4, S_churn=5.0))  # as above: reuses that compilation
     a = sample_images(net, v, [1, 2, 5, 6], labels=3, **kw)
     b = sample_images(net, v, [1, 2, 5, 6], labels=jax.nn.one_hot(jnp.full(4, 3), 5), **kw)
     np.testing.assert_array_equal(a, b)
     c = sample_images(net, v, [1, 2, 5, 6], labels=0, **kw)
     assert np.abs(np.asarray(a, int) - np.asarray(c)).max() > 0  # the class matters
     with pytest.raises(ValueError, match="labels=None"):
-        sample_images(u_net, u_v, [1], labels=0, num_steps=2)
+        sample_images(u_net, u_v, [1], labels=0, sampler=Heun(2))
     with pytest.raises(ValueError, match="labels must be"):
-        sample_images(net, v, [1, 2], labels=jnp.zeros((2, 4)), num_steps=2)
+        sample_images(net, v, [1, 2], labels=jnp.zeros((2, 4)), sampler=Heun(2))
 
 
 def test_decode_uint8_rounds_to_nearest_and_clips():

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from edm2_jax import process
+from edm2_jax.sampling.solvers import Heun
 
 NUM_STEPS = 32
 ATOL = 16 * float(np.finfo(np.float32).eps) * (2 * NUM_STEPS - 1)
@@ -87,7 +88,7 @@ def _main(out: str, guidance: float, batches: list[int]) -> None:
     for b in batches:
         x = sample_images(net, variables, split_seeds(np.arange(b)), guide_net=guide,
                           guide_variables=guide_variables, guidance=guidance,
-                          num_steps=NUM_STEPS, raw=True)
+                          sampler=Heun(NUM_STEPS), raw=True)
         images[str(b)] = np.asarray(x)
     np.savez(out, **images)
     print(f"devices={jax.device_count()}")

@@ -30,6 +30,7 @@ from edm2_jax.training import state as state_lib
 from edm2_jax.training import step as step_lib
 from edm2_jax.model.mp import force_normalize
 from edm2_jax.model.networks import init_variables
+from edm2_jax.sampling.solvers import Heun
 from tests.cpu_devices import tree_from_process
 from tests.tolerances import EPS32, reorder_tol, scaled_err, tree_err
 # The session's compilation cache, imported from here by the test files of the tiny runs.
@@ -669,7 +670,7 @@ def test_eval_during_training_logs_the_metric_of_the_snapshot_ema(tmp_path, monk
     def measure(ema):
         net, variables, _ = nets.load_net(str(run / "snapshots" / "4"), ema)
         imgs = np.concatenate([b for _, b in seed_images.generate_images(
-            net, variables, list(range(8)), batch_size=8, num_steps=2, progress=False)])
+            net, variables, list(range(8)), batch_size=8, sampler=Heun(2), progress=False)])
         return suite(imgs)
 
     again = measure("0.100")

@@ -27,6 +27,7 @@ from edm2_jax.encoders import vae as V
 from edm2_jax.data.pipeline import latent_noise
 from edm2_jax.model.networks import init_variables, precond_from_config
 from edm2_jax.modes import generate as generate_mode
+from edm2_jax.sampling.solvers import Heun
 from tests.tolerances import scaled_err
 
 # Two architectures: a small one (2 levels, 1 resnet per level, 8 groups, 2x) and the SD
@@ -483,13 +484,13 @@ def test_generate_decodes_latent_net_samples_to_rgb_pngs(tmp_path):
     model.save_pretrained(tmp_path / "vae")
     latent = _save_net(tmp_path / "latent", NET)
     generate_mode.main_generate(latent, "5-7", str(tmp_path / "out"), vae_path=str(tmp_path / "vae"),
-                           num_steps=2, batch_size=2, grid=str(tmp_path / "grid.png"))
+                           sampler=Heun(2), batch_size=2, grid=str(tmp_path / "grid.png"))
     assert sorted(os.listdir(tmp_path / "out")) == ["000005.png", "000006.png", "000007.png"]
     img = np.asarray(PIL.Image.open(tmp_path / "out" / "000006.png"))
     assert img.shape == (64, 64, 3) and img.dtype == np.uint8
     from edm2_jax.sampling.sampler import sample_images
     net, v, _ = nets.load_net(latent)
-    x = np.asarray(sample_images(net, v, np.array([6], np.uint32), num_steps=2, raw=True))
+    x = np.asarray(sample_images(net, v, np.array([6], np.uint32), sampler=Heun(2), raw=True))
     assert x.shape == (1, 8, 8, 4)
     diff = np.abs(img.astype(int) - V.load_vae(tmp_path / "vae").decode(x)[0])
     assert diff.max() <= 1 and (diff > 0).mean() < 0.01 and img.std() > 5

@@ -49,7 +49,6 @@ reconstructions, not the original pixels; for the paper's figures give `--ref`
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from typing import Any, Sequence
@@ -95,7 +94,8 @@ def _append_result(out_json: str, line: str) -> None:
 
 def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int | None,
               metrics: str, ref: str | None, data_config: Any, ema: str | None = None,
-              batch_size: int = 64, num_steps: int = 32, out_json: str | None = None,
+              batch_size: int = 64, sampler: solvers.Sampler | None = None,
+              out_json: str | None = None,
               ref_split: str = "test", data_split_images: str | None = None,
               classifier_config: Any = None, seeds: str | Sequence[int] | None = None,
               subset_seed: int = 0, dinov2: str | None = None, vae_path: str | None = None,
@@ -112,8 +112,9 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int |
     `subset_seed` picks the random subset of an `--images` folder
     (`images.folder_subset`). `vae_path`: `--vae`, the SD VAE that decodes a latent net's
     samples (checked first, `nets.check_vae`) and latent reference data. `gen_kw`:
-    guide_path, guide_ema, guidance, guidance_interval, class_idx and the sampler
-    settings of `seed_images.generate_images` (`progress=False` silences the bars).
+    guide_path, guide_ema, guidance, guidance_interval, class_idx and `rng` of
+    `seed_images.generate_images` (`progress=False` silences the bars). `sampler`: a
+    `solvers.Sampler` value (default `solvers.Heun()`, 32 steps).
     Appends the results as one JSON line to `out_json` (of a net by default
     `layout.eval_results_path(net_path)`, beside it; with the net also preset, seeds as a
     range string, num_steps, guidance, guidance_interval, net and guide paths,
@@ -161,7 +162,8 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int |
               classifier_config=classifier_config, dinov2=dinov2, vae=vae)
     if net_path:
         res = _eval_net(net_path, list(seeds or range(num_images)), names, ema=ema,
-                        batch_size=batch_size, num_steps=num_steps, out_json=out_json,
+                        batch_size=batch_size, sampler=sampler or solvers.Heun(),
+                        out_json=out_json,
                         preset=preset, outdir=outdir, log=log, gen_kw=gen_kw, **kw)
     else:
         if data_split_images and vae is not None:
@@ -190,14 +192,12 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int |
 
 
 def _eval_net(net_path: str, seeds: list[int], names: list[str], *, ema: str | None,
-              batch_size: int, num_steps: int, out_json: str | None, preset: str | None,
+              batch_size: int, sampler: solvers.Sampler, out_json: str | None,
+              preset: str | None,
               outdir: str | None, log: bool, gen_kw: dict, **metric_kw) -> dict:
     """`main_eval` of a network: the streamed, resumable pass of `evaluation.stream`.
     Returns the results, with `_partial_state` (the path to remove once they are out)."""
     gen_kw = dict(gen_kw)
-    heun = {f.name: gen_kw.pop(f.name) for f in dataclasses.fields(solvers.Heun)
-            if f.name in gen_kw and f.name != "num_steps"}
-    sampler = gen_kw.pop("sampler", None) or solvers.Heun(num_steps, **heun)
     num_steps = sampler.num_steps
     guide_path, guide_ema = gen_kw.pop("guide_path", None), gen_kw.pop("guide_ema", None)
     guidance = gen_kw.pop("guidance", 1.0)
@@ -212,7 +212,7 @@ def _eval_net(net_path: str, seeds: list[int], names: list[str], *, ema: str | N
         net=desc, guide=guide_path and f"{guide_path} ema={guide_ema}", guidance=guidance,
         guidance_interval=interval, seeds=stream.seeds_spec(seeds), num_images=len(seeds),
         metrics=sorted(names), num_steps=num_steps,
-        sampler={**gen_kw, **{k: v for k, v in solvers.settings(sampler).items()
+        sampler={**gen_kw, **{k: v for k, v in sampler.settings().items()
                               if k != "num_steps"}},
         vae=getattr(metric_kw.get("vae"), "path", None),
         dinov2=metric_kw.get("dinov2") if "fd_dinov2" in names else None,

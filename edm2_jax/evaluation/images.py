@@ -67,18 +67,18 @@ def folder_images(path: str, num_images: int, batch_size: int = 64,
 
 
 def net_images(net_path: str, seeds: Sequence[int], batch_size: int = 64,
-               ema: str | None = None, num_steps: int = 32, guide_path: str | None = None,
+               ema: str | None = None, guide_path: str | None = None,
                guide_ema: str | None = None, guidance: float = 1.0, vae: Any = None,
                **gen_kw) -> Iterator[np.ndarray]:
     """uint8 NHWC batches of the images `net_path` generates for `seeds` (guided by
     `guide_path` with weight `guidance`; `nets.load_guide`), decoded to RGB by `vae`
     (an `SDVAE`, for a latent net; `nets.check_vae`); `gen_kw`: the other
-    arguments of `seed_images.generate_images` (class_idx, sampler settings)."""
+    arguments of `seed_images.generate_images` (class_idx, `sampler`, rng)."""
     net, variables, desc = nets.load_net(net_path, ema)
     guide = nets.load_guide(guide_path, guide_ema, guidance)
     print(f"Generating {len(seeds)} images from {desc}")
     for _, imgs in seed_images.generate_images(net, variables, list(seeds), batch_size=batch_size,
-                                            num_steps=num_steps, guide=guide, guidance=guidance,
+                                            guide=guide, guidance=guidance,
                                             vae=vae, **gen_kw):
         yield imgs
 

@@ -19,7 +19,7 @@ from typing import Callable
 from absl import app, flags
 from ml_collections import config_flags
 
-from edm2_jax import configs, paths
+from edm2_jax import configs, paths, plugins
 from edm2_jax.planner.plan import LibtpuMissingError
 from edm2_jax.release.pickle_io import TorchMissingError
 from edm2_jax.run import checkpoints, integrity, layout, lock
@@ -29,6 +29,10 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py[:variant]).",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory of the run (checkpoints, logs, samples).")
+flags.DEFINE_string("plugins", None, "Python modules to import that define your own objectives or "
+                    "samplers (comma-separated module names on PYTHONPATH; also the environment "
+                    f"variable {plugins.ENV_VAR}): the only modules a run's or network's files may "
+                    "name (edm2_jax/plugins.py).")
 
 # Errors whose message names the problem and the fix: printed alone, exit status 1.
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError,
@@ -88,6 +92,16 @@ def require_workdir() -> str:
 
 # Flags that only one mode reads: given to another mode, they would be ignored.
 MODE_ONLY_FLAGS = {"tpu": "plan", "sample_batch": "plan"}
+
+
+def load_plugins() -> None:
+    """Allow and import the modules the user names (`--plugins`, the environment's
+    `EDM2_JAX_PLUGINS`, installed entry points; `edm2_jax.plugins`), before any flag that
+    may name what they define is read. Raises ValueError naming a module that does not
+    import."""
+    plugins.allow(plugins.parse(FLAGS.plugins, "--plugins"))
+    plugins.allow(plugins.parse(os.environ.get(plugins.ENV_VAR), plugins.ENV_VAR))
+    plugins.load_allowed()
 
 
 def check_flags(mode: str) -> None:

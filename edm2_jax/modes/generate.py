@@ -56,11 +56,15 @@ flags.DEFINE_integer("batch", 64, "generate: images per batch (split over device
 flags.DEFINE_integer("steps", 32, "generate/eval: sampler steps N (Heun: 2N-1 network "
                      "evaluations; a few-step student's sampler: N evaluations, by default "
                      "the steps it was distilled for).")
-flags.DEFINE_enum("sampler", "auto", ["auto", *solvers.SAMPLERS], "generate/eval: 'heun' "
-                  "(the EDM sampler), 'few_step' (the few-step sampler of a distilled "
-                  "student or generator: --steps evaluations on the teacher's grid of "
-                  "--teacher_steps; of a diffusion net, DDIM on that grid), or 'auto': the "
-                  "sampler the network was trained for (its objective's).")
+flags.DEFINE_string("sampler", "auto", "generate/eval: a registered sampler (edm2_jax.sampling."
+                    "solvers.SAMPLERS: 'heun', the EDM sampler; 'few_step', the few-step sampler of "
+                    "a distilled student or generator: --steps evaluations on the teacher's grid of "
+                    "--teacher_steps, of a diffusion net DDIM on that grid; or one a --plugins "
+                    "module registers), or 'auto': the sampler the network was trained for (its "
+                    "objective's).")
+flags.DEFINE_string("sampler_opts", None, "generate/eval: settings of the sampler, "
+                    "FIELD=VALUE[,FIELD=VALUE...] (its dataclass fields, e.g. 'rho=5,S_noise=1.003'; "
+                    "a field the sampler does not have is refused).")
 flags.DEFINE_integer("teacher_steps", None, "generate/eval: with --sampler=few_step, the "
                      "teacher's grid of Heun steps (default: the network's own, else 32).")
 flags.DEFINE_string("vae", None, "generate, eval, phema_sweep: the SD VAE that decodes a latent (img512) net's "
@@ -198,36 +202,87 @@ def own_sampler() -> solvers.Sampler | None:
 
 def sampler_flags(resolved: presets.ResolvedPreset | None = None) -> dict:
     """The sampler's settings from the flags (`seed_images.generate_images` kwargs:
-    `sampler`, a `solvers` value, `rng` and `guidance_interval`). `--sampler=auto`: the
-    network's own (`nets.net_sampler`), its settings replaced by those flags given;
-    `--sampler=heun` or `few_step`: that sampler from the flags over its defaults (a
-    network's own grid for `few_step` where it has one). A preset: the Heun sampler with
-    its guidance interval. Checked here, before any network is read or anything
-    computed: raises ValueError naming the flags for a schedule that is none (e.g.
-    `--steps=0`), or for churn or a guidance interval with a sampler without them."""
+    `sampler`, a `solvers.Sampler` value, `rng` and `guidance_interval`). `--sampler=auto`:
+    the network's own (`nets.net_sampler`), its settings replaced by those flags given;
+    `--sampler=NAME`: that registered sampler from the flags over its defaults (a
+    network's own settings where its own sampler is that one). `--steps` sets
+    `num_steps`; `SAMPLER_FLAGS` set the field of their name; `--sampler_opts` any field.
+    A preset: the Heun sampler with its guidance interval. Checked here, before any
+    network is read or anything computed: raises ValueError naming the flag for an
+    unregistered sampler, a flag or option the sampler does not take, a schedule that is
+    none (e.g. `--steps=0`), a guidance interval or `--rng=release` with a sampler
+    without them."""
     interval = resolved.guidance_interval if resolved else FLAGS.guidance_interval
     own = None if resolved else own_sampler()
     name = FLAGS.sampler if FLAGS.sampler != "auto" else (own.name if own else "heun")
+    if name not in solvers.SAMPLERS:
+        raise ValueError(f"--sampler={name}: not a registered sampler; use auto or one of "
+                         f"{', '.join(sorted(solvers.SAMPLERS))} (a sampler of your own: "
+                         f"register it in a module and name that module with --plugins)")
     cls = solvers.SAMPLERS[name]
     base = own if isinstance(own, cls) else None
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields = cls.options()
+    given_flags = [f for f in SAMPLER_FLAGS if FLAGS[f].present]
+    refused = [f for f in given_flags if f not in fields]
+    if refused:
+        raise ValueError(f"{' '.join(f'--{f}={getattr(FLAGS, f)}' for f in refused)}: "
+                         f"{_sampler_words(cls)} has no such setting (its settings: "
+                         f"{', '.join(fields)}); drop it, or choose another --sampler")
     given = {f: getattr(FLAGS, f) for f in SAMPLER_FLAGS if f in fields
              and (FLAGS[f].present or base is None) and getattr(FLAGS, f) is not None}
     if FLAGS["steps"].present or base is None:
         given["num_steps"] = FLAGS.steps
-    if not cls.takes_churn_and_interval and (FLAGS.S_churn or interval):
-        raise ValueError(f"--sampler={name} is deterministic with one evaluation per step: "
-                         f"drop --S_churn and --guidance_interval (or pass --sampler=heun)")
+    given.update(parse_sampler_opts(FLAGS.sampler_opts, cls))
+    if interval and not cls.takes_guidance_interval:
+        raise ValueError(f"--guidance_interval: {_sampler_words(cls)} evaluates the guided "
+                         f"network on every step; drop it (or pass --sampler=heun)")
+    if FLAGS.rng == "release" and not cls.release_draws:
+        raise ValueError(f"--rng=release draws as the release does on an EDM schedule, which "
+                         f"{_sampler_words(cls)} does not follow; drop --rng")
     try:
         sampler = dataclasses.replace(base, **given) if base else cls(**given)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         shown = " ".join(f"--{f}={getattr(FLAGS, f)}" for f in SHOWN_FLAGS
                          if f == "steps" or f in fields and getattr(FLAGS, f) is not None)
         raise ValueError(f"{shown}: {e}") from None
     return dict(sampler=sampler, rng=FLAGS.rng, guidance_interval=interval)
 
 
-# The flags that set a sampler's field of the same name (`solvers.Heun`, `FewStep`).
+def _sampler_words(cls: type[solvers.Sampler]) -> str:
+    return f"--sampler={cls.name}"
+
+
+def parse_sampler_opts(text: str | None, cls: type[solvers.Sampler]) -> dict:
+    """`--sampler_opts` ('rho=5,S_noise=1.003') as `{field: value}` of the sampler class
+    `cls`, each value of its field's type (a number, or true/false). Raises ValueError
+    naming the option for a field `cls` has not (listing its fields) or a value that is
+    not of its type."""
+    if not text:
+        return {}
+    fields, out = cls.options(), {}
+    for item in text.split(","):
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or key not in fields:
+            raise ValueError(f"--sampler_opts={text}: {key!r} is not a setting of "
+                             f"--sampler={cls.name} (its settings: {', '.join(fields)}); "
+                             f"give FIELD=VALUE pairs")
+        kind = fields[key]
+        try:
+            if kind is bool:
+                if value.lower() not in ("true", "false"):
+                    raise ValueError(value)
+                out[key] = value.lower() == "true"
+            else:
+                out[key] = kind(float(value)) if kind is int and "." not in value else kind(value)
+        except ValueError:
+            raise ValueError(f"--sampler_opts={text}: {key}={value!r} is not a "
+                             f"{kind.__name__}") from None
+    return out
+
+
+# The flags that set a sampler's field of the same name (`solvers.Heun`, `FewStep`, a
+# registered sampler with such a field).
 SAMPLER_FLAGS = ("teacher_steps", "sigma_min", "sigma_max", "rho", "S_churn", "S_min",
                  "S_max", "S_noise")
 SHOWN_FLAGS = ("steps", "sigma_min", "sigma_max", "rho", "teacher_steps")  # in its errors
@@ -240,8 +295,8 @@ def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | N
                   **sampler_kw) -> None:
     """CLI body of `--mode=generate` (see module doc): `net_path` is any network
     `nets.load_net` reads. `vae_path`: `--vae`, checked first (`nets.check_vae`).
-    `sampler_kw`: `num_steps`, `sigma_min`, `sigma_max`, `rho`, `S_churn`, `S_min`,
-    `S_max`, `S_noise`, `rng` of `seed_images.generate_images`. The outputs
+    `sampler_kw`: `sampler` (a `solvers.Sampler` value; default `solvers.Heun()`), `rng`
+    and `guidance_interval` of `seed_images.generate_images`. The outputs
     are checked first (`paths.check_output_dir`: writable, not a file, a reachable
     bucket), before any weights are read or any image sampled."""
     seed_list = seed_images.parse_seeds(seeds)
@@ -253,7 +308,8 @@ def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | N
         paths.check_output_file(grid, "--grid")
     vae = nets.check_vae(net_path, vae_path, guide_path)
     net, variables, desc = nets.load_net(net_path, ema)
-    sampler = sampler_kw.get("sampler") or solvers.Heun(sampler_kw.get("num_steps", 32))
+    sampler_kw = dict(sampler_kw)
+    sampler = sampler_kw["sampler"] = sampler_kw.get("sampler") or solvers.Heun()
     how = sampler.describe()
     print(f"Generating {len(seed_list)} images from {desc} with {how}"
           + (f", decoded by the SD VAE {vae.path}" if vae else ""))

@@ -2,10 +2,13 @@
 
     objective = objectives.from_config(config)   # config.objective names it
     loss, aux = objective.loss(params, buffers, net, state, images, labels, draws=...)
-    objective.sampler(heun_steps)                # the sampler its networks are sampled with
+    objective.sampler(num_steps)                 # the sampler its networks are sampled with
 
 An objective is a class of the `base.Objective` interface in a module of its own,
-registered under its `name` (`register`, one line); `config.objective` picks it. Three:
+registered under its `name` (`register`, one line); `config.objective` picks it. An
+objective defined outside the package is found again from what its run recorded: the
+run records its module (`config.plugins`, and `record` in each network.json), which
+`from_config` imports where the user allowed it (`edm2_jax.plugins`). Three built in:
 
 - `EDM2` (`edm2.py`, 'edm2'): the EDM2 loss with learned uncertainty (paper Eq. 21).
 - `ConsistencyDistillation` (`distill.py`, 'consistency'): multistep consistency
@@ -26,6 +29,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from edm2_jax import plugins
 from edm2_jax.objectives.base import Objective, StartNetwork, field
 from edm2_jax.objectives.distill import ConsistencyDistillation
 from edm2_jax.objectives.dmd import DistributionMatching
@@ -67,15 +71,30 @@ def name_of(config: Any) -> str:
     return EDM2.name
 
 
-def from_config(config: Any) -> Objective:
+def from_config(config: Any, source: str = "--config") -> Objective:
     """The objective of `config` (a ConfigDict, or the dict of a run's config.json or of
-    a network.json's meta over it), `REGISTRY[name_of(config)]`. Raises ValueError
-    naming `--config.objective` and the registered names for an unknown one."""
+    a network.json's meta over it), `REGISTRY[name_of(config)]`; one not registered yet
+    is looked for in the modules `config.plugins` records (`plugins.load`: only those
+    the user allowed). `source`: what `config` came from, for the messages. Raises
+    plugins.PluginNotAllowedError for a recorded module the user did not allow (nothing
+    imported), ValueError naming the registered names for an unknown objective."""
     name = name_of(config)
+    if name not in REGISTRY and field(config, "plugins"):
+        plugins.load(list(field(config, "plugins")), source)
     if name not in REGISTRY:
-        raise ValueError(f"--config.objective={name!r}: not an objective; use one of "
-                         f"{', '.join(sorted(REGISTRY))}")
+        where = ("--config.objective" if source == "--config"
+                 else f"{source}: its objective")
+        raise ValueError(f"{where}={name!r}: not an objective; registered: "
+                         f"{', '.join(sorted(REGISTRY))} (an objective of your own: register "
+                         f"it in a module and name that module with --plugins=MODULE)")
     return REGISTRY[name](config)
+
+
+def modules_of(objective: Objective, sampler: Any = None) -> tuple[str, ...]:
+    """The modules outside the package that define `objective` and `sampler` (what a run
+    records in `config.plugins`, so that it is found again: `from_config`)."""
+    found = [plugins.module_of(type(x)) for x in (objective, sampler) if x is not None]
+    return tuple(sorted({m for m in found if m}))
 
 
 def record(config: Any) -> dict:
@@ -84,6 +103,8 @@ def record(config: Any) -> dict:
     `{'objective': name}` and the objective's config section, if it has one."""
     objective = from_config(config)
     out = {"objective": objective.name}
+    if field(config, "plugins"):
+        out["plugins"] = list(field(config, "plugins"))
     if objective.section:
         section = field(config, objective.section, {})
         out[objective.section] = json_dict(section)
@@ -96,15 +117,22 @@ def json_dict(section: Any) -> dict:
     return dict(to_dict() if to_dict else section)
 
 
-def from_metadata(meta: dict, config: dict | None = None) -> Objective:
+def from_metadata(meta: dict, config: dict | None = None, source: str = "the network"
+                  ) -> Objective:
     """The objective a network was trained with, from its network.json meta (its
-    `objective` and its objective's section, `record`) over its run's config.json
-    (`config`)."""
+    `objective`, `plugins` and its objective's section, `record`) over its run's
+    config.json (`config`). `source`: the file they came from, for the messages."""
     merged = dict(config or {})
-    for key in ("objective", *{c.section for c in REGISTRY.values() if c.section}):
+    if "objective" in meta:
+        merged["objective"] = meta["objective"]
+    if "plugins" in meta:
+        merged["plugins"] = meta["plugins"]
+    if name_of(merged) not in REGISTRY:  # its module, where allowed, registers it
+        from_config(merged, source)
+    for key in {c.section for c in REGISTRY.values() if c.section}:
         if key in meta:
             merged[key] = meta[key]
-    return from_config(merged)
+    return from_config(merged, source)
 
 
 def upgrade_config(config: dict) -> dict:

@@ -12,7 +12,7 @@ dict of a run's config.json, or a network.json's meta merged over it) and gives:
 - `draws(...)`, `loss(...)`, `update(...)`: the step's random draws, the scalar it
   differentiates, and the update of its own trained entries;
 - `trains_weights(step)`: whether a step updates the weights (default: every step);
-- `sampler(heun_steps)`: the sampler its networks are sampled with (a `solvers` value);
+- `sampler(num_steps)`: the sampler its networks are sampled with (a `solvers` value);
 - `flops_per_image(forward_flops)`: the model flops one training image costs.
 """
 from __future__ import annotations
@@ -96,10 +96,13 @@ class Objective:
         `params` (float32; checkpointed and sharded like the weights)."""
         return {}
 
-    def draws(self, k_sigma: Array, k_noise: Array, images_shape: tuple[int, ...]) -> dict:
-        """The step's random draws for a batch of `images_shape` `[B, H, W, C]`, each
-        with leading axis `B` (the micro-batches split them along it): standard normal
-        `rnd_normal` `[B]` (the noise levels) and `noise_unit` `[B, H, W, C]`."""
+    def draws(self, keys: tuple[Array, Array], images_shape: tuple[int, ...]) -> dict:
+        """The step's random draws for a batch of `images_shape` `[B, H, W, C]`, a dict
+        of arrays each with leading axis `B` (the micro-batches split them along it),
+        from `keys`, two independent PRNG keys of the step (split them further as a
+        method needs). EDM2's: standard normal `rnd_normal` `[B]` (the noise levels,
+        from the first key) and `noise_unit` `[B, H, W, C]` (from the second)."""
+        k_sigma, k_noise = keys
         return {"rnd_normal": jax.random.normal(k_sigma, images_shape[:1], jnp.float32),
                 "noise_unit": jax.random.normal(k_noise, images_shape, jnp.float32)}
 
@@ -125,10 +128,12 @@ class Objective:
         bool scalar (the EMAs follow the weights, held or not, on every step)."""
         return True
 
-    def sampler(self, heun_steps: int) -> solvers.Sampler:
-        """The sampler its networks are sampled with; `heun_steps` is the caller's step
-        count for the Heun sampler (`solvers.Heun`)."""
-        return solvers.Heun(heun_steps)
+    def sampler(self, num_steps: int = 32) -> solvers.Sampler:
+        """The sampler its networks are sampled with (a `solvers.Sampler` value, built in
+        or registered); `num_steps`: the caller's step count for a sampler whose steps
+        are free (EDM2's: `solvers.Heun(num_steps)`); a method whose networks are
+        sampled in steps of their own (a distilled student) ignores it."""
+        return solvers.Heun(num_steps)
 
     def flops_per_image(self, forward_flops: float) -> float:
         """Model flops per training image of one step, from the network's forward pass's

@@ -193,8 +193,8 @@ class ConsistencyDistillation(Objective):
             dropout_rng=dropout_rng, sigma_data=float(self.get("loss.sigma_data", 0.5)),
             batch_size=batch_size, **grid_settings(self.config))
 
-    def sampler(self, heun_steps: int) -> solvers.FewStep:
-        """The student's few-step sampler (its own steps, whatever `heun_steps`)."""
+    def sampler(self, num_steps: int = 32) -> solvers.FewStep:
+        """The student's few-step sampler (its own steps, whatever `num_steps`)."""
         return few_step_sampler(self.config)
 
     def flops_per_image(self, forward_flops: float) -> float:

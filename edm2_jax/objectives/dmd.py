@@ -331,9 +331,10 @@ class DistributionMatching(Objective):
             state.update(gan_head=head, gan_head_opt=self.head_tx.init(head))
         return state
 
-    def draws(self, k_sigma: Array, k_noise: Array, images_shape: tuple[int, ...]) -> dict:
+    def draws(self, keys: tuple[Array, Array], images_shape: tuple[int, ...]) -> dict:
         """`NUM_DRAWS` per image, and `gan.NUM_DRAWS` more with the head: `rnd_normal`
         `[B, 3]`, `noise_unit` `[B, 3, H, W, C]` (3 -> 6)."""
+        k_sigma, k_noise = keys
         shape = (images_shape[0], NUM_DRAWS + (gan_lib.NUM_DRAWS if self.gan else 0))
         return {"rnd_normal": jax.random.normal(k_sigma, shape, jnp.float32),
                 "noise_unit": jax.random.normal(k_noise, shape + tuple(images_shape[1:]),
@@ -382,8 +383,8 @@ class DistributionMatching(Objective):
             return True
         return jnp.asarray(step) % self.update_ratio == 0
 
-    def sampler(self, heun_steps: int) -> solvers.FewStep:
-        """The generator's few-step sampler (its own steps, whatever `heun_steps`)."""
+    def sampler(self, num_steps: int = 32) -> solvers.FewStep:
+        """The generator's few-step sampler (its own steps, whatever `num_steps`)."""
         return few_step_sampler(self.config)
 
     def flops_per_image(self, forward_flops: float) -> float:

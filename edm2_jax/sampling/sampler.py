@@ -11,7 +11,7 @@ Randomness is drawn per image from its integer seed (`seeds.seed_keys`; or, with
 only on its seed, never on the batch it was generated in or on the device count.
 
     net = precond_from_config(cfg.network); variables = load_network(...)
-    images = sample_images(net, variables, seeds=range(16), num_steps=32)   # uint8 NHWC
+    images = sample_images(net, variables, seeds=range(16), sampler=solvers.Heun(32))  # uint8
     images = sample_images(net, variables, range(16), sampler=solvers.FewStep(2))
     save_image_grid(np.asarray(images), "grid.png", rows=4, cols=4)
 """
@@ -26,7 +26,7 @@ import numpy as np
 
 from edm2_jax.sampling import solvers
 from edm2_jax.sampling.guidance import check_guidance_interval, make_denoiser
-from edm2_jax.sampling.schedule import RHO, SIGMA_MAX, SIGMA_MIN, edm_sigma_steps
+from edm2_jax.sampling.schedule import edm_sigma_steps
 from edm2_jax.sampling.seeds import random_labels, seed_array, seed_churn_noise, seed_noise
 
 Array = jax.Array
@@ -42,17 +42,20 @@ def decode_uint8(x: Array) -> Array:
 
 
 def release_seed_draws(seeds: Sequence[int] | Array, shape: Sequence[int], label_dim: int,
-                       num_steps: int = 32, sigma_min: float = SIGMA_MIN,
-                       sigma_max: float = SIGMA_MAX, rho: float = RHO, S_churn: float = 0.0,
-                       S_min: float = 0.0, S_max: float = float("inf"), **_) -> tuple:
-    """The release's per-seed draws (`release_rng.release_draws`) for `edm_sampler`:
-    `(noise [B, *shape] f32, labels [B, label_dim] one-hot or None, churn_table
-    [num_steps, B, *shape] or None)`, the table holding step `i`'s churn noise where
-    the release draws it (`S_churn > 0` and `S_min <= t_i <= S_max`), zeros elsewhere.
-    `seeds` must be concrete (host) values."""
+                       sampler: solvers.Sampler) -> tuple:
+    """The release's per-seed draws (`release_rng.release_draws`) for `sampler` (one of
+    `release_draws`, on the EDM schedule of its `release_schedule()`): `(noise
+    [B, *shape] f32, labels [B, label_dim] one-hot or None, churn_table
+    [steps, B, *shape] or None)`, the table holding step `i`'s churn noise where the
+    release draws it (a `stochastic` sampler with churn, `S_min <= t_i <= S_max`),
+    zeros elsewhere. `seeds` must be concrete (host) values."""
     from edm2_jax.release import rng as release_rng
+    num_steps, sigma_min, sigma_max, rho = sampler.release_schedule()
     t = edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)[:-1].astype(np.float32)
-    draws = np.flatnonzero((S_min <= t) & (t <= S_max)) if S_churn > 0 else np.zeros(0, int)
+    if sampler.stochastic and sampler.takes_churn:
+        draws = np.flatnonzero((sampler.S_min <= t) & (t <= sampler.S_max))
+    else:
+        draws = np.zeros(0, int)
     noise, idx, churn = release_rng.release_draws(np.asarray(seeds).tolist(), shape, label_dim,
                                                   len(draws))
     labels = None if idx is None else np.eye(label_dim, dtype=np.float32)[idx]
@@ -82,10 +85,7 @@ def _sample(net, variables, guide_net, guide_variables, seeds, labels, guidance,
 def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
                   labels: Array | int | None = None, *, guide_net: Any = None,
                   guide_variables: Any = None, guidance: float = 1.0,
-                  sampler: solvers.Sampler | None = None, num_steps: int = 32,
-                  sigma_min: float = SIGMA_MIN, sigma_max: float = SIGMA_MAX,
-                  rho: float = RHO, S_churn: float = 0.0, S_min: float = 0.0,
-                  S_max: float = float("inf"), S_noise: float = 1.0, rng: str = "jax",
+                  sampler: solvers.Sampler | None = None, rng: str = "jax",
                   raw: bool = False, guidance_interval: tuple[float, float] | None = None
                   ) -> Array:
     """Generate one pixel-space image per seed with `sampler` (guided), jitted.
@@ -104,20 +104,20 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
       labels: for a conditional net, None (a random class per seed), an int class index
         for every image, or `[B, label_dim]` one-hot; must be None for `label_dim == 0`.
       guide_net, guide_variables, guidance: see `make_denoiser`.
-      sampler: a `solvers` value (`solvers.Heun`, `solvers.FewStep`, or what an
-        objective's `sampler` returns); None: `solvers.Heun` of `num_steps` ...
-        `S_noise` (see `solvers.edm_sampler`), which are read only then.
+      sampler: a `solvers.Sampler` value (`solvers.Heun`, `solvers.FewStep`, one
+        registered by a plugin, or what an objective's `sampler` returns); None:
+        `solvers.Heun()` (32 steps).
       rng: `'jax'` or `'release'` (then `seeds` must be concrete values, not traced).
       guidance_interval: `(sigma_lo, sigma_hi)`: guidance only on the steps with
         `sigma_lo < t_i <= sigma_hi` (`guidance.guided_steps`); None: on every step.
     Returns: `[B, H, W, C]` uint8 (float32 with `raw`).
     Raises: ValueError on labels that do not fit the net (the message names the fix),
-      an unknown `rng`, a bad schedule, a guidance interval with a sampler that has
-      none (`FewStep`), or a bad interval or one at `guidance == 1` (before compiling).
+      an unknown `rng` or one the sampler cannot follow, a guidance interval with a
+      sampler that has none (`FewStep`), or a bad interval or one at `guidance == 1`
+      (before compiling).
     """
     if sampler is None:
-        sampler = solvers.Heun(num_steps, sigma_min, sigma_max, rho, S_churn, S_min, S_max,
-                               S_noise)
+        sampler = solvers.Heun()
     _check_sample_options(sampler, guidance_interval, rng)
     noise = churn_table = None
     if rng == "release":
@@ -140,17 +140,22 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
 
 def _check_sample_options(sampler: solvers.Sampler,
                           guidance_interval: tuple[float, float] | None, rng: str) -> None:
-    """Raises: ValueError on a sampler that is not a `solvers` value, a guidance
-    interval with a sampler without one, or an unknown `rng` (`sample_images`)."""
-    if not isinstance(sampler, tuple(solvers.SAMPLERS.values())):
-        raise ValueError(f"sampler={sampler!r}: pass a sampler value of "
-                         f"edm2_jax.sampling.solvers ({', '.join(solvers.SAMPLERS)})")
-    if guidance_interval is not None and not sampler.takes_churn_and_interval:
+    """Raises: ValueError on a sampler that is not a `solvers.Sampler`, a guidance
+    interval with a sampler without one, an unknown `rng`, or `rng='release'` with a
+    sampler whose draws are not the release's (`sample_images`)."""
+    if not isinstance(sampler, solvers.Sampler):
+        raise ValueError(f"sampler={sampler!r}: pass a sampler value (a subclass of "
+                         f"edm2_jax.sampling.solvers.Sampler; registered: "
+                         f"{', '.join(sorted(solvers.SAMPLERS))})")
+    if guidance_interval is not None and not sampler.takes_guidance_interval:
         raise ValueError(f"{sampler.describe()} has no guidance interval: drop "
                          f"guidance_interval")
     if rng not in ("jax", "release"):
         raise ValueError(f"rng={rng!r}: use 'jax' (JAX keys per seed) or 'release' (the "
                          f"release's per-seed torch generator)")
+    if rng == "release" and not sampler.release_draws:
+        raise ValueError(f"rng='release' follows the release's per-seed draws on an EDM "
+                         f"schedule, which {sampler.describe()} does not take; use rng='jax'")
 
 
 def _release_inputs(net: Any, seeds: Sequence[int] | Array, sampler: solvers.Sampler
@@ -158,11 +163,9 @@ def _release_inputs(net: Any, seeds: Sequence[int] | Array, sampler: solvers.Sam
     """`release_seed_draws` for `net`'s image shape and labels, `(noise, labels or None,
     churn_table or None)`, the arrays split over devices as `seeds` are (when they carry
     a `NamedSharding`, from `split_seeds`)."""
-    churn = dict(S_churn=sampler.S_churn, S_min=sampler.S_min,
-                 S_max=sampler.S_max) if sampler.stochastic else {}
     noise, labels, churn_table = release_seed_draws(
         seeds, (net.img_resolution, net.img_resolution, net.img_channels), net.label_dim,
-        sampler.schedule_steps, sampler.sigma_min, sampler.sigma_max, sampler.rho, **churn)
+        sampler)
     sharding = getattr(seeds, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding):  # split as the seeds are
         noise = jax.device_put(noise, sharding)

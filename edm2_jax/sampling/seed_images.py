@@ -20,7 +20,7 @@ from edm2_jax import paths
 from edm2_jax.encoders import vae as vae_lib
 from edm2_jax.model.networks import Precond
 from edm2_jax.sampling import solvers
-from edm2_jax.sampling.schedule import RHO, SIGMA_MAX, SIGMA_MIN
+
 from edm2_jax.sampling.sampler import sample_images
 
 MAX_SEEDS_PER_DIR = 1000
@@ -44,9 +44,7 @@ def parse_seeds(spec: str) -> list[int]:
 def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outdir: str | None = None,
                     batch_size: int = 64, class_idx: int | None = None, subdirs: bool = False,
                     guide: tuple[Precond, dict] | None = None, guidance: float = 1.0,
-                    num_steps: int = 32, sigma_min: float = SIGMA_MIN, sigma_max: float = SIGMA_MAX,
-                    rho: float = RHO, S_churn: float = 0.0, S_min: float = 0.0,
-                    S_max: float = float("inf"), S_noise: float = 1.0, rng: str = "jax",
+                    rng: str = "jax",
                     progress: bool = True, all_processes: bool = True,
                     vae: vae_lib.SDVAE | None = None,
                     guidance_interval: tuple[float, float] | None = None,
@@ -54,12 +52,11 @@ def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outd
                     ) -> Iterable[tuple[np.ndarray, np.ndarray]]:
     """Yield `(seeds [b], images uint8 [b, H, W, C])` batches; write `seed%06d.png` files
     to `outdir` (in `outdir/000000/`, `outdir/001000/`, ... with `subdirs`) if given.
-    Sampler settings (`num_steps` ... `S_noise`), guidance, the guidance interval
+    The sampler (`sampler`, a `solvers.Sampler` value, e.g. a network's own,
+    `nets.net_sampler`; None: `solvers.Heun()`), guidance, the guidance interval
     `(sigma_lo, sigma_hi)` (guidance only on the steps with `sigma_lo < t_i <= sigma_hi`,
     `guidance.guided_steps`) and the per-seed random stream `rng` ('jax' or the
-    release's, 'release'), and `sampler` (a `solvers` value, e.g. a network's own,
-    `nets.net_sampler`; None: the Heun sampler of `num_steps` ... `S_noise`):
-    `sampler.sample_images`. With
+    release's, 'release'): `sampler.sample_images`. With
     `vae` (a latent net, `nets.check_vae`), the samples are decoded to RGB uint8
     `[b, 8H, 8W, 3]` by `vae.decode`, split over the same devices.
 
@@ -82,9 +79,7 @@ def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outd
         seeds_dev = jax.device_put(padded.astype(np.uint32), sharding)
         imgs = np.asarray(sample_images(
             net, variables, seeds_dev, class_idx, guide_net=guide_net, guide_variables=guide_vars,
-            guidance=guidance, num_steps=num_steps, sigma_min=sigma_min, sigma_max=sigma_max,
-            rho=rho, S_churn=S_churn, S_min=S_min, S_max=S_max, S_noise=S_noise,
-            rng=rng, raw=vae is not None, guidance_interval=guidance_interval,
+            guidance=guidance, rng=rng, raw=vae is not None, guidance_interval=guidance_interval,
             sampler=sampler))[:len(b)]
         if vae is not None:
             imgs = vae.decode(imgs, sharding=sharding)

@@ -9,14 +9,15 @@ which it is, and that an objective returns for its networks (`objectives`).
   (`consistency.consistency_sampler`): a distilled student's or generator's sampler,
   or DDIM on any diffusion network.
 
-`SAMPLERS` names them for the command line (`--sampler`).
+`Sampler` is the interface both implement (and a sampler of your own: subclass it,
+`register` it); `SAMPLERS` names the registered ones for the command line (`--sampler`).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -168,32 +169,116 @@ def _denoised(denoise: Denoiser, x: Array, sigma: Array, labels: Array | None,
 # ---------------------------------------------------------------------------------------
 # The samplers as values.
 
-class _Settings:
-    """What both samplers share: their fields held as the types they declare (equal
-    settings, equal hashes: a sampler is a static argument of the jitted `_sample`), and
-    a copy with another step count."""
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, _TYPES[f.type](getattr(self, f.name)))
-
-    def with_steps(self, num_steps: int):
-        return dataclasses.replace(self, num_steps=int(num_steps))
-
-
-_TYPES = {"int": int, "float": float}
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 @dataclasses.dataclass(frozen=True)
-class Heun(_Settings):
+class Sampler:
+    """The interface every sampler implements: a frozen dataclass of its settings (equal
+    settings, equal hashes: a sampler is a static argument of the jitted sampling
+    functions), called as `sampler(denoise, noise, labels, churn_noise=None) -> x_0`.
+
+    `denoise(x [B,H,W,C] f32, sigma f32 scalar, labels, guided=True) -> [B,H,W,C]` is
+    the (guided) network at noise level `sigma` (`guidance.make_denoiser`); `noise` is
+    `[B, H, W, C]` unit Gaussian noise per seed; the result is the float32 sample.
+    A sampler is registered (`register`) under its `name`, which `--sampler` names; its
+    dataclass fields are its settings, each reachable from the command line
+    (`--sampler_opts=FIELD=VALUE,...`; `num_steps` is `--steps`; a field named like a
+    flag of `--mode=generate`, e.g. `sigma_max`, is also set by that flag).
+
+    What it can do is stated apart, each a class attribute the callers read:
+    - `takes_churn`: it has the fields `S_churn`, `S_min`, `S_max`, `S_noise` (EDM
+      Sec. 4) and uses `churn_noise(i) -> eps` of step `i` when `stochastic`;
+    - `takes_guidance_interval`: `denoise(..., guided=False)` is called on the steps
+      outside the guidance interval of `denoise` (`guidance.guided_steps`);
+    - `release_draws`: the release's per-seed random draws apply (`rng='release'`): the
+      sampler is on the EDM schedule of its `release_schedule()`.
+    """
+
+    name: ClassVar[str] = ""
+    takes_churn: ClassVar[bool] = False
+    takes_guidance_interval: ClassVar[bool] = False
+    release_draws: ClassVar[bool] = False
+    num_steps: int = 1
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            cast = _TYPES.get(f.type if isinstance(f.type, str) else f.type.__name__)
+            if cast is not None:
+                object.__setattr__(self, f.name, cast(getattr(self, f.name)))
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps={self.num_steps}: a sampler takes at least 1 step")
+
+    @property
+    def evaluations(self) -> int:
+        """Network evaluations per image (default: one per step)."""
+        return self.num_steps
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether it draws noise beyond the seed's initial noise (`churn_noise`)."""
+        return False
+
+    def with_steps(self, num_steps: int) -> "Sampler":
+        """A copy with `num_steps` steps."""
+        return dataclasses.replace(self, num_steps=int(num_steps))
+
+    def describe(self) -> str:
+        """The sampler in words, for the messages of generation and evaluation."""
+        return f"the {self.name} sampler, {self.num_steps} steps ({self.evaluations} evaluations)"
+
+    def release_schedule(self) -> tuple[int, float, float, float]:
+        """`(steps, sigma_min, sigma_max, rho)`: the EDM schedule whose steps the release's
+        per-seed churn draws follow (`release_draws` samplers)."""
+        raise NotImplementedError(f"{self.name} has no release schedule")
+
+    def settings(self) -> dict:
+        """`{'sampler': name, **fields}`: the sampler as JSON (records, resumable state)."""
+        return {"sampler": self.name, **dataclasses.asdict(self)}
+
+    @classmethod
+    def options(cls) -> dict[str, type]:
+        """Its settings, `{field: type}` (what `--sampler_opts` may set)."""
+        return {f.name: _TYPES.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
+                for f in dataclasses.fields(cls)}
+
+    def __call__(self, denoise: Denoiser, noise: Array, labels: Array | None = None, *,
+                 churn_noise: Callable[[Array], Array] | None = None) -> Array:
+        raise NotImplementedError
+
+
+# The samplers by name (`--sampler`), built-in and registered.
+SAMPLERS: dict[str, type[Sampler]] = {}
+
+
+def register(cls: type[Sampler]) -> type[Sampler]:
+    """Make `cls` (a frozen dataclass subclass of `Sampler`) selectable as
+    `--sampler=cls.name` (usable as a decorator). Raises ValueError for a class that is
+    not a `Sampler` dataclass, has no name, or a name taken by another class."""
+    if not (isinstance(cls, type) and issubclass(cls, Sampler)
+            and dataclasses.is_dataclass(cls)):
+        raise ValueError(f"{cls!r}: a sampler is a frozen dataclass subclass of "
+                         f"edm2_jax.sampling.solvers.Sampler")
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name: set its class attribute `name`")
+    if SAMPLERS.get(cls.name, cls) is not cls:
+        raise ValueError(f"sampler name {cls.name!r} is taken by {SAMPLERS[cls.name].__name__}")
+    SAMPLERS[cls.name] = cls
+    return cls
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Heun(Sampler):
     """The EDM Heun sampler (`edm_sampler`) of `num_steps` steps, `2 num_steps - 1`
     network evaluations, on the schedule `sigma_min`, `sigma_max`, `rho` (EDM Eq. 5),
     with churn `S_churn`, `S_min`, `S_max`, `S_noise` (EDM Sec. 4; 0: deterministic).
     Raises ValueError at construction for a schedule that is none (`edm_sigma_steps`)."""
 
     name = "heun"
-    # Churn and a guidance interval are settings of this sampler (`sample_images`).
-    takes_churn_and_interval = True
+    takes_churn = True
+    takes_guidance_interval = True
+    release_draws = True
     num_steps: int = 32
     sigma_min: float = SIGMA_MIN
     sigma_max: float = SIGMA_MAX
@@ -216,10 +301,8 @@ class Heun(_Settings):
     def stochastic(self) -> bool:
         return self.S_churn > 0
 
-    @property
-    def schedule_steps(self) -> int:
-        """The steps of the schedule the release's per-seed churn draws follow."""
-        return self.num_steps
+    def release_schedule(self) -> tuple[int, float, float, float]:
+        return self.num_steps, self.sigma_min, self.sigma_max, self.rho
 
     def describe(self) -> str:
         return (f"the Heun sampler, {self.num_steps} steps ({self.evaluations} "
@@ -232,14 +315,16 @@ class Heun(_Settings):
                            **dataclasses.asdict(self))
 
 
+@register
 @dataclasses.dataclass(frozen=True)
-class FewStep(_Settings):
+class FewStep(Sampler):
     """The few-step sampler (`consistency.consistency_sampler`): `num_steps` network
     evaluations, a DDIM step to each of the segment ends of the grid of `teacher_steps`
     EDM steps of `sigma_min`, `sigma_max`, `rho`. Deterministic; no guidance interval.
     Raises ValueError at construction for a grid or a step count that is none."""
 
     name = "few_step"
+    release_draws = True
     num_steps: int = 4
     teacher_steps: int = 32
     sigma_min: float = SIGMA_MIN
@@ -251,13 +336,8 @@ class FewStep(_Settings):
         consistency.segment_bounds(self.num_steps, self.teacher_steps)
         consistency.grid_sigmas(self.teacher_steps, self.sigma_min, self.sigma_max, self.rho)
 
-    evaluations = property(lambda self: self.num_steps)
-    stochastic = False
-    takes_churn_and_interval = False
-
-    @property
-    def schedule_steps(self) -> int:
-        return self.teacher_steps
+    def release_schedule(self) -> tuple[int, float, float, float]:
+        return self.teacher_steps, self.sigma_min, self.sigma_max, self.rho
 
     def describe(self) -> str:
         return f"the few-step sampler, {self.num_steps} evaluation(s)"
@@ -269,11 +349,21 @@ class FewStep(_Settings):
                                                **dataclasses.asdict(self))
 
 
-Sampler = Union[Heun, FewStep]
-# The samplers by the name the command line gives them (`--sampler`).
-SAMPLERS = {cls.name: cls for cls in (Heun, FewStep)}
-
-
 def settings(sampler: Sampler) -> dict:
     """`{'sampler': name, **fields}`: a sampler as JSON (records, resumable state)."""
-    return {"sampler": sampler.name, **dataclasses.asdict(sampler)}
+    return sampler.settings()
+
+
+def from_settings(record: dict) -> Sampler:
+    """The sampler of a `settings` record. Raises ValueError naming an unregistered
+    sampler or a field it does not have."""
+    record = dict(record)
+    name = record.pop("sampler", None)
+    if name not in SAMPLERS:
+        raise ValueError(f"sampler {name!r} is not registered; registered: "
+                         f"{', '.join(sorted(SAMPLERS))}")
+    cls = SAMPLERS[name]
+    unknown = sorted(set(record) - set(cls.options()))
+    if unknown:
+        raise ValueError(f"sampler {name!r} has no setting {', '.join(unknown)}")
+    return cls(**record)

@@ -21,19 +21,28 @@ from edm2_jax.run import layout, records
 from edm2_jax.run.records import KEPT_CONFIG  # kept in each checkpoint's record
 
 # Fields that must not change when resuming in the same workdir (with the config
-# section of every objective, `objectives.section_defaults`) ...
+# section of every registered objective, `resume_fields`) ...
 RESUME_FIELDS = ("network", "loss", "optim", "ema", "batch_size", "seed", "data.source",
-                 "data.name", "data.split", "data.resolution", "data.use_labels", "objective",
-                 *objectives.section_defaults())
+                 "data.name", "data.split", "data.resolution", "data.use_labels", "objective")
 # ... except these prefixes: they change no array of the train state (optim.make_optimizer
 # keeps the state's structure whatever grad_clip is).
 CHANGEABLE_ON_RESUME = ("optim.",)
 # Fields added after runs existed: a config.json without one recorded this value (the
 # ablation switches at config G, docs/ablation.md; the objectives' sections' defaults).
 ADDED_FIELDS = {"network.mp_learned_layers": True, "network.group_norm": False,
-                "network.mp_fixed_layers": True, "optim.forced_wn": True,
-                **{f"{section}.{k}": v for section, fields in
-                   objectives.section_defaults().items() for k, v in fields.items()}}
+                "network.mp_fixed_layers": True, "optim.forced_wn": True}
+
+
+def resume_fields() -> tuple[str, ...]:
+    """`RESUME_FIELDS` and the section of every objective registered now (one defined
+    outside the package registers when its module is imported)."""
+    return (*RESUME_FIELDS, *objectives.section_defaults())
+
+
+def added_fields() -> dict:
+    """`ADDED_FIELDS` and the defaults of every registered objective's section."""
+    return {**ADDED_FIELDS, **{f"{section}.{k}": v for section, fields in
+                               objectives.section_defaults().items() for k, v in fields.items()}}
 
 
 def _lookup(d: dict, dotted: str):
@@ -54,13 +63,14 @@ def config_differences(saved: dict, current: dict) -> tuple[list[str], list[str]
     by `CHANGEABLE_ON_RESUME`."""
     diffs = []
     saved, current = objectives.upgrade_config(saved), objectives.upgrade_config(current)
-    for field in RESUME_FIELDS:
+    added = added_fields()
+    for field in resume_fields():
         a, b = _normalise_json(_lookup(saved, field)), _normalise_json(_lookup(current, field))
         if a is None and isinstance(b, dict):  # a section added after the run started
             a = {}
         if isinstance(a, dict) and isinstance(b, dict):
             for k in sorted(set(a) | set(b)):
-                va = a.get(k, ADDED_FIELDS.get(f"{field}.{k}"))
+                va = a.get(k, added.get(f"{field}.{k}"))
                 if va != b.get(k):
                     diffs.append((f"{field}.{k}", va, b.get(k)))
         elif a != b:

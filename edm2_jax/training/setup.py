@@ -102,7 +102,9 @@ def run_config(config: ml_collections.ConfigDict, workdir: str, start: Start,
       resumed in `workdir`, the dtype its config.json records (a run keeps its
       precision), else this platform's (bfloat16 on GPU/TPU, float32 on CPU);
     - the network of `start.init_config` (the network the run starts from), in that dtype;
-    - resolution, channels and label_dim from the data (each change printed).
+    - resolution, channels and label_dim from the data (each change printed);
+    - `plugins`: the modules outside the package that define its objective and its
+      sampler (`objectives.modules_of`), so that every later mode finds them.
 
     Raises ValueError where the network the run starts from does not fit the data."""
     recorded = ((layout.read_config(workdir) or {}).get("network") or {}).get("dtype")
@@ -122,6 +124,9 @@ def run_config(config: ml_collections.ConfigDict, workdir: str, start: Start,
                              f"{v}; train it on data of its own kind (--config.data.*)")
         print(f"network.{k}: {config.network.get(k)} -> {v} (from the data)")
         config.network[k] = v
+    objective = start.objective
+    config.plugins = objectives.modules_of(objective, objective.sampler(
+        int(config.sample.num_steps)))
     return config
 
 

@@ -96,7 +96,7 @@ def make_train_step(config: ml_collections.ConfigDict, net: Precond,
         images, labels = batch["image"], batch["label"]
         rng, k_sigma, k_noise, k_drop = jax.random.split(state["rng"], 4)
         with jax.named_scope("draws"):
-            draws = objective.draws(k_sigma, k_noise, images.shape)
+            draws = objective.draws((k_sigma, k_noise), images.shape)
         with jax.named_scope("force_normalize"):
             params = force_normalize(state["params"]) if forced_wn else state["params"]
         own = {k: v for k, v in state.items() if k not in state_lib.BASE_KEYS}
