@@ -18,32 +18,26 @@ release's scale and bias (`vae.encode_latents`, `pipeline._fill`). `num_channels
 therefore 4 (what the network sees) and `raw_channels` 8 (what is stored).
 
 Opening reads every file's `.npy` header (shape and dtype, ~100 bytes, no data), so a
-wrong-shaped file fails before training, naming the file and the expected shape.
+wrong-shaped file fails before training, naming the file and the expected shape. Headers
+and arrays are read by `encoders.safe_arrays` (`npy_header`, `read_npy`: a plain numeric
+dtype, exactly the bytes the header names).
 """
 from __future__ import annotations
-
-import io
 
 import numpy as np
 
 from edm2_jax.data.base import NO_LABEL
 from edm2_jax.data.image_folder import IMAGE_EXTENSIONS, ImageFolder
-from edm2_jax.encoders import vae
+from edm2_jax.encoders import safe_arrays, vae
 
 _HEADER_BYTES = 4096  # a .npy header is a multiple of 64 bytes, ~128 for these arrays
 
 
 def _npy_header(head: bytes) -> tuple[tuple[int, ...], np.dtype]:
-    """(shape, dtype) from the start of a `.npy` file (NumPy's format spec: magic,
-    version, header length, a dict literal). Raises ValueError if it is not one."""
-    f = io.BytesIO(head)
-    version = np.lib.format.read_magic(f)
-    read = {(1, 0): np.lib.format.read_array_header_1_0,
-            (2, 0): np.lib.format.read_array_header_2_0}.get(version)
-    if read is None:
-        raise ValueError(f".npy format version {version} is not read here")
-    shape, _fortran, dtype = read(f)
-    return tuple(int(s) for s in shape), np.dtype(dtype)
+    """(shape, dtype) from the start of a `.npy` file (`safe_arrays.npy_header`).
+    Raises ValueError if it is not one of an array of plain numbers."""
+    shape, dtype, _layout, _offset = safe_arrays.npy_header(head)
+    return shape, dtype
 
 
 class LatentFolder(ImageFolder):
@@ -108,7 +102,7 @@ class LatentFolder(ImageFolder):
         naming the file if it cannot be read or does not have the data set's shape."""
         fname = self.fnames[i]
         try:
-            array = np.load(io.BytesIO(self._read(fname)), allow_pickle=False)
+            array = safe_arrays.read_npy(self._read(fname))
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"cannot load {self._where(fname)} ({type(e).__name__}: {e}); "
                              f"the file is corrupt: delete or re-encode it") from e

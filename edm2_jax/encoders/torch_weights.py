@@ -4,11 +4,14 @@ archives (`load_archive`) and legacy (non-zip) `torch.save` files (`load_legacy`
 
 A torch file is a pickle whose tensors name raw storages kept beside it (a zip record, or
 a record after the pickle in a legacy file). `ArchiveUnpickler` rebuilds each tensor from
-its storage's bytes as NumPy (`rebuild_tensor`): the storage's bytes are checked against
-the file's record and the tensor's offset, size and strides against its storage before
-any view is made, so a damaged or hostile file is a ValueError, never bytes from outside
-the storage. Every global other than a storage type, the tensor constructor and
-TorchScript's containers is refused.
+its storage's bytes as NumPy (`rebuild_tensor`): each storage is made by
+`safe_arrays.array_from_bytes` (a dtype of its table, the byte order the archive's
+`byteorder` record states, exactly the record's bytes; a compressed record capped by
+`safe_arrays.read_member`), and the tensor's offset, size and strides are checked against
+its storage before any view is made, so a damaged or hostile file is a ValueError, never
+bytes from outside the storage. Every global other than a storage type, the tensor
+constructor and TorchScript's containers is refused; those it reads are
+`safe_arrays.Constructor`s and `Sealed` classes, which no BUILD changes.
 
 Used for the SD VAE (`encoders/vae.py`), DINOv2 (`evaluation/dinov2.py`), the FID
 Inception network (`evaluation/inception.py`) and the tensors of the release's files
@@ -27,6 +30,8 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from edm2_jax.encoders import safe_arrays
+
 # `corrupt(path, expected, error)`: the caller's error for a file its reader refuses,
 # naming the file, what was expected and where a good one comes from.
 CorruptError = Callable[[Path, str, BaseException], Exception]
@@ -44,21 +49,22 @@ class StorageType(NamedTuple):
     dtype: type
 
 
-_STORAGE_TYPES = {name: StorageType(t) for name, t in {
-    "FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
-    "LongStorage": np.int64, "IntStorage": np.int32, "ShortStorage": np.int16,
-    "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_}.items()}
+_STORAGE_TYPES = {name: StorageType(safe_arrays.DTYPES[t]) for name, t in {
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "BoolStorage": "bool"}.items()}
 
 
 def storage_type(module: str, name: str) -> StorageType | None:
     """The `StorageType` a global `torch.<Name>Storage` names; None for any other global
-    (and for BFloat16Storage, which NumPy cannot hold)."""
+    (complex and quantized storages: a dtype outside `safe_arrays.DTYPES`)."""
     return _STORAGE_TYPES.get(name) if module == "torch" else None
 
 
 class Storage(NamedTuple):
     """One storage of a torch file: its key, element dtype and count, and its elements
-    (1-D, read-only; None while a legacy file is only being surveyed)."""
+    (1-D, read-only, native byte order; None while a legacy file is only surveyed)."""
     key: str
     dtype: np.dtype
     numel: int
@@ -77,7 +83,7 @@ def _storage_id(pid) -> tuple[str, np.dtype, int]:
         raise ValueError(f"storage {str(key)[:40]!r}: no key and storage type; {DAMAGED}")
     if type(numel) is not int or numel < 0:
         raise ValueError(f"storage {key!r}: element count {str(numel)[:40]}; {DAMAGED}")
-    return key, np.dtype(stype.dtype).newbyteorder("<"), numel
+    return key, np.dtype(stype.dtype), numel
 
 
 def check_record(key: str, dtype: np.dtype, numel: int, nbytes: int) -> None:
@@ -87,11 +93,15 @@ def check_record(key: str, dtype: np.dtype, numel: int, nbytes: int) -> None:
                          f"{numel} x {dtype.itemsize} its tensors name; {DAMAGED}")
 
 
-def storage_from_bytes(key: str, dtype: np.dtype, numel: int, raw) -> Storage:
-    """The storage `key` of `numel` little-endian `dtype` elements from the bytes of its
-    record, which must hold exactly that many (`check_record`)."""
+def storage_from_bytes(key: str, dtype: np.dtype, numel: int, raw,
+                       byteorder: str = "little") -> Storage:
+    """The storage `key` of `numel` `dtype` elements from the bytes of its record, in
+    `byteorder` ('little' or 'big'), which must hold exactly that many (`check_record`,
+    `safe_arrays.array_from_bytes`)."""
     check_record(key, dtype, numel, len(raw))
-    return Storage(key, dtype, numel, np.frombuffer(raw, dtype, count=numel))
+    array = safe_arrays.array_from_bytes(raw, dtype, (numel,), byteorder=byteorder,
+                                         what=f"storage {key!r}")
+    return Storage(key, dtype, numel, array)
 
 
 def check_view(key: str, numel: int, offset, size, stride) -> tuple[int, tuple, tuple]:
@@ -135,11 +145,19 @@ def rebuild_tensor(storage, offset, size, stride, *_) -> np.ndarray | None:
     return np.array(view)
 
 
-class ScriptObject:
-    """Inert stand-in for a TorchScript module class (`__torch__.*`); keeps its state."""
+class ScriptObject(metaclass=safe_arrays.Sealed):
+    """Inert stand-in for a TorchScript module class (`__torch__.*`); keeps its state,
+    a dict of attributes."""
 
     def __setstate__(self, state):
+        if not (isinstance(state, dict) and all(isinstance(k, str) for k in state)):
+            raise ValueError(f"a TorchScript object's state is a {type(state).__name__}, "
+                             f"not a dict of attributes; {DAMAGED}")
         self.__dict__.update(state)
+
+
+def _items(items):
+    return items
 
 
 class ArchiveUnpickler(pickle.Unpickler):
@@ -160,9 +178,9 @@ class ArchiveUnpickler(pickle.Unpickler):
         if module.startswith("__torch__"):
             return ScriptObject
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return rebuild_tensor
+            return _REBUILD_TENSOR
         if module == "torch.jit._pickle" and name.startswith("build_"):
-            return lambda items: items
+            return safe_arrays.Constructor(f"torch.jit._pickle.{name}", _items)
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
         raise pickle.UnpicklingError(f"unexpected global {module}.{name} in the weights "
@@ -174,19 +192,34 @@ class ArchiveUnpickler(pickle.Unpickler):
         return self._records.storage(*_storage_id(pid))
 
 
+_REBUILD_TENSOR = safe_arrays.Constructor("torch._utils._rebuild_tensor_v2", rebuild_tensor)
+
+
 class _ZipRecords:
-    """The storages of a zip archive: record `<prefix>/data/<key>`, read once per view."""
+    """The storages of a zip archive: record `<prefix>/data/<key>`, read once per view,
+    in the byte order of the record `<prefix>/byteorder` (little where there is none,
+    as torch before 2.1 wrote every archive)."""
 
     def __init__(self, zf: zipfile.ZipFile, prefix: str):
         self._zf, self._prefix, self._read = zf, prefix, {}
+        self._byteorder = "little"
+        if f"{prefix}/byteorder" in zf.namelist():
+            order = safe_arrays.read_member(zf, f"{prefix}/byteorder", what="the archive's "
+                                            "byteorder record")
+            if order not in (b"little", b"big"):
+                raise ValueError(f"the archive's byteorder record says {order[:20]!r}, not "
+                                 f"little or big; {DAMAGED}")
+            self._byteorder = order.decode()
 
     def storage(self, key: str, dtype: np.dtype, numel: int) -> Storage:
         if (key, dtype, numel) not in self._read:
             name = f"{self._prefix}/data/{key}"
             # The size the archive states for the record, checked before it is inflated.
             check_record(key, dtype, numel, self._zf.getinfo(name).file_size)
-            raw = self._zf.read(name)
-            self._read[key, dtype, numel] = storage_from_bytes(key, dtype, numel, raw)
+            raw = safe_arrays.read_member(self._zf, name, numel * dtype.itemsize,
+                                          what=f"storage {key!r}")
+            self._read[key, dtype, numel] = storage_from_bytes(key, dtype, numel, raw,
+                                                               self._byteorder)
         return self._read[key, dtype, numel]
 
 
@@ -214,12 +247,20 @@ class _StateDictUnpickler(ArchiveUnpickler):
 
     def find_class(self, module, name):
         if (module, name) == ("torch._utils", "_rebuild_parameter"):
-            return lambda data, requires_grad, backward_hooks: data
+            return _REBUILD_PARAMETER
         try:
             return super().find_class(module, name)
         except pickle.UnpicklingError:
             raise pickle.UnpicklingError(f"{module}.{name}: only a state dict of tensors is "
                                          f"read") from None
+
+
+def _parameter_data(data, requires_grad, backward_hooks):
+    return data
+
+
+_REBUILD_PARAMETER = safe_arrays.Constructor("torch._utils._rebuild_parameter",
+                                             _parameter_data)
 
 
 class _DataUnpickler(pickle.Unpickler):
@@ -237,7 +278,8 @@ def load_archive(zf: zipfile.ZipFile, unpickler: type = _StateDictUnpickler):
     if len(pkl) != 1:
         raise ValueError(f"expected one data.pkl, found {pkl[:4]}")
     prefix = pkl[0][: -len("/data.pkl")]
-    return unpickler(io.BytesIO(zf.read(pkl[0])), zf, prefix).load()
+    data = safe_arrays.read_member(zf, pkl[0], what="the archive's data.pkl")
+    return unpickler(io.BytesIO(data), zf, prefix).load()
 
 
 def load_legacy(data: bytes, unpickler: type = _StateDictUnpickler):

@@ -11,7 +11,8 @@ minimum over three sets of 50,000 generated images.
 Reference statistics come from a dataset (`stats_from_source`) or from the release's
 files: `.pkl` as written by its `calculate_metrics.py ref` (`img64.pkl`, `img512.pkl` of
 its `dataset-refs`: a dict `{'num_images': N, 'fid': {'mu': [2048], 'sigma': [2048, 2048]},
-'fd_dinov2': {...}}`) or the EDM (v1) `.npz` with `mu` and `sigma`.
+'fd_dinov2': {...}}`) or the EDM (v1) `.npz` with `mu` and `sigma`, their arrays made by
+`encoders.safe_arrays` (plain numeric dtypes, exactly the bytes present).
 
     params = inception.load_inception_params()
     ref = load_ref_stats('img64.pkl')                     # (mu, sigma)
@@ -22,12 +23,14 @@ from __future__ import annotations
 import os
 import pickle
 import zipfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
 from tqdm import tqdm
 
+from edm2_jax.encoders import safe_arrays
 from edm2_jax.evaluation import inception
 from edm2_jax.evaluation.stats import FeatureStats, check_covariance, frechet_distance
 
@@ -148,20 +151,18 @@ class _ForbiddenGlobal(pickle.UnpicklingError):
 
 
 class _StatsUnpickler(pickle.Unpickler):
-    """Reads statistics pickles: containers and numpy arrays only, nothing executable."""
-    _ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray",
-                "_reconstruct"), ("numpy", "ndarray"), ("numpy", "dtype"),
-                ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
-                ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
-                ("collections", "OrderedDict"), ("builtins", "dict")}
+    """Reads statistics pickles: dicts (builtin types, which no BUILD changes) and numpy
+    arrays made by `safe_arrays.NUMPY_GLOBALS` (plain numeric dtypes, exactly the bytes
+    present); nothing executable."""
+    _ALLOWED = {**safe_arrays.NUMPY_GLOBALS, ("collections", "OrderedDict"): OrderedDict,
+                ("builtins", "dict"): dict, ("dnnlib.util", "EasyDict"): dict}
 
     def find_class(self, module, name):
-        if (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        if module == "dnnlib.util" and name == "EasyDict":
-            return dict
-        raise _ForbiddenGlobal(f"statistics pickle refers to {module}.{name}; only dicts of "
-                               f"numpy arrays are read")
+        found = self._ALLOWED.get((module, name))
+        if found is None:
+            raise _ForbiddenGlobal(f"statistics pickle refers to {str(module)[:80]}."
+                                   f"{str(name)[:80]}; only dicts of numpy arrays are read")
+        return found
 
 
 def _mu_sigma(entry, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -197,18 +198,17 @@ def load_ref_stats(path: str | os.PathLike,
         raise ValueError(f"reference statistics must be .pkl or .npz, got {path}")
     try:
         if suffix == ".npz":
-            with np.load(path) as z:
-                data = {k: z[k] for k in z.files}
+            data = safe_arrays.read_npz(path, "the .npz")
         else:
             with open(path, "rb") as f:
                 data = _StatsUnpickler(f).load()
     except _ForbiddenGlobal as e:
         raise _ForbiddenGlobal(f"{path}: {e}") from None
     except (pickle.UnpicklingError, EOFError, OSError, ValueError, TypeError, KeyError,
-            IndexError, UnicodeDecodeError, zipfile.BadZipFile) as e:
+            IndexError, UnicodeDecodeError, zipfile.BadZipFile, RecursionError) as e:
         raise ValueError(
             f"reference statistics file {path} is unreadable ({type(e).__name__}: "
-            f"{' '.join(str(e).split())[:200]}): expected the release's dataset-refs .pkl or "
+            f"{' '.join(str(e).split())[:400]}): expected the release's dataset-refs .pkl or "
             f"an .npz with arrays mu and sigma; re-download or recompute it (--mode=eval "
             f"without --ref computes them from --config's data)") from None
     if suffix == ".npz":

@@ -11,12 +11,15 @@ Files understood by `load_release` / `load_state_dict`:
   `_buffers`, `_modules`, `_init_args`, `_init_kwargs`).
 * a `torch.save`d `state_dict()` of their `Precond` (`.pt` / `.pth`), or a `torch.save`d
   dict holding one under `'ema'` / `'net'`.
-* an `.npz` with the `state_dict` keys, optionally prefixed `w/` (the golden files).
+* an `.npz` with the `state_dict` keys, optionally prefixed `w/` (the golden files), read
+  by `encoders.safe_arrays.read_npz`.
 * our exports (`export.export_network_pickle`; `EXPORT_KWARGS`, `EXPORT_STATE_DICT`).
 
 `unpickler.ReleaseUnpickler` reads the pickles, resolving only the globals these files
 hold (`unpickler.RELEASE_GLOBALS`) to constructors of data: the authors' code is never
-imported or run, any other global is refused with a ValueError naming it.
+imported or run, any other global is refused with a ValueError naming it. Every array of
+these files is made by `encoders.safe_arrays.array_from_bytes` (a plain numeric dtype,
+exactly the bytes present).
 
 What comes back (`ReleaseWeights`): the release's state dict (float32 numpy, conv OIHW,
 dense `[out, in]`) and the Precond kwargs the pickle recorded; `convert.py` maps them to
@@ -30,7 +33,7 @@ from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
-from edm2_jax.encoders import torch_weights
+from edm2_jax.encoders import safe_arrays, torch_weights
 from edm2_jax.release.unpickler import (
     PersistentObject,
     ReleaseUnpickler,
@@ -242,8 +245,7 @@ def load_release(path: str) -> ReleaseWeights:
     if zipfile.is_zipfile(path):
         names = read_untrusted(path, lambda: zipfile.ZipFile(path).namelist())
         if names and all(n.endswith(".npy") for n in names):
-            with np.load(path) as d:
-                arrays = {k: d[k] for k in d.files}
+            arrays = read_untrusted(path, lambda: safe_arrays.read_npz(path, "the .npz"))
             if any(k.startswith("w/") for k in arrays):
                 arrays = {k: v for k, v in arrays.items() if k.startswith("w/")}
             return _from_loaded(arrays, path, "npz")

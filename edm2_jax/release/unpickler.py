@@ -8,8 +8,12 @@ states hold tensors in `EasyDict`s and `OrderedDict`s. Each of those globals res
 a constructor of data: the release's classes to inert stand-ins (`PersistentObject`,
 `EasyDict`, `ModuleDict`), whose code is never imported or run; tensors to torch tensors
 rebuilt from their storages' bytes by `encoders.torch_weights`, each view checked against
-its storage. Any other global is refused (`RefusedGlobalError`, a ValueError naming it)
-before anything of the file runs. torch is needed for PyTorch files (`import_torch`).
+its storage; numpy's arrays through `safe_arrays.NUMPY_GLOBALS` (plain numeric dtypes,
+exactly the bytes present). Any other global is refused (`RefusedGlobalError`, a
+ValueError naming it) before anything of the file runs. No BUILD of the file changes a
+global: the stand-ins are `safe_arrays.Sealed` classes and the functions
+`safe_arrays.Constructor`s; only a `ModuleDict` takes a state (a dict of attributes).
+torch is needed for PyTorch files (`import_torch`).
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from edm2_jax.encoders import torch_weights
+from edm2_jax.encoders import safe_arrays, torch_weights
+from edm2_jax.encoders.safe_arrays import Constructor, Sealed
 
 _TORCH_HINT = "pip install -e '.[torch]' in the checkout (or: pip install torch)"
 _EXPECTED = ("expected a released EDM2 network pickle (network-snapshot-*.pkl, edm2-*.pkl), "
@@ -47,8 +52,18 @@ def import_torch(purpose: str = "reading PyTorch weights"):
 # ---------------------------------------------------------------------------------------
 # Stand-ins for the release's pickled classes, and the constructors of its data.
 
-class EasyDict(dict):
-    """Stand-in for `dnnlib.util.EasyDict`: a dict with attribute access."""
+def _refuse_state(name: str, state) -> ValueError:
+    return ValueError(f"the pickle BUILDs a {name} with the state {str(state)[:80]}, which "
+                      f"the release's files never hold; the file is hostile or damaged")
+
+
+class EasyDict(dict, metaclass=Sealed):
+    """Stand-in for `dnnlib.util.EasyDict`: a dict with attribute access (its items are
+    its attributes, so its pickles carry no state)."""
+
+    def __setstate__(self, state):
+        if state not in (None, {}):
+            raise _refuse_state("EasyDict", state)
 
     def __getattr__(self, name):
         try:
@@ -60,7 +75,7 @@ class EasyDict(dict):
         self[name] = value
 
 
-class PersistentObject:
+class PersistentObject(metaclass=Sealed):
     """Stand-in for an object of a `torch_utils.persistence`-wrapped class.
 
     Holds what the pickle recorded: `class_name` (e.g. 'Precond', 'MPConv'),
@@ -79,6 +94,9 @@ class PersistentObject:
     def __repr__(self):
         return f"<persistent {self.class_name}>"
 
+    def __setstate__(self, state):
+        raise _refuse_state("persistent object", state)
+
 
 def _reconstruct_persistent_obj(meta):
     if not isinstance(meta, Mapping):
@@ -87,16 +105,28 @@ def _reconstruct_persistent_obj(meta):
     return PersistentObject(meta)
 
 
-class ModuleDict:
+class ModuleDict(metaclass=Sealed):
     """Stand-in for `torch.nn.ModuleDict` (the U-Net's `enc` and `dec`): its `__dict__`
-    is the module's state (`_parameters`, `_buffers`, `_modules`)."""
+    is the module's state (`_parameters`, `_buffers`, `_modules`), which BUILD gives as
+    a dict of attribute names."""
+
+    def __setstate__(self, state):
+        if not (isinstance(state, dict)
+                and all(isinstance(k, str) and not k.startswith("__") for k in state)):
+            raise _refuse_state("ModuleDict", state)
+        self.__dict__.update(state)
 
 
 def _rebuild_tensor(storage, offset, size, stride, *_):
     """`torch._utils._rebuild_tensor_v2`: a torch tensor of the elements of `storage` its
     view addresses (`torch_weights.rebuild_tensor`, bounds checked)."""
     array = torch_weights.rebuild_tensor(storage, offset, size, stride)
-    return None if array is None else import_torch().from_numpy(array)
+    if array is None:
+        return None
+    torch = import_torch()
+    if array.dtype == safe_arrays.DTYPES["bfloat16"]:  # numpy's bfloat16 is not torch's
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def _rebuild_parameter(data, requires_grad, backward_hooks):
@@ -115,49 +145,28 @@ def _load_from_bytes(data):
     return storage
 
 
-class _NdarrayClass:
-    """What the global `numpy.ndarray` names here: the first argument numpy's
-    `_reconstruct` is given, not a class a pickle can call."""
-
-    def __new__(cls, *args, **kwargs):
-        raise ValueError("numpy.ndarray is only an argument of numpy's _reconstruct here")
-
-
-_NP_RECONSTRUCT = np.zeros(0).__reduce__()[0]
-_NP_SCALAR = np.float32(0).__reduce__()[0]
-
-
-def _reconstruct_ndarray(subtype, shape, dtype):
-    """numpy's `_reconstruct(ndarray, (0,), b'b')`, as numpy pickles every array: the
-    empty array its `__setstate__` then fills (numpy checks the data against the shape)."""
-    if subtype is not _NdarrayClass or shape != (0,) or dtype != b"b":
-        raise ValueError("numpy's _reconstruct is only read as numpy writes it: "
-                         "(numpy.ndarray, (0,), b'b')")
-    return _NP_RECONSTRUCT(np.ndarray, (0,), b"b")
-
-
 # Every global the release's files hold, and the constructor of data each resolves to
 # here. Where each comes from: the release's network pickles (its persistence loader,
 # dnnlib's EasyDict around the networks, torch's module and tensor pickling, the numpy
 # arrays of its StabilityVAEEncoder's scale and bias), its `torch.save`d state dicts and
 # training states. tests/data/release_interop/export_facts.json records the globals of
-# one of its pickles.
+# one of its pickles. The builtin types (OrderedDict, set) are immutable; the rest are
+# `Sealed` classes and `Constructor`s.
 RELEASE_GLOBALS: dict[tuple[str, str], Any] = {
-    ("torch_utils.persistence", "_reconstruct_persistent_obj"): _reconstruct_persistent_obj,
+    ("torch_utils.persistence", "_reconstruct_persistent_obj"): Constructor(
+        "torch_utils.persistence._reconstruct_persistent_obj", _reconstruct_persistent_obj),
     ("dnnlib.util", "EasyDict"): EasyDict,
     ("collections", "OrderedDict"): OrderedDict,
     ("torch.nn.modules.container", "ModuleDict"): ModuleDict,
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch.storage", "_load_from_bytes"): _load_from_bytes,
+    ("torch._utils", "_rebuild_tensor_v2"): Constructor("torch._utils._rebuild_tensor_v2",
+                                                        _rebuild_tensor),
+    ("torch._utils", "_rebuild_parameter"): Constructor("torch._utils._rebuild_parameter",
+                                                        _rebuild_parameter),
+    ("torch.storage", "_load_from_bytes"): Constructor("torch.storage._load_from_bytes",
+                                                       _load_from_bytes),
     ("builtins", "set"): set,      # a module's non-persistent buffer names (protocol 2 of
     ("__builtin__", "set"): set,   # torch.save names it as Python 2 did)
-    ("numpy.core.multiarray", "_reconstruct"): _reconstruct_ndarray,   # numpy 1 names
-    ("numpy._core.multiarray", "_reconstruct"): _reconstruct_ndarray,  # numpy 2 names
-    ("numpy", "ndarray"): _NdarrayClass,
-    ("numpy", "dtype"): np.dtype,
-    ("numpy.core.multiarray", "scalar"): _NP_SCALAR,
-    ("numpy._core.multiarray", "scalar"): _NP_SCALAR,
+    **safe_arrays.NUMPY_GLOBALS,   # numpy's arrays: the StabilityVAEEncoder's scale, bias
 }
 
 
