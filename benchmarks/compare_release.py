@@ -106,6 +106,8 @@ class Ours:
             self.net = state_lib.make_network(config)
         if "sample" in args.work:
             from edm2_jax.sampling.sampler import sample_images
+            from edm2_jax.sampling.solvers import Heun
+            self.Heun = Heun
             v = random_variables(self.net)
             v["params"]["unet"]["out_gain"] = v["params"]["unet"]["out_gain"] * 0 + 0.1
             self.sample_vars, self.sample_images = v, sample_images
@@ -132,7 +134,7 @@ class Ours:
             seeds = split_seeds(np.arange(self.seed0, self.seed0 + batch))
             self.seed0 += batch
             self.jax.block_until_ready(self.sample_images(
-                self.net, self.sample_vars, seeds, labels, num_steps=self.args.steps))
+                self.net, self.sample_vars, seeds, labels, sampler=self.Heun(self.args.steps)))
         return batch * iters / (time.perf_counter() - t)
 
 

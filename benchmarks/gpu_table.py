@@ -294,6 +294,8 @@ class OursSample:
         from compare_release import forward_flops
         from forward import random_variables
         from edm2_jax.sampling.sampler import sample_images
+        from edm2_jax.sampling.solvers import Heun
+        self.Heun = Heun
         from edm2_jax.sampling.seeds import split_seeds
         from edm2_jax.training import state as state_lib
         self.jax, self.np, self.args = jax, np, args
@@ -318,7 +320,7 @@ class OursSample:
         t = time.perf_counter()
         self.jax.block_until_ready(self.sample_images(
             self.net, self.v, seeds, 0 if self.net.label_dim else None,
-            num_steps=self.args.steps, **kw))
+            sampler=self.Heun(self.args.steps), **kw))
         return time.perf_counter() - t
 
     def measure(self) -> dict:

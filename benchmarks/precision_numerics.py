@@ -100,6 +100,7 @@ from edm2_jax.analysis import precision  # noqa: E402
 from edm2_jax.model.mp import force_normalize  # noqa: E402
 from edm2_jax.model.networks import precond_coefficients  # noqa: E402
 from edm2_jax.sampling import sampler as sampler_lib  # noqa: E402
+from edm2_jax.sampling import solvers  # noqa: E402
 from edm2_jax.sampling import schedule
 from edm2_jax.sampling import seeds as seeds_lib
 from edm2_jax.training import optim as optim_lib  # noqa: E402
@@ -360,10 +361,11 @@ def sampler_comparison(config, variables: dict, seeds, num_steps: int = 32) -> d
     net32 = state_lib.make_network(with_dtype(config, "float32"))
     net16 = state_lib.make_network(with_dtype(config, "bfloat16"))
     seeds = np.asarray(seeds)
-    x32 = np.asarray(sampler_lib.sample_images(net32, variables, seeds, num_steps=num_steps,
-                                               raw=True), np.float64)
-    x16 = np.asarray(sampler_lib.sample_images(net16, variables, seeds, num_steps=num_steps,
-                                               raw=True), np.float64)
+    heun = solvers.Heun(num_steps)
+    x32 = np.asarray(sampler_lib.sample_images(net32, variables, seeds, sampler=heun, raw=True),
+                     np.float64)
+    x16 = np.asarray(sampler_lib.sample_images(net16, variables, seeds, sampler=heun, raw=True),
+                     np.float64)
     u32 = np.asarray(sampler_lib.decode_uint8(x32), np.int32)
     u16 = np.asarray(sampler_lib.decode_uint8(x16), np.int32)
     axes = (1, 2, 3)

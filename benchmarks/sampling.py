@@ -30,6 +30,7 @@ from benchmarks.forward import random_variables  # noqa: E402
 from edm2_jax.model.networks import precond_from_config  # noqa: E402
 from edm2_jax.model.presets import NETWORK_PRESETS  # noqa: E402
 from edm2_jax.sampling.sampler import sample_images  # noqa: E402
+from edm2_jax.sampling.solvers import Heun  # noqa: E402
 
 
 def network_config(args) -> dict:
@@ -71,13 +72,13 @@ def main():
         guide = dict(guide_net=net, guide_variables=guide_vars, guidance=args.guidance,
                      guidance_interval=interval)
     t = time.time()
-    jax.block_until_ready(sample_images(net, variables, seeds, labels, num_steps=args.steps,
+    jax.block_until_ready(sample_images(net, variables, seeds, labels, sampler=Heun(args.steps),
                                         **guide))
     compile_s = time.time() - t
     t = time.time()
     for r in range(args.repeats):
         jax.block_until_ready(sample_images(net, variables, seeds + (r + 1) * args.batch, labels,
-                                            num_steps=args.steps, **guide))
+                                            sampler=Heun(args.steps), **guide))
     dt = (time.time() - t) / args.repeats
     name = args.config or args.preset
     if guide:

@@ -25,6 +25,8 @@ import os
 from absl import app, flags
 
 from edm2_jax import paths
+from edm2_jax.ema import sweep
+from edm2_jax.run import layout
 from edm2_jax.evaluation import commands as eval_commands
 from edm2_jax.evaluation import metrics as metrics_lib
 from edm2_jax.modes import common
@@ -72,6 +74,15 @@ def _preset_metrics_ref(preset: presets.Preset) -> tuple[str, str | None]:
                             f"--ref=PATH")
 
 
+def _data_config() -> dict | None:
+    """The reference data of the metrics: `--config`'s data section, else, for a `--net`
+    that is a training run, the data section its config.json records."""
+    given = common.data_config()
+    if given is not None or not FLAGS.net or not layout.is_run(paths.normalize(FLAGS.net)):
+        return given
+    return sweep.run_data_config(paths.normalize(FLAGS.net))
+
+
 def run_eval() -> None:
     """`--mode=eval` (`commands.main_eval`), of `--images`, a data split, `--net` or
     `--preset`."""
@@ -92,7 +103,7 @@ def run_eval() -> None:
         images_dir=FLAGS.images,
         num_images=None if seeds and not FLAGS["num_images"].present else FLAGS.num_images,
         metrics=metrics, ref=ref, ref_split=FLAGS.ref_split,
-        data_split_images=FLAGS.data_split_images, data_config=common.data_config(),
+        data_split_images=FLAGS.data_split_images, data_config=_data_config(),
         batch_size=FLAGS.batch, out_json=FLAGS.out_json,
         class_idx=FLAGS.class_idx, seeds=seeds, subset_seed=FLAGS.subset_seed,
         dinov2=FLAGS.dinov2, vae_path=FLAGS.vae, preset=resolved.name if resolved else None,

@@ -15,7 +15,11 @@ from __future__ import annotations
 import os
 
 import jax
+import ml_collections
 from absl import app, flags
+
+from edm2_jax import paths
+from edm2_jax.run import records
 
 from edm2_jax.planner import plan, tpu_slices
 from edm2_jax.modes import common
@@ -28,12 +32,25 @@ flags.DEFINE_integer("sample_batch", None, "--mode=plan: the sampler's batch (de
                      "0 = no sampler).")
 
 
+def run_config(workdir: str) -> ml_collections.ConfigDict:
+    """The config a training run in `workdir` records (its config.json), to plan as it
+    trains. Raises FileNotFoundError when `workdir` holds no run."""
+    recorded = records.run_config(paths.normalize(workdir))
+    if recorded is None:
+        raise FileNotFoundError(f"--workdir={workdir} holds no training run (config.json); "
+                                f"give --config=FILE.py[:VARIANT] or a run's directory")
+    return ml_collections.ConfigDict(recorded)
+
+
 def run() -> plan.Plan:
     """`--mode=plan`. Returns the plan it printed."""
     config = common.config()
+    if config is None and FLAGS.workdir:
+        config = run_config(FLAGS.workdir)
     if config is None:
         raise app.UsageError("--mode=plan needs --config=FILE.py[:VARIANT], e.g. "
-                             "--config=configs/img512.py:xxl")
+                             "--config=configs/img512.py:xxl, or --workdir=RUN (a run's "
+                             "config.json)")
     if not FLAGS.tpu:
         raise app.UsageError(f"--mode=plan needs --tpu=SLICE, e.g. --tpu=v5p-64 (a Cloud TPU "
                              f"accelerator type: {tpu_slices.EXAMPLES})")
