@@ -8,7 +8,8 @@ SD-VAE: `vae.check_encoder`, the latent channel counts, and the encoder/decoder 
 
   base.py            the `Source` base class, `XFlip`, the image-fitting transforms
   fashion_mnist.py, image_folder.py, latents.py, tfds_source.py    the sources
-  pipeline.py        shuffled, sharded, resumable batches (`make_iterator`)
+  raw_array.py       pixel data sets as one raw uint8 array (`RawImages`, and its writer)
+  pipeline.py        shuffled, sharded, resumable batches (`make_iterator`; grain workers)
   dataset_tool.py    `python -m edm2_jax.data.dataset_tool convert|encode|decode`
   dataset_inputs.py, dataset_convert.py    what the dataset tool reads and writes
 
@@ -21,6 +22,7 @@ SD-VAE: `vae.check_encoder`, the latent channel counts, and the encoder/decoder 
                             process_count=jax.process_count(),
                             num_workers=cfg.data.num_workers)
     batch = next(it)  # {'image': f32 [B, H, W, C] in [-1, 1], 'label': f32 one-hot [B, L]}
+    it.close()        # stops the loader's worker processes
 
 Sources (`cfg.data.source`):
   'fashion_mnist'  `FashionMNIST`: /usr/share/datasets/fashion-mnist (apt-get install
@@ -30,7 +32,9 @@ Sources (`cfg.data.source`):
   'folder'         `ImageFolder`: directory or zip in the EDM2 release's layout (`data.path`);
                    with `data.encoder='sd-vae'`, `LatentFolder`: the release's pre-encoded
                    SD-VAE latents (`.npy`, dataset_tool.py encode), drawn per step into the
-                   network's 4 channels by the pipeline (batch 'image' then holds latents).
+                   network's 4 channels by the pipeline (batch 'image' then holds latents);
+                   a `data.path` ending in `.npy`: `RawImages`, the raw uint8 array that
+                   `dataset_tool convert --dest=NAME.npy` writes (local or gs://; no decode).
 """
 from __future__ import annotations
 
@@ -41,7 +45,9 @@ from edm2_jax.data.base import (NO_LABEL, Source, XFlip, center_crop, center_cro
 from edm2_jax.data.fashion_mnist import FashionMNIST
 from edm2_jax.data.image_folder import ImageFolder
 from edm2_jax.data.latents import LatentFolder
-from edm2_jax.data.pipeline import StreamOrder, epoch_permutation, make_iterator
+from edm2_jax.data.pipeline import (Batches, LoaderWorkerError, StreamOrder, epoch_permutation,
+                                    make_iterator)
+from edm2_jax.data.raw_array import RawImages, is_raw
 from edm2_jax.data.tfds_source import TFDSSource, open_tfds
 from edm2_jax.encoders.vae import check_encoder
 
@@ -80,6 +86,12 @@ def make_source(data_config: Any) -> Source:
         source = open_tfds(get("name", ""), split=get("split", "train") or "train",
                            data_dir=get("data_dir", ""), use_labels=use_labels,
                            resolution=resolution, transform=transform)
+    elif kind == "folder" and is_raw(get("path", "") or ""):
+        if encoder == "sd-vae":
+            raise ValueError(f"data.path={get('path')!r} is a raw array of pixels (.npy); "
+                             f"latents are a folder or zip of .npy files (dataset_tool.py "
+                             f"encode): set data.encoder='none', or point data.path at those")
+        source = RawImages(get("path"), use_labels=use_labels, resolution=resolution)
     elif kind == "folder":
         folder = LatentFolder if encoder == "sd-vae" else ImageFolder
         source = folder(get("path", ""), use_labels=use_labels, resolution=resolution)
@@ -88,6 +100,7 @@ def make_source(data_config: Any) -> Source:
     return XFlip(source) if get("xflip", False) else source
 
 
-__all__ = ["NO_LABEL", "SOURCES", "FashionMNIST", "ImageFolder", "LatentFolder", "Source",
-           "StreamOrder", "TFDSSource", "XFlip", "center_crop", "center_crop_dhariwal", "describe",
-           "epoch_permutation", "make_iterator", "make_source", "network_kwargs", "open_tfds"]
+__all__ = ["NO_LABEL", "SOURCES", "Batches", "FashionMNIST", "ImageFolder", "LatentFolder",
+           "LoaderWorkerError", "RawImages", "Source", "StreamOrder", "TFDSSource", "XFlip",
+           "center_crop", "center_crop_dhariwal", "describe", "epoch_permutation", "is_raw",
+           "make_iterator", "make_source", "network_kwargs", "open_tfds"]

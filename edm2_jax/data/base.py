@@ -11,6 +11,10 @@ A *source* is a random-access sequence of labelled images (the same contract as 
     source.num_images          -> N
     source.name                -> short human-readable name for logs
     source.encoder             -> optional: 'none' (default, pixels) or 'sd-vae' (latents)
+    source.read_batch(indices) -> optional: (items stacked [n, ...], int64 labels [n]) in one
+                                  gather (`Source.read_batch`; the default reads item by item)
+    source.decoded             -> optional: True when items are stored as arrays (in memory or
+                                  a raw array file), so that a batch is a gather with no decode
 
 A latent source (`encoder == 'sd-vae'`, `latents.LatentFolder`) returns float32 raw
 latents `[R, R, 8]` instead of uint8 pixels; its `num_channels` is the 4 channels the
@@ -45,6 +49,9 @@ class Source(abc.ABC):
     num_channels: int     # C the network sees
     label_dim: int        # number of classes L; 0 = unconditional
     encoder: str = "none"  # 'none' (pixels) or 'sd-vae' (raw latents, `latents.LatentFolder`)
+    # Items stored as arrays (Fashion-MNIST in memory, `raw_array.RawImages`): a batch is one
+    # gather, which the pipeline does in the training process rather than in workers.
+    decoded: bool = False
 
     @abc.abstractmethod
     def __len__(self) -> int: ...
@@ -61,6 +68,22 @@ class Source(abc.ABC):
         if not 0 <= i < len(self):
             raise IndexError(f"index {i} out of range for {self.name} with {len(self)} images")
         return self._load(i)
+
+    def read_batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Items `indices` (int64 [n], each in range) stacked: (items [n, ...] as `self[i]`
+        gives them, int64 labels [n]). Sources whose items are arrays override it with one
+        gather; this default reads item by item (and serves any object with `__getitem__`
+        and `name`, called as `Source.read_batch(obj, indices)`). ValueError naming the item
+        whose shape or dtype differs from the first's."""
+        items = [self[int(i)] for i in indices]
+        first = np.asarray(items[0][0])
+        for i, (x, _) in zip(indices, items):
+            if np.shape(x) != first.shape or np.asarray(x).dtype != first.dtype:
+                raise ValueError(f"{self.name}[{i}] is {np.asarray(x).dtype} {np.shape(x)}, but "
+                                 f"{self.name}[{indices[0]}] is {first.dtype} {first.shape}; the "
+                                 f"source breaks the Source contract")
+        return (np.stack([x for x, _ in items]),
+                np.array([int(label) for _, label in items], np.int64))
 
 
 def describe(source: Source) -> str:
@@ -87,6 +110,7 @@ class XFlip(Source):
         self.resolution, self.num_channels = source.resolution, source.num_channels
         self.label_dim = source.label_dim
         self.encoder = getattr(source, "encoder", "none")
+        self.decoded = getattr(source, "decoded", False)
 
     def __len__(self) -> int:
         return 2 * len(self.source)
@@ -95,6 +119,16 @@ class XFlip(Source):
         n = len(self.source)
         image, label = self.source[i % n]
         return (image[:, ::-1] if i >= n else image), label
+
+    def read_batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        indices = np.asarray(indices, np.int64)
+        n = len(self.source)
+        read = getattr(self.source, "read_batch", None) or (
+            lambda idx: Source.read_batch(self.source, idx))
+        images, labels = read(indices % n)
+        flip = indices >= n
+        images[flip] = images[flip][:, :, ::-1]
+        return images, labels
 
 
 def _to_pil(image: np.ndarray) -> PIL.Image.Image:

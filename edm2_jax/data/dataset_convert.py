@@ -9,6 +9,9 @@ reads the other's files; `data.ImageFolder` / `data.LatentFolder` read them here
     of the image's uint8 pixels);
   * `dataset.json` at the root: `{"labels": [[fname, label], ...]}` when every image has
     a label, else `{"labels": null}`.
+A `--dest` ending in `.npy` gets this project's raw format instead (`raw_array`: the same
+pixels as one uint8 `[N, H, W, C]` array, labels beside it in `NAME.labels.npy`), which
+training reads with no decode; `convert` only (latents stay `.npy` files in a zip).
 
 `convert` writes the images of `--source` (`dataset_inputs.open_source`) after
 `--transform` (`dataset_inputs.make_transform`); outputs must be square, power-of-two
@@ -38,6 +41,7 @@ from tqdm import tqdm
 
 from edm2_jax.data.dataset_inputs import (DatasetToolError, make_transform, open_source,
                                          parse_resolution)
+from edm2_jax.data import raw_array
 from edm2_jax.data.latents import LatentFolder
 from edm2_jax.encoders import vae as vae_lib
 
@@ -147,6 +151,11 @@ def _png(img: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def _no_raw(dest: str, why: str) -> None:
+    if raw_array.is_raw(dest):
+        raise DatasetToolError(f"--dest={dest}: the raw .npy format is for convert; {why}")
+
+
 def _progress(total: int, quiet: bool):
     return tqdm(total=total, unit="img", disable=quiet, file=sys.stderr)
 
@@ -156,10 +165,13 @@ def _progress(total: int, quiet: bool):
 def convert(source: str, dest: str, resolution: str | tuple[int, int] | None = None,
             transform: str | None = None, max_images: int | None = None,
             quiet: bool = False, tfds_dir: str = "") -> int:
-    """Images -> PNG data set (module docstring). Returns the number of images written."""
+    """Images -> PNG data set, or the raw format for a `dest` ending in `.npy` (module
+    docstring). Returns the number of images written."""
     res = parse_resolution(resolution) if isinstance(resolution, (str, type(None))) else resolution
     tf = make_transform(transform, res)
-    out = Dest(dest)  # an existing destination is refused before the source is read
+    raw = raw_array.is_raw(dest)
+    # an existing destination is refused before the source is read
+    out = raw_array.RawWriter(dest) if raw else Dest(dest)
     n, entries = open_source(source, max_images, tfds_dir)
     labels, size, idx = [], None, 0
     with out, _progress(n, quiet) as bar:
@@ -182,11 +194,15 @@ def convert(source: str, dest: str, resolution: str | tuple[int, int] | None = N
                 raise DatasetToolError(f"{e.name}: {w}x{h}, but earlier images are "
                                        f"{size[1]}x{size[0]}; give --resolution to make "
                                        f"them all one size")
-            fname = archive_name(idx)
-            out.write(fname, _png(img))
-            labels.append([fname, e.label] if e.label is not None else None)
+            if raw:
+                out.add(img, e.label)
+            else:
+                fname = archive_name(idx)
+                out.write(fname, _png(img))
+                labels.append([fname, e.label] if e.label is not None else None)
             idx += 1
-        out.write("dataset.json", _dataset_json(labels))
+        if not raw:
+            out.write("dataset.json", _dataset_json(labels))
     return idx
 
 
@@ -196,6 +212,7 @@ def encode(source: str, dest: str, vae_path: str, batch: int = 8,
     images per VAE call. Returns the number of latents written."""
     if batch < 1:
         raise DatasetToolError(f"--batch={batch}: must be at least 1")
+    _no_raw(dest, "encode writes latents: give a .zip or a folder")
     if not vae_path:
         raise DatasetToolError("encode needs --vae=PATH: the SD VAE's diffusers weights "
                                f"(diffusion_pytorch_model.safetensors of {vae_lib.SD_VAE_URL})")
@@ -251,6 +268,7 @@ def decode(source: str, dest: str, vae_path: str, batch: int = 8,
     Returns the number of images written."""
     if batch < 1:
         raise DatasetToolError(f"--batch={batch}: must be at least 1")
+    _no_raw(dest, "decode writes PNGs: give a .zip or a folder (then convert it to .npy)")
     out = Dest(dest)
     vae = dataclasses.replace(vae_lib.load_vae(vae_path), batch_size=batch)
     try:

@@ -67,6 +67,7 @@ class FashionMNIST(Source):
 
     resolution = 32
     num_channels = 1
+    decoded = True  # all images in memory: a batch is one gather
 
     def __init__(self, split: str = "train", path: str = "", use_labels: bool = True):
         if split not in _PREFIX:
@@ -98,3 +99,8 @@ class FashionMNIST(Source):
 
     def _load(self, i: int) -> tuple[np.ndarray, int]:
         return self.images[i], (int(self.labels[i]) if self.label_dim else NO_LABEL)
+
+    def read_batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        indices = np.asarray(indices, np.int64)
+        labels = self.labels[indices] if self.label_dim else np.full(len(indices), NO_LABEL)
+        return self.images[indices], labels

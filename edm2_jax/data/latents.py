@@ -14,7 +14,7 @@ files are taken in sorted path order, any leading unit axes of an array are drop
 The source (`LatentFolder`, `data.source='folder'` with `data.encoder='sd-vae'`) returns
 the raw latents channels-last, float32 `[R, R, 8]`; the batch pipeline turns them into
 the network's 4 channels with one draw `mean + N(0, 1) * std` per image per step and the
-release's scale and bias (`vae.encode_latents`, `pipeline._fill`). `num_channels` is
+release's scale and bias (`vae.encode_latents`, `pipeline.build_batch`). `num_channels` is
 therefore 4 (what the network sees) and `raw_channels` 8 (what is stored).
 
 Opening reads every file's `.npy` header (shape and dtype, ~100 bytes, no data), so a

@@ -1,4 +1,4 @@
-"""Deterministic, resumable, host-sharded batches from a `Source`.
+"""Deterministic, resumable, host-sharded batches from a `Source`, loaded by grain.
 
 The training data is one infinite stream of images: position `k` (= images consumed
 before it, i.e. `nimg`) holds image `perm_e[k mod N]` of epoch `e = k // N`, where
@@ -8,10 +8,8 @@ before it, i.e. `nimg`) holds image `perm_e[k mod N]` of epoch `e = k // N`, whe
 Global batch `j` of an iterator started at `start_nimg` covers positions
 `[start_nimg + j G, start_nimg + (j + 1) G)` for global batch size `G`; process `p` of `P`
 takes the contiguous slice `[p G/P, (p + 1) G/P)` of it. Resuming a run from a checkpoint
-at `nimg` therefore reproduces exactly the batches the uninterrupted run would have seen.
-
-Loading runs in a pool of `num_workers` threads that fill the next `prefetch` batches while
-the current one trains (PIL/zlib decoding and numpy release the GIL).
+at `nimg` therefore reproduces exactly the batches the uninterrupted run would have seen;
+the checkpoint needs no loader state beyond the step (`nimg = step * G`).
 
 Latent sources (`source.encoder == 'sd-vae'`) hold the SD VAE's mean and std per image;
 each time an image is used, the pipeline draws its latents `mean + N(0, 1) * std` and
@@ -19,24 +17,58 @@ applies the release's scale and bias (`vae.encode_latents`), as the release does
 start of each training step. The N(0, 1) draw of stream position `k` comes from
 `np.random.default_rng((seed, k, LATENT_NOISE_STREAM))`, so it is new at every use of an
 image (every epoch), the same on resume, and independent of process count and workers.
-It is drawn here, on the host and in the loader threads, rather than in the jitted step:
-the step stays the pixel-space one, and half the bytes (4 channels, not 8) go to the
-devices. The draw costs ~0.3-0.4 ms per 64x64x4 image on one core of a shared 2-core EPYC
-(2/3 of it the normals), i.e. ~0.4 s per 2048 images on 2 loader threads, hidden by
-prefetching when a step takes longer; raise `data.num_workers` on hosts with more cores.
+It is drawn here, on the host, rather than in the jitted step: the step stays the
+pixel-space one, and half the bytes (4 channels, not 8) go to the devices. The draw costs
+~0.3-0.4 ms per 64x64x4 image on one core of a shared 2-core EPYC (2/3 of it the normals);
+worker processes spread it over the host's cores.
+
+Loading (google/grain). This process's batches are a random-access data source
+(`StreamBatches`: item `j` is its slice of global batch `j`, a pure function of `j`), read
+through a `grain.MapDataset`:
+  * `num_workers > 0`, a source that decodes (PNG/JPEG zips and folders, latents, tfds):
+    grain's `mp_prefetch`, `num_workers` worker processes (started with `spawn`); worker
+    `w` builds batches `w, w + W, ...` into shared memory and the training process takes
+    them in stream order, each worker `prefetch` batches ahead. The Python work of each
+    image (decode, the latents' draws) runs outside the training process's interpreter
+    lock, so a host's cores add up.
+  * `num_workers > 0`, a source stored decoded (`source.decoded`: Fashion-MNIST in memory,
+    `raw_array.RawImages`): one grain prefetch thread in the training process, `prefetch`
+    batches ahead. A batch is a gather and a conversion (NumPy, outside the lock), cheaper
+    than the shared-memory copy of its float32 result (benchmarks/README.md).
+  * `num_workers == 0`: every batch built in the calling thread when asked (debugging).
+The batches are the same bit for bit in every case. Workers ignore SIGINT and SIGTERM (the
+training process decides when to stop: `close()`), and exit within a second of the
+training process's end however it ends (SIGKILL included), so none outlives the run. A
+batch that fails to build (a corrupt file) raises the source's error, naming the file,
+from `next()`; a worker that dies raises `LoaderWorkerError` naming the data set.
 """
 from __future__ import annotations
 
-import collections
-import concurrent.futures
-from typing import Iterator
+import atexit
+import functools
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterator
 
+import grain
 import numpy as np
+from absl import flags
 
 from edm2_jax.data.base import Source
 from edm2_jax.encoders import vae
 
 LATENT_NOISE_STREAM = 0x1A7E  # third SeedSequence word of the latent draws (module doc)
+_PARENT_POLL_S = 0.5          # how often a worker checks that the training process lives
+_in_worker = False            # True in a worker process: batches go straight to shared memory
+
+
+class LoaderWorkerError(ValueError):
+    """A worker process of the loader died (killed, out of memory); the message names the
+    data set. A ValueError, so that the entry points print it as one `error:` line."""
 
 
 def epoch_permutation(seed: int, epoch: int, num_images: int) -> np.ndarray:
@@ -50,6 +82,9 @@ class StreamOrder:
     def __init__(self, num_images: int, seed: int):
         self.num_images, self.seed = num_images, seed
         self._perms: dict[int, np.ndarray] = {}
+
+    def __getstate__(self):  # sent to workers without its cache
+        return {"num_images": self.num_images, "seed": self.seed, "_perms": {}}
 
     def _perm(self, epoch: int) -> np.ndarray:
         if epoch not in self._perms:
@@ -75,50 +110,197 @@ def latent_noise(seed: int, position: int, shape: tuple[int, ...]) -> np.ndarray
     return rng.standard_normal(shape, dtype=np.float32)
 
 
-def _fill(source: Source, indices: np.ndarray, image: np.ndarray, label: np.ndarray,
-          positions: np.ndarray | None = None, seed: int = 0) -> None:
-    """Load `source[i]` for `indices` into `image` float32 [n, H, W, C] (x = u8 / 127.5 - 1;
-    for a latent source one draw of its latents at the stream `positions`, module doc)
-    and one-hot `label` float32 [n, L] (views into the batch arrays)."""
-    shape = image.shape[1:]
-    latent = getattr(source, "encoder", "none") == "sd-vae"
-    raw_shape = shape[:-1] + (vae.RAW_CHANNELS,)
-    u8 = None if latent else np.empty(image.shape, np.uint8)
-    for j, i in enumerate(indices):
-        img, lab = source[int(i)]
-        if latent:
-            if img.shape != raw_shape or img.dtype != np.float32:
-                raise ValueError(f"{source.name}[{i}] is {img.dtype} {img.shape}, expected "
-                                 f"float32 {raw_shape} raw latents; the source breaks the "
-                                 f"Source contract")
-            image[j] = vae.encode_latents(img, latent_noise(seed, int(positions[j]), shape))
-        elif img.shape != shape or img.dtype != np.uint8:
-            raise ValueError(f"{source.name}[{i}] is {img.dtype} {img.shape}, expected uint8 "
-                             f"{shape}; the source breaks the Source contract")
-        else:
-            u8[j] = img
-        if label.shape[1]:
-            if not 0 <= lab < label.shape[1]:
-                raise ValueError(f"{source.name}[{i}] has label {lab}, outside [0, "
-                                 f"{label.shape[1]}); fix the data set's labels")
-            label[j, lab] = 1
-    if not latent:
-        np.subtract(u8.astype(np.float32) / np.float32(127.5), np.float32(1), out=image)
+def _empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An output array: in a worker, in shared memory (grain hands it over uncopied)."""
+    if _in_worker and np.prod(shape):
+        return grain.multiprocessing.SharedMemoryArray(shape, dtype)
+    return np.empty(shape, dtype)
+
+
+def build_batch(source: Source, indices: np.ndarray, positions: np.ndarray, seed: int,
+                shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """The batch of `source[i]` for `indices` (int64 [n]) at stream `positions`:
+    `{'image': float32 shape [n, H, W, C] (x = u8 / 127.5 - 1; for a latent source one draw
+    of its latents per position, module doc), 'label': float32 one-hot [n, L]}`.
+    ValueError naming the item for a source that breaks its contract or a label out of
+    range, plus the source's own errors (a file that does not decode, named)."""
+    n, latent = len(indices), getattr(source, "encoder", "none") == "sd-vae"
+    item_shape = shape[1:-1] + (vae.RAW_CHANNELS,) if latent else shape[1:]
+    want = np.dtype(np.float32 if latent else np.uint8)
+    read = getattr(source, "read_batch", None) or functools.partial(Source.read_batch, source)
+    items, labels = read(indices)
+    if items.shape != (n,) + item_shape or items.dtype != want:
+        raise ValueError(f"{source.name}[{indices[0]}] is {items.dtype} {items.shape[1:]}, "
+                         f"expected {want} {item_shape}"
+                         f"{' raw latents' if latent else ''}; the source breaks the Source "
+                         f"contract")
+    label_dim = int(source.label_dim)
+    bad = ((labels < 0) | (labels >= label_dim)) if label_dim else np.zeros(n, bool)
+    if bad.any():
+        j = int(np.argmax(bad))
+        raise ValueError(f"{source.name}[{indices[j]}] has label {labels[j]}, outside [0, "
+                         f"{label_dim}); fix the data set's labels")
+    image = _empty(shape, np.float32)
+    if latent:
+        noise = np.stack([latent_noise(seed, int(k), shape[1:]) for k in positions])
+        image[...] = vae.encode_latents(items, noise)
+    else:  # in place, in float32: the same bits as u8.astype(f32) / f32(127.5) - f32(1)
+        np.divide(items, np.float32(127.5), out=image, dtype=np.float32)
+        np.subtract(image, np.float32(1), out=image)
+    label = _empty((n, label_dim), np.float32)
+    label[...] = 0
+    if label_dim:
+        label[np.arange(n), labels] = 1
+    return {"image": image, "label": label}
+
+
+class StreamBatches:
+    """This process's batches of the stream as a random-access data source (grain's
+    `RandomAccessDataSource`): item `j` is its slice of global batch `j` of an iterator
+    started at `start_nimg` (module docstring), built by `build_batch`. Endless: its length
+    is `sys.maxsize`."""
+
+    def __init__(self, source: Source, *, global_batch: int, seed: int, start_nimg: int,
+                 process_index: int, process_count: int):
+        self.source, self.global_batch, self.seed = source, global_batch, seed
+        self.start_nimg, self.local = start_nimg, global_batch // process_count
+        self.offset = process_index * self.local
+        self.order = StreamOrder(len(source), seed)
+        self.shape = (self.local, source.resolution, source.resolution, source.num_channels)
+
+    def __len__(self) -> int:
+        return sys.maxsize
+
+    def positions(self, j: int) -> np.ndarray:
+        """Stream positions of this process's slice of batch `j`: int64 [B]."""
+        first = self.start_nimg + j * self.global_batch + self.offset
+        return np.arange(first, first + self.local, dtype=np.int64)
+
+    def __getitem__(self, j: int) -> dict[str, np.ndarray]:
+        positions = self.positions(int(j))
+        indices = self.order.indices(int(positions[0]), self.local)
+        return build_batch(self.source, indices, positions, self.seed, self.shape)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(_PARENT_POLL_S)
+    os._exit(1)  # the training process is gone: nothing will take our batches
+
+
+def _worker_init(parent_pid: int, worker_index: int, worker_count: int) -> None:
+    """Run first in each worker (grain's `worker_init_fn`; module docstring)."""
+    global _in_worker
+    _in_worker = True
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True,
+                     name=f"edm2-loader-{worker_index}-of-{worker_count}-watchdog").start()
+
+
+def _absl_flags_readable() -> None:
+    """grain 0.2.18 reads an absl flag (worker profiling, default off) as it starts worker
+    processes, which raises UnparsedFlagAccessError outside an absl app (notebooks, tests,
+    the benchmarks); there, mark it given so that its default is read."""
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS["grain_enable_multiprocess_worker_profiling"].present = True
+
+
+def _received(batch: dict) -> dict[str, np.ndarray]:
+    """Plain ndarray views of grain's shared-memory arrays, each segment's name unlinked at
+    once: its pages live (mapped) as long as the batch does, and a batch still held when
+    the interpreter exits leaves nothing in /dev/shm for the resource tracker."""
+    for v in batch.values():
+        if isinstance(v, grain.multiprocessing.SharedMemoryArray) and v._unlink_on_del:
+            v.shm.unlink()
+            v._unlink_on_del = False
+    return {k: np.asarray(v) for k, v in batch.items()}
+
+
+def _quiet_shm_teardown() -> None:
+    """At exit (before modules are torn down): grain's `SharedMemoryArray.__del__` raises
+    when it runs during the teardown (its module's globals are gone by then) and prints
+    "Exception ignored" once per batch still alive; from now on those are ignored."""
+    delete = grain.multiprocessing.SharedMemoryArray.__del__
+
+    def quiet(self):
+        try:
+            delete(self)
+        except Exception:  # noqa: BLE001
+            pass
+    grain.multiprocessing.SharedMemoryArray.__del__ = quiet
+
+
+atexit.register(_quiet_shm_teardown)
+
+
+class Batches(Iterator[dict]):
+    """The iterator `make_iterator` returns: `next()` gives the next batch; `close()` (or
+    leaving a `with` block) stops the workers and threads, after which `next()` raises
+    StopIteration. Closing twice is fine."""
+
+    def __init__(self, it: Any, source: Source, num_workers: int):
+        self._it, self._source, self._workers = it, source, num_workers
+
+    def __next__(self) -> Any:
+        if self._it is None:
+            raise StopIteration
+        try:
+            return next(self._it)
+        except RuntimeError as e:  # grain's words for a worker that is gone
+            died = re.search(r"terminated unexpectedly with exit code (-?\d+)", str(e))
+            if not died:
+                raise
+            self.close()
+            raise LoaderWorkerError(self._died(int(died.group(1)))) from None
+
+    def _died(self, code: int) -> str:
+        where = getattr(self._source, "path", "") or self._source.name
+        how = f"exit code {code}"
+        if code < 0:
+            how = f"signal {-code} ({signal.Signals(-code).name})"
+            if -code == signal.SIGKILL:
+                how += ": killed, e.g. by the kernel for lack of memory"
+        return (f"a data loader worker process (1 of data.num_workers={self._workers}) reading "
+                f"{where} died with {how}; the run stops here (rerun it to resume from its "
+                f"last checkpoint). If memory ran out, lower data.num_workers or the batch")
+
+    def close(self) -> None:
+        it, self._it = self._it, None  # grain's iterators go now, not at interpreter exit
+        if it is not None:
+            it.close()
+
+    def __enter__(self) -> "Batches":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit grain's modules may be gone
+            pass
 
 
 def make_iterator(source: Source, *, global_batch: int, seed: int, start_nimg: int = 0,
                   process_index: int = 0, process_count: int = 1, num_workers: int = 2,
-                  prefetch: int = 2) -> Iterator[dict[str, np.ndarray]]:
+                  prefetch: int = 1, put: Callable[[dict], Any] | None = None,
+                  device_prefetch: int = 2) -> Batches:
     """Infinite iterator of this process's share of each global batch.
 
     Yields `{'image': float32 [B, H, W, C] in [-1, 1] (uint8 / 127.5 - 1; for a latent
     source the drawn, scaled latents, module doc), 'label': float32 one-hot
-    [B, label_dim] ([B, 0] when unlabelled)}` with
-    `B = global_batch / process_count`. Fresh arrays every batch. `num_workers=0` loads in
-    the calling thread (no prefetch); the batches are identical either way.
+    [B, label_dim] ([B, 0] when unlabelled)}` with `B = global_batch / process_count`;
+    fresh arrays every batch, the same whatever `num_workers` (module doc: worker processes
+    for a source that decodes, a prefetch thread for one stored decoded, 0 = the calling
+    thread) and `prefetch` (batches each worker or the thread keeps ready). With `put`
+    (e.g. `functools.partial(sharding.global_batch, mesh)`: this process's rows onto its
+    devices), yields `put(batch)` instead, `device_prefetch` batches put ahead by a thread.
     Raises ValueError for a batch not divisible by `process_count`, a bad process index,
-    a negative seed or start_nimg, or an empty source; errors of the source (e.g. a corrupt
-    file) surface from `next()`. Call `.close()` to stop the worker threads early.
+    a negative seed, start_nimg or num_workers, or an empty source; errors of the source
+    (e.g. a corrupt file, named) and `LoaderWorkerError` surface from `next()`. Call
+    `.close()` to stop the workers.
     """
     n = len(source)
     if n == 0:
@@ -130,49 +312,26 @@ def make_iterator(source: Source, *, global_batch: int, seed: int, start_nimg: i
         raise ValueError(f"process_index {process_index} not in [0, {process_count})")
     if seed < 0 or start_nimg < 0:
         raise ValueError(f"seed ({seed}) and start_nimg ({start_nimg}) must be >= 0")
-    local = global_batch // process_count
-    order = StreamOrder(n, seed)
-    shape = (local, source.resolution, source.resolution, source.num_channels)
-
-    def batch_at(step: int):
-        first = start_nimg + step * global_batch + process_index * local
-        return order.indices(first, local), first + np.arange(local, dtype=np.int64), {
-            "image": np.empty(shape, np.float32),
-            "label": np.zeros((local, source.label_dim), np.float32)}
-
-    return (_serial(source, batch_at, seed) if num_workers == 0 else
-            _threaded(source, batch_at, seed, num_workers, max(1, prefetch)))
-
-
-def _serial(source, batch_at, seed: int):
-    step = 0
-    while True:
-        indices, positions, batch = batch_at(step)
-        _fill(source, indices, batch["image"], batch["label"], positions, seed)
-        yield batch
-        step += 1
-
-
-def _threaded(source, batch_at, seed: int, num_workers: int, prefetch: int):
-    pending = collections.deque()  # (batch, futures) in stream order
-    with concurrent.futures.ThreadPoolExecutor(num_workers, "edm2-data") as pool:
-        step = 0
-        try:
-            while True:
-                while len(pending) < prefetch:
-                    indices, positions, batch = batch_at(step)
-                    step += 1
-                    # A few chunks per worker keeps the threads busy when decode times vary.
-                    bounds = np.linspace(0, len(indices), 4 * num_workers + 1).astype(int)
-                    futures = [pool.submit(_fill, source, indices[a:b], batch["image"][a:b],
-                                           batch["label"][a:b], positions[a:b], seed)
-                               for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-                    pending.append((batch, futures))
-                batch, futures = pending.popleft()
-                for f in futures:
-                    f.result()
-                yield batch
-        finally:
-            for _, futures in pending:
-                for f in futures:
-                    f.cancel()
+    if num_workers < 0:
+        raise ValueError(f"data.num_workers={num_workers}: must be >= 0 (0 = load in the "
+                         f"training process)")
+    batches = StreamBatches(source, global_batch=global_batch, seed=seed, start_nimg=start_nimg,
+                            process_index=process_index, process_count=process_count)
+    prefetch = max(1, int(prefetch))
+    ds = grain.MapDataset.source(batches)
+    if num_workers == 0:
+        ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    elif getattr(source, "decoded", False):
+        ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch))
+    else:
+        _absl_flags_readable()
+        ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(
+            num_workers=num_workers, per_worker_buffer_size=prefetch),
+            worker_init_fn=functools.partial(_worker_init, os.getpid()))
+        ds = ds.map(_received)
+    if put is not None:
+        ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=1)
+        ds = grain.experimental.ThreadPrefetchIterDataset(ds.map(put),
+                                                          prefetch_buffer_size=device_prefetch)
+    return Batches(iter(ds), source, num_workers)
