@@ -41,7 +41,7 @@ from gpu_table import build_config  # noqa: E402
 from memory import memory_gib  # noqa: E402
 from train_throughput import load_config, random_train_state  # noqa: E402
 
-from edm2_jax import objectives  # noqa: E402
+from edm2_jax import configs, objectives  # noqa: E402
 from edm2_jax.training import optim as optim_lib  # noqa: E402
 from edm2_jax.training import sharding as shard_lib  # noqa: E402
 from edm2_jax.training import state as state_lib  # noqa: E402
@@ -61,7 +61,7 @@ def objective_config(config, spec: str):
                          f"{', '.join(sorted(objectives.REGISTRY))}, with ':K' for K steps "
                          f"(and 'dmd:K:gan' for DMD2's GAN head)")
     c = config.copy_and_resolve_references()
-    c.objective = name
+    configs.with_objective(c, name)
     if objectives.from_config(c).start() is not None:
         c.distill.teacher = "(random weights)"
     if k:

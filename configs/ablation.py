@@ -26,7 +26,6 @@ What is no switch: the EDM2 loss with learned uncertainty, the noise distributio
 power EMAs, cosine attention and bias-free layers with a constant input channel are
 config G's in every letter (the paper brought them in at B and C).
 """
-import importlib.util
 import os
 
 from edm2_jax import configs
@@ -35,11 +34,8 @@ LETTERS = "cdefg"
 
 
 def _fashion_mnist_config(variant: str):
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fashion_mnist.py")
-    spec = importlib.util.spec_from_file_location("fashion_mnist_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(variant)
+    return configs.config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                            "fashion_mnist.py"), variant)
 
 
 def get_config(variant: str = "g"):

@@ -30,7 +30,6 @@ configs/img512.py ('img64-s', 'img512-xs', ...), 'dmd-' and a preset
 ('dmd-img64-s': distribution matching of that preset's network), and each 'dmd' variant
 with DMD2's GAN head as 'dmd-gan', 'dmd-gan-tiny', 'dmd-gan-img64-s', ...
 """
-import importlib.util
 import os
 
 import numpy as np
@@ -41,16 +40,12 @@ from edm2_jax.training import optim
 
 
 def _fashion_mnist_config(variant: str):
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fashion_mnist.py")
-    spec = importlib.util.spec_from_file_location("fashion_mnist_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(variant)
+    return configs.config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                            "fashion_mnist.py"), variant)
 
 
 def _distill(c):
-    c.objective = "consistency"
-    return c
+    return configs.with_objective(c, "consistency")
 
 
 def get_config(variant: str = "fashion_mnist"):
@@ -108,7 +103,7 @@ def _dmd(c):
     nearly its class means, a collapsed start), on a grid of 8 points down to 0.002; the
     generator's learning rate 0.002 decaying from 6 kimg, the fake denoiser's 0.02
     (ten times: the fake must follow the generator)."""
-    c.objective = "dmd"
+    configs.with_objective(c, "dmd")
     c.distill.update(steps=1, sigma_max=2.5, fake_lr=0.02)
     c.optim.ref_lr = 0.002
     return c
@@ -123,7 +118,7 @@ def _dmd_preset(c):
     the fake five updates per generator update instead), for the consistency presets'
     5 % of the teacher's training images (DMD2's ImageNet-64 generator: 200k iterations
     of batch 280, 56 M images, against the img64 teachers' 1 to 2 G)."""
-    c.objective = "dmd"
+    configs.with_objective(c, "dmd")
     c.distill.update(steps=1, sigma_max=2.5, fake_lr=10 * c.optim.ref_lr)
     return c
 

@@ -119,12 +119,10 @@ def base_config() -> ml_collections.ConfigDict:
     # run's EMA of it; steps: the student's sampling steps; teacher_steps, sigma_min,
     # sigma_max, rho: the teacher's sampler grid; fake_lr: DMD's fake denoiser's
     # learning rate).
-    c.objective = "edm2"
+    c.objective = "edm2"   # another objective and its section: `with_objective`
     # The modules outside the package that define the run's objective and sampler,
     # recorded by the run (`training.setup.run_config`; edm2_jax/plugins.py).
     c.plugins = ()
-    for section, fields in objectives.section_defaults().items():
-        c[section] = ml_collections.ConfigDict(fields)
 
     # Sample grids; rng: per-seed noise and labels from JAX keys ('jax') or drawn as the
     # release's per-seed torch generator draws them ('release', sampling.sample_images).
@@ -140,6 +138,40 @@ def base_config() -> ml_collections.ConfigDict:
         metrics="", num_images=1000, sigma_rel=0.0, num_steps=32, batch_size=100, seed=0,
         ref_split="test", classifier_epochs=3, classifier_batch_size=128, dinov2="",
         vae=""))
+    return c
+
+
+def config_file(path: str, variant: str = "") -> ml_collections.ConfigDict:
+    """`get_config(variant)` of the config file at `path` (a `configs/*.py`, as
+    `--config=PATH:VARIANT` names it; a relative path from the current directory), the
+    file run as Python, as `--config` runs it. Config files build on one another with it:
+    `configs.config_file(os.path.join(os.path.dirname(__file__), "fashion_mnist.py"),
+    "tiny")`. Raises FileNotFoundError for a missing file, and what `get_config` raises."""
+    import importlib.util
+    import os
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path} does not exist")
+    name = "edm2_jax_config_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(variant)
+
+
+def with_objective(c: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
+    """`c` (changed in place, and returned) training the objective `name` (registered,
+    `objectives.REGISTRY`): `c.objective = name` and the objective's own config section
+    (`Objective.section_fields()`: its fields with their defaults, values already in `c`'s
+    section of that name kept), so that a config holds the section of its objective and
+    no other. Raises ValueError naming the registered objectives for an unknown name."""
+    cls = objectives.objective_class(name)
+    c.objective = name
+    if cls.section:
+        old = c.get(cls.section)
+        fields = cls.section_fields()
+        if old is not None:
+            fields.update({k: v for k, v in old.items() if k in fields})
+        c[cls.section] = ml_collections.ConfigDict(fields)
     return c
 
 

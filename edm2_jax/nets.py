@@ -102,10 +102,15 @@ def _check_objective_unedited(run_dir: str, config: dict) -> None:
     kept = records.kept_entry(run_dir, records.KEPT_CONFIG)
     if kept is None or not isinstance(kept[1], dict):
         return
-    was, now = objectives.upgrade_config(kept[1]), objectives.upgrade_config(config)
-    fields = ("objective", *objectives.section_defaults())
-    differ = [f"{f}: checkpoint {was.get(f)!r} vs now {now.get(f)!r}" for f in fields
-              if was.get(f) != now.get(f)]
+    was, now = kept[1], config
+    differ = [f"objective: checkpoint {objectives.name_of(was)!r} vs now "
+              f"{objectives.name_of(now)!r}"] if objectives.name_of(was) != objectives.name_of(
+                  now) else []
+    section = (objectives.REGISTRY.get(objectives.name_of(now)) or objectives.Objective).section
+    if not differ and section:
+        a, b = was.get(section) or {}, now.get(section) or {}
+        differ = [f"{section}.{k}: checkpoint {a.get(k)!r} vs now {b.get(k)!r}"
+                  for k in sorted(b) if k in a and a.get(k) != b.get(k)]
     if differ:
         raise integrity.IntegrityError(
             f"{layout.config_path(run_dir)} differs from the copy of the run's config that "

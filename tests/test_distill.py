@@ -417,7 +417,7 @@ def test_teacher_errors_are_named_before_anything_is_built(distill_runs, tmp_pat
 def _distill_step_config():
     from tests.test_train import step_config
     c = step_config()
-    c.objective = "consistency"
+    configs.with_objective(c, "consistency")
     c.distill.update(teacher="(in the state)", steps=2, teacher_steps=4)
     return c
 

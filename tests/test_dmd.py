@@ -197,8 +197,7 @@ def test_generator_output_at_the_last_step_is_the_samplers_image():
 
 
 def test_from_config_picks_the_objective_and_its_sampler():
-    """`config.objective` picks the objective; the config.json of a run recorded before
-    that field names it in its distillation section (`distill.objective`)."""
+    """`config.objective` picks the objective (a config naming none trains EDM2's)."""
     c = {"objective": "dmd", "distill": {"teacher": "t", "steps": 2, "teacher_steps": 8,
                                          "sigma_min": 0.002, "sigma_max": 80.0, "rho": 7.0,
                                          "fake_lr": 0.02}}
@@ -207,12 +206,7 @@ def test_from_config_picks_the_objective_and_its_sampler():
     assert obj.sampler(32) == solvers.FewStep(num_steps=2, teacher_steps=8, sigma_min=0.002,
                                               sigma_max=80.0, rho=7.0)
     assert objectives.from_config(dict(c, objective="consistency")).name == "consistency"
-    legacy = {"distill": dict(c["distill"], objective="dmd")}
-    assert objectives.from_config(legacy).name == "dmd"
-    legacy["distill"].pop("objective")
-    assert objectives.from_config(legacy).name == "consistency"
-    legacy["distill"]["teacher"] = ""
-    assert objectives.from_config(legacy).name == "edm2"
+    assert objectives.from_config({"distill": c["distill"]}).name == "edm2"
     c["distill"]["fake_lr"] = 0.0
     with pytest.raises(ValueError, match="distill.fake_lr"):
         objectives.from_config(c).check()
@@ -245,7 +239,7 @@ def test_dmd_configs_validate_and_a_bad_objective_is_named():
     c.objective = "gan"
     with pytest.raises(ValueError, match="--config.objective='gan'.*consistency, dmd, edm2"):
         configs.validate(c)
-    c.objective = "dmd"
+    configs.with_objective(c, "dmd")
     c.distill.fake_lr = 0.0
     with pytest.raises(ValueError, match="distill.fake_lr"):
         configs.validate(c)
@@ -293,7 +287,7 @@ def dmd_step(num_accum: int = 1):
     from edm2_jax.training import step as step_lib
     from tests.test_train import random_batch, random_state, step_config
     config = step_config()
-    config.objective = "dmd"
+    configs.with_objective(config, "dmd")
     config.distill.update(teacher="(in the state)", steps=2, teacher_steps=4)
     obj = objectives.from_config(config)
     state, net, tx = random_state(config, seed=0)

@@ -363,7 +363,7 @@ def test_the_gan_configs_validate():
 def gan_step_config(**distill):
     from tests.test_train import step_config
     config = step_config()
-    config.objective = "dmd"
+    configs.with_objective(config, "dmd")
     config.distill.update(teacher="(in the state)", steps=1, teacher_steps=2, **distill)
     return config
 

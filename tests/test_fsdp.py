@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from edm2_jax import configs
 from edm2_jax import objectives
 from edm2_jax.training import sharding as shard_lib
 from edm2_jax.training import loop, setup
@@ -298,7 +299,7 @@ def dmd_config():
     """The test step's network (8 channels throughout) trained by distribution
     matching (teacher, fake denoiser and its Adam state in the train state) at fsdp 8."""
     config = step_config()
-    config.objective = "dmd"
+    configs.with_objective(config, "dmd")
     config.distill.update(teacher="(shapes only)", steps=2, teacher_steps=4)
     config.mesh.fsdp = 8
     return config

@@ -185,7 +185,7 @@ def dmd_tiny_config(fsdp: int) -> object:
     state holds the teacher, the fake denoiser and its Adam moments besides the EDM2
     state."""
     c = tiny_config(fsdp)
-    c.objective = "dmd"
+    configs.with_objective(c, "dmd")
     c.distill.update(teacher="(not read)", steps=1, teacher_steps=4)
     return c
 

@@ -21,6 +21,7 @@ import numpy as np
 import PIL.Image
 import pytest
 
+from edm2_jax import configs
 from edm2_jax import data as data_lib
 from edm2_jax.ema import power as ema_lib
 from edm2_jax.training import optim as optim_lib
@@ -54,11 +55,7 @@ TINY_OVERRIDES = {
 
 def _config_file(name: str, variant: str) -> ml_collections.ConfigDict:
     """`get_config(variant)` of `configs/<name>.py`."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(f"{name}_config", REPO / "configs" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config(variant)
+    return configs.config_file(str(REPO / "configs" / f"{name}.py"), variant)
 
 
 def _load_fmnist_config(variant: str = "tiny") -> ml_collections.ConfigDict:
@@ -66,7 +63,11 @@ def _load_fmnist_config(variant: str = "tiny") -> ml_collections.ConfigDict:
 
 
 def tiny_config(data_path, **overrides) -> ml_collections.ConfigDict:
+    """The tiny run's config; an `objective` override brings its config section
+    (`configs.with_objective`), which the other overrides may then set."""
     c = _load_fmnist_config("tiny")
+    if "objective" in overrides:
+        configs.with_objective(c, overrides["objective"])
     for field, value in {**TINY_OVERRIDES, "data.path": str(data_path), **overrides}.items():
         *parents, leaf = field.split(".")
         node = c

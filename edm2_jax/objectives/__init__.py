@@ -36,8 +36,7 @@ from edm2_jax.objectives.dmd import DistributionMatching
 from edm2_jax.objectives.edm2 import EDM2
 
 __all__ = ["Objective", "StartNetwork", "REGISTRY", "register", "from_config",
-           "from_metadata", "name_of", "record", "section_defaults", "check_config",
-           "upgrade_config"]
+           "from_metadata", "name_of", "objective_class", "record", "check_config"]
 
 # The objectives by `config.objective` name.
 REGISTRY: dict[str, type[Objective]] = {}
@@ -60,15 +59,18 @@ for _cls in (EDM2, ConsistencyDistillation, DistributionMatching):
 
 
 def name_of(config: Any) -> str:
-    """The objective a config trains: `config.objective`; for the config.json of a run
-    made before that field, its distillation section's choice where it names a teacher,
-    else 'edm2'."""
-    name = field(config, "objective")
-    if name:
-        return str(name)
-    if str(field(config, "distill.teacher", "") or ""):
-        return str(field(config, "distill.objective", ConsistencyDistillation.name))
-    return EDM2.name
+    """The objective a config trains: `config.objective` ('edm2' where it names none)."""
+    return str(field(config, "objective") or EDM2.name)
+
+
+def objective_class(name: str) -> type[Objective]:
+    """The registered class of objective `name`. Raises ValueError naming the registered
+    ones."""
+    if name not in REGISTRY:
+        raise ValueError(f"objective {name!r} is not registered; registered: "
+                         f"{', '.join(sorted(REGISTRY))} (an objective of your own: register "
+                         f"it in a module and name that module with --plugins=MODULE)")
+    return REGISTRY[name]
 
 
 def from_config(config: Any, source: str = "--config") -> Objective:
@@ -129,32 +131,10 @@ def from_metadata(meta: dict, config: dict | None = None, source: str = "the net
         merged["plugins"] = meta["plugins"]
     if name_of(merged) not in REGISTRY:  # its module, where allowed, registers it
         from_config(merged, source)
-    for key in {c.section for c in REGISTRY.values() if c.section}:
-        if key in meta:
-            merged[key] = meta[key]
+    section = REGISTRY[name_of(merged)].section
+    if section and section in meta:
+        merged[section] = meta[section]
     return from_config(merged, source)
-
-
-def upgrade_config(config: dict) -> dict:
-    """A copy of a config.json's dict in the fields of today's configs: the objective of
-    a run recorded before `objective` was a field of its own (`name_of`), the
-    distillation section's former `objective` field dropped."""
-    config = json.loads(json.dumps(config))
-    if config.get("objective") is None:
-        config["objective"] = name_of(config)
-    if isinstance(config.get("distill"), dict):
-        config["distill"].pop("objective", None)
-    return config
-
-
-def section_defaults() -> dict[str, dict]:
-    """`{section: {field: default}}` of every registered objective's config section (two
-    objectives reading one section contribute their fields to it)."""
-    out: dict[str, dict] = {}
-    for cls in REGISTRY.values():
-        if cls.section:
-            out.setdefault(cls.section, {}).update(cls.section_fields())
-    return out
 
 
 def check_config(config: Any) -> Objective:

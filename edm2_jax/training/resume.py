@@ -28,21 +28,10 @@ RESUME_FIELDS = ("network", "loss", "optim", "ema", "batch_size", "seed", "data.
 # keeps the state's structure whatever grad_clip is).
 CHANGEABLE_ON_RESUME = ("optim.",)
 # Fields added after runs existed: a config.json without one recorded this value (the
-# ablation switches at config G, docs/ablation.md; the objectives' sections' defaults).
+# ablation switches at config G, docs/ablation.md). A field added to an objective's
+# section is read at its default (`Objective.section_fields`).
 ADDED_FIELDS = {"network.mp_learned_layers": True, "network.group_norm": False,
                 "network.mp_fixed_layers": True, "optim.forced_wn": True}
-
-
-def resume_fields() -> tuple[str, ...]:
-    """`RESUME_FIELDS` and the section of every objective registered now (one defined
-    outside the package registers when its module is imported)."""
-    return (*RESUME_FIELDS, *objectives.section_defaults())
-
-
-def added_fields() -> dict:
-    """`ADDED_FIELDS` and the defaults of every registered objective's section."""
-    return {**ADDED_FIELDS, **{f"{section}.{k}": v for section, fields in
-                               objectives.section_defaults().items() for k, v in fields.items()}}
 
 
 def _lookup(d: dict, dotted: str):
@@ -60,16 +49,24 @@ def _normalise_json(x):
 def config_differences(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """`(refused, allowed)`: the training-relevant fields that differ between the
     `saved` and `current` config dicts, as `'field: checkpoint A vs now B'` lines, split
-    by `CHANGEABLE_ON_RESUME`."""
+    by `CHANGEABLE_ON_RESUME`. Of the objective's config section (`current`'s objective's),
+    the fields it reads are compared: a field only the saved config holds (a section
+    another objective shares) is none of this run's."""
     diffs = []
-    saved, current = objectives.upgrade_config(saved), objectives.upgrade_config(current)
-    added = added_fields()
-    for field in resume_fields():
+    added = dict(ADDED_FIELDS)
+    fields = list(RESUME_FIELDS)
+    section = objectives.from_config(current).section
+    if section:
+        fields.append(section)
+        added.update({f"{section}.{k}": v for k, v in
+                      objectives.REGISTRY[objectives.name_of(current)].section_fields().items()})
+    for field in fields:
         a, b = _normalise_json(_lookup(saved, field)), _normalise_json(_lookup(current, field))
         if a is None and isinstance(b, dict):  # a section added after the run started
             a = {}
         if isinstance(a, dict) and isinstance(b, dict):
-            for k in sorted(set(a) | set(b)):
+            keys = set(b) if field == section else set(a) | set(b)
+            for k in sorted(keys):
                 va = a.get(k, added.get(f"{field}.{k}"))
                 if va != b.get(k):
                     diffs.append((f"{field}.{k}", va, b.get(k)))
