@@ -3,7 +3,7 @@ loss without its uncertainty term (paper Eq. 21 with `u(sigma) = 0`, the EDM los
 Karras et al. 2022, Eq. 2 with its weight `lambda(sigma)`), registered in one line.
 `tests/test_objective_recipe.py` runs it through training, resume, post-hoc EMA,
 generation and the plan with no file of the package edited (docs/architecture.md,
-"Adding a training objective")."""
+"Your own objective and sampler")."""
 from __future__ import annotations
 
 import jax.numpy as jnp

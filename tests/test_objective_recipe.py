@@ -1,4 +1,4 @@
-"""The recipe of docs/architecture.md ("Adding a training objective"), executed: an
+"""The recipe of docs/architecture.md ("Your own objective and sampler"), executed: an
 objective defined in a module of its own (`tests/objective_plain.py`, the EDM2 loss
 without its uncertainty term) and registered in one line runs through training, resume,
 post-hoc EMA, generation and the TPU plan, with no file of the package edited."""
