@@ -111,14 +111,9 @@ def base_config() -> ml_collections.ConfigDict:
     # 'bytes') and grad_layout ('xla' | 'stored'): GPU options of backends/gpu.py.
     c.backend = ml_collections.ConfigDict(dict(backends.DEFAULTS))
 
-    # The training objective (edm2_jax/objectives): 'edm2' (the EDM2 loss), 'consistency'
-    # (multistep consistency distillation of a teacher, objectives/distill.py) or 'dmd'
-    # (distribution matching, objectives/dmd.py; docs/distillation.md), or any objective
-    # registered with `objectives.register`. Each objective's own section follows from
-    # its `section_fields`: `distill` (teacher, teacher_ema: the network to distill and a
-    # run's EMA of it; steps: the student's sampling steps; teacher_steps, sigma_min,
-    # sigma_max, rho: the teacher's sampler grid; fake_lr: DMD's fake denoiser's
-    # learning rate).
+    # The training objective: a name of `objectives.REGISTRY` (the built-in ones are
+    # listed where they are registered, edm2_jax/objectives/__init__.py). A config holds
+    # its objective's own config section and no other (`with_objective`).
     c.objective = "edm2"   # another objective and its section: `with_objective`
     # The modules outside the package that define the run's objective and sampler,
     # recorded by the run (`training.setup.run_config`; edm2_jax/plugins.py).

@@ -1,16 +1,8 @@
 """Entry point: `python -m edm2_jax.main --config=configs/fashion_mnist.py --workdir=runs/fmnist`.
 
-Modes (`--mode`; each with its flags in `edm2_jax/modes/`):
-  train        (default) train `--config` in `--workdir`, resuming if it holds a run.
-  convert      released weights or a release training state into `--workdir`.
-  export       `--net=PATH --dst=FILE.pkl`: a network as the release's network pickle.
-  eval         metrics (`--metrics=fid,fd_dinov2,cls`) of `--images` or of `--net`.
-  ref          reference statistics of `--images` or of `--config`'s data, to `--ref`.
-  phema        post-hoc EMA: `--workdir=RUN --sigma_rel=0.05,0.1` network checkpoints.
-  phema_sweep  reconstruct each `--sigma_rel`, evaluate, plot, name the best.
-  generate     images for `--seeds` from `--net` into `--outdir` and/or a `--grid` PNG.
-  plan         `--tpu=v5p-64`: compile `--config` for a TPU slice here; HBM, flops, fit.
-Config fields are overridden with `--config.field=value`, e.g. `--config.total_kimg=100`.
+`--mode` picks one of `MODES` (`--help` lists them; each mode's flags are in
+`edm2_jax/modes/`). Config fields are overridden with `--config.field=value`, e.g.
+`--config.total_kimg=100`.
 
 Sets up the process first (`process.py`: XLA flags, host allocator, CPU devices, the
 compilation cache), then runs the mode and ends within a bounded time
@@ -54,28 +46,42 @@ from absl import app, flags  # noqa: E402
 
 from edm2_jax.modes import common, evaluate, generate, phema, plan, release, train  # noqa: E402
 
+# The modes: what each runs, the modules whose flags it reads besides common's --config,
+# --workdir and --plugins (`--mode=MODE --help` lists them), and its line in `--help`.
 MODES = {
-    "train": lambda: train.run(process_setup=process.TrainingSetup()),
-    "convert": release.run_convert,
-    "export": release.run_export,
-    "generate": generate.run,
-    "eval": evaluate.run_eval,
-    "ref": evaluate.run_ref,
-    "phema": phema.run_phema,
-    "phema_sweep": phema.run_sweep,
-    "plan": plan.run,
+    "train": (lambda: train.run(process_setup=process.TrainingSetup()), (),
+              "(default) train `--config` in `--workdir`, resuming if it holds a run."),
+    "convert": (release.run_convert, (release,),
+                "released weights or a release training state into `--workdir`."),
+    "export": (release.run_export, (release, generate),
+               "`--net=PATH --dst=FILE.pkl`: a network as the release's network pickle."),
+    "generate": (generate.run, (generate,),
+                 "images for `--seeds` from `--net` into `--outdir` and/or a `--grid` PNG."),
+    "eval": (evaluate.run_eval, (evaluate, generate),
+             "metrics (`--metrics=fid,fd_dinov2,cls`) of `--images` or of `--net`."),
+    "ref": (evaluate.run_ref, (evaluate, generate),
+            "reference statistics of `--images` or of `--config`'s data, to `--ref`."),
+    "phema": (phema.run_phema, (phema, generate),
+              "post-hoc EMA: `--workdir=RUN --sigma_rel=0.05,0.1` network checkpoints."),
+    "phema_sweep": (phema.run_sweep, (phema, evaluate, generate),
+                    "reconstruct each `--sigma_rel`, evaluate, plot, name the best."),
+    "plan": (plan.run, (plan,), "`--tpu=v5p-64`: compile `--config` (or a run's) for a TPU "
+             "slice here; HBM, flops, fit."),
 }
+MODE_FLAGS = {name: mode[1] for name, mode in MODES.items()}
 
-# The modules whose flags each mode reads, besides common's --config and --workdir
-# (`--mode=MODE --help` lists them).
-MODE_FLAGS = {"train": (), "convert": (release,), "export": (release, generate),
-              "generate": (generate,), "eval": (evaluate, generate),
-              "ref": (evaluate, generate), "phema": (phema, generate),
-              "phema_sweep": (phema, evaluate, generate), "plan": (plan,)}
+
+def usage() -> str:
+    """What `--help` prints: the first paragraph of this docstring and the modes."""
+    lines = [f"  {name:<12} {mode[2]}" for name, mode in MODES.items()]
+    return (__doc__.split("\n\n")[0] + "\n\nModes (`--mode`):\n" + "\n".join(lines)
+            + "\nConfig fields are overridden with `--config.field=value`, e.g. "
+            "`--config.total_kimg=100`.")
+
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("mode", "train", list(MODES), "What to do.")
-for _mode in (common, train, generate, evaluate, phema, release, plan):  # all listed by --help
+for _mode in dict.fromkeys((common, train, *(m for mode in MODES.values() for m in mode[1]))):
     flags.adopt_module_key_flags(_mode)
 
 
@@ -93,13 +99,12 @@ def main(argv):
 def _dispatch():
     common.load_plugins()  # what --sampler and --config.objective may name
     common.check_flags(FLAGS.mode)  # before any work
-    MODES[FLAGS.mode]()
+    MODES[FLAGS.mode][0]()
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
     """`common.parse_flags`, whose `--help` prints this docstring's usage and modes."""
-    return common.parse_flags(argv, usage="\n\n".join(__doc__.split("\n\n")[:2]),
-                              mode_flags=MODE_FLAGS)
+    return common.parse_flags(argv, usage=usage(), mode_flags=MODE_FLAGS)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,6 @@ training loop or anything above them.
 """
 from __future__ import annotations
 
-import re
-
 from edm2_jax import objectives, paths
 from edm2_jax.encoders import vae as vae_lib
 from edm2_jax.model.networks import Precond, precond_from_config
@@ -48,9 +46,9 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
         cfg, variables, meta = ckpt_lib.load_network(path)
         return precond_from_config(cfg), variables, f"network checkpoint {path}"
 
-    snap = re.fullmatch(rf"(.*)/{layout.SNAPSHOTS}/(\d+)/?", path)
+    snap = layout.snapshot_of(path)
     if snap:
-        run_dir, step = snap.group(1), int(snap.group(2))
+        run_dir, step = snap
         tree, meta = snapshots.restore_snapshot(run_dir, step)
         key = ema or max(tree["power"], key=float)
         if key not in tree["power"]:
@@ -85,8 +83,8 @@ def _metadata(path: str) -> tuple[dict | None, dict, dict | None]:
     if ckpt_lib.is_network_checkpoint(path):
         cfg, meta = ckpt_lib.read_network_json(path)
         return cfg, meta, None
-    snap = re.fullmatch(rf"(.*)/{layout.SNAPSHOTS}/(\d+)/?", path)
-    run_dir = snap.group(1) if snap else path
+    snap = layout.snapshot_of(path)
+    run_dir = snap[0] if snap else path
     config = records.run_config(run_dir)
     if config is None or "network" not in config:
         return None, {}, None
@@ -158,8 +156,8 @@ def net_encoder(path: str) -> str:
     if ckpt_lib.is_network_checkpoint(path):
         cfg, meta = ckpt_lib.read_network_json(path)
         return vae_lib.encoder_of(cfg, meta)
-    snap = re.fullmatch(rf"(.*)/{layout.SNAPSHOTS}/(\d+)/?", path)
-    config = records.run_config(snap.group(1) if snap else path)
+    snap = layout.snapshot_of(path)
+    config = records.run_config(snap[0] if snap else path)
     if config is None or "network" not in config:
         return "none"
     return vae_lib.encoder_of(config["network"], data_config=config.get("data"))

@@ -78,14 +78,21 @@ def config_path(workdir: str) -> str:
     return os.path.join(workdir, CONFIG_JSON)
 
 
+def snapshot_of(path: str) -> tuple[str, int] | None:
+    """`(run_dir, step)` when `path` (normalised) names one EMA snapshot of a run,
+    `RUN/snapshots/<step>`; else None. The one reader of a snapshot's path."""
+    snap = re.fullmatch(rf"(.*)/{SNAPSHOTS}/(\d+)/?", path)
+    return (snap.group(1), int(snap.group(2))) if snap else None
+
+
 def eval_results_path(net_path: str) -> str:
     """Where `--mode=eval` of the network at `net_path` writes its results when no
     `--out_json` is given: beside what was evaluated, `eval.jsonl` in the run directory
     (for a run or one of its snapshots, `RUN/snapshots/<step>`) or in the network
     directory (`network_dir`)."""
     path = paths.normalize(net_path)
-    snap = re.fullmatch(rf"(.*)/{SNAPSHOTS}/(\d+)/?", path)
-    return os.path.join(snap.group(1) if snap else path, EVAL_JSONL)
+    snap = snapshot_of(path)
+    return os.path.join(snap[0] if snap else path, EVAL_JSONL)
 
 
 def state_item(workdir: str, step: int) -> str:
