@@ -225,8 +225,11 @@ class Sealed(type):
 
     @property
     def __setstate__(cls):  # a data descriptor: BUILD on the class finds this first
-        raise _refuse(f"class {cls.__name__}", "the pickle BUILDs the class itself, which "
-                      "no file of data does", "the file is hostile or damaged; do not use it")
+        def refuse(state):
+            raise _refuse(f"class {cls.__name__}", "the pickle BUILDs the class itself, "
+                          "which no file of data does", "the file is hostile or damaged; "
+                          "do not use it")
+        return refuse
 
 
 class Constructor:

@@ -446,7 +446,8 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def _not_weights(path: Path, expected: str, e: BaseException) -> ValueError:
-    return ValueError(f"{path} is not {expected} ({type(e).__name__}: {str(e)[:200]})")
+    why = " ".join(str(e).split())[:300]
+    return ValueError(f"{path} is not {expected} ({type(e).__name__}: {why})")
 
 
 def _diffusers_config(path: Path | None) -> dict:

@@ -335,7 +335,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 def _corrupt(path: Path, expected: str, e: BaseException) -> ValueError:
     """The error for a weights file its reader refuses: named, with a good one's source."""
-    why = " ".join(str(e).split())[:120].split(". ")[0] or type(e).__name__
+    why = " ".join(str(e).split())[:300].split(". ")[0] or type(e).__name__
     return ValueError(f"--dinov2={path} is corrupt or not a DINOv2 checkpoint (not {expected}: "
                       f"{type(e).__name__}: {why}); download {WEIGHTS_URL} again (or timm's "
                       f"vit_large_patch14_dinov2 model.safetensors) and pass it with "

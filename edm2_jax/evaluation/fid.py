@@ -146,7 +146,7 @@ def stats_from_source_multi(source, extractors: dict[str, tuple[Any, Callable]],
     return stats
 
 
-class _ForbiddenGlobal(pickle.UnpicklingError):
+class _ForbiddenGlobal(pickle.UnpicklingError, ValueError):
     """A statistics pickle names a class outside `_StatsUnpickler._ALLOWED`."""
 
 
