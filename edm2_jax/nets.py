@@ -17,9 +17,6 @@ Owns `load_net` (the network and its variables), `net_config`, `net_encoder` and
 the objective it was trained with (`objectives.from_metadata`). Used by
 `--mode=generate`, `--mode=eval`, the post-hoc EMA sweep, `--mode=export`, the training
 run's periodic evaluation and distillation (its teacher).
-
-May import `paths`, `model`, `run` and `objectives`; never the metrics, the EMA, the
-training loop or anything above them.
 """
 from __future__ import annotations
 

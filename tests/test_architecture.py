@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -16,30 +17,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "edm2_jax"
 
+
+
+def _layers_of_the_docs() -> tuple[tuple[str, ...], ...]:
+    """The layers, lowest first, as docs/architecture.md's table "Package layout by role"
+    lists them (the one list of them): each row's backticked files and folders as module
+    names (`model/` -> edm2_jax.model, `paths.py` -> edm2_jax.paths); the last row also
+    holds the package itself (`edm2_jax/__init__.py`)."""
+    rows = []
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        m = re.fullmatch(r"\| (\d+) \| (.*?) \| .* \|", line)
+        if m:
+            names = re.findall(r"`([a-z_]+)(?:/|\.py)`", m.group(2))
+            rows.append((int(m.group(1)), tuple(f"edm2_jax.{n}" for n in names)))
+    assert [i for i, _ in rows] == list(range(len(rows))), "the table's layers are not 0, 1, ..."
+    layers = [names for _, names in rows]
+    layers[-1] += ("edm2_jax",)
+    return tuple(layers)
+
+
 # Lowest first. A module may import modules of its own layer or of a lower one. The
 # first prefix that matches a module name gives its layer.
-LAYERS = (
-    ("edm2_jax.paths", "edm2_jax.plugins"),                 # storage paths; modules from outside
-    ("edm2_jax.model",),                                    # the paper's math: MP layers, U-Net, loss
-    ("edm2_jax.encoders",),                                 # SD VAE, PyTorch weight files
-    ("edm2_jax.backends",),                                 # hardware kernels the model receives
-    ("edm2_jax.data",),                                     # sources and the batch pipeline
-    ("edm2_jax.run",),                                      # run directory: files, lock, checkpoints, stats
-    ("edm2_jax.release",),                                  # the release's file formats and RNG
-    ("edm2_jax.sampling",),                                 # EDM sampler, guidance, image generation
-    ("edm2_jax.objectives",),                               # training objectives: loss and sampler of each
-    ("edm2_jax.nets",),                                     # reading a network: weights, config, sampler
-    ("edm2_jax.evaluation",),                               # metrics library
-    ("edm2_jax.ema",),                                      # power EMA, post-hoc EMA and its sweep
-    ("edm2_jax.configs",),                                  # ml_collections configs, presets
-    ("edm2_jax.training",),                                 # train state, step, loop
-    ("edm2_jax.toy",),                                      # the 2D toy of the paper's ideas
-    ("edm2_jax.analysis",),                                 # dynamics, precision audit
-    ("edm2_jax.planner",),                                  # a run compiled for a TPU slice
-    ("edm2_jax.modes",),                                    # command-line modes (flags + orchestration)
-    ("edm2_jax.process", "edm2_jax.process_exit",           # entry points, process set-up
-     "edm2_jax.main", "edm2_jax"),                          # and exit
-)
+LAYERS = _layers_of_the_docs()
 # Third-party network definitions (ported layer by layer) may be longer.
 LONG_OK = {"edm2_jax/encoders/vae.py", "edm2_jax/evaluation/inception.py",
            "edm2_jax/evaluation/dinov2.py"}
@@ -79,7 +78,7 @@ def _layer(module: str) -> int:
     for i, prefixes in enumerate(LAYERS):
         if any(module == p or module.startswith(p + ".") for p in prefixes):
             return i
-    raise AssertionError(f"{module} is in no layer of tests/test_architecture.py LAYERS")
+    raise AssertionError(f"{module} is in no layer of docs/architecture.md's table")
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -153,9 +152,13 @@ def test_modules_are_short():
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
-def test_every_subpackage_states_its_role_and_imports():
+def test_every_subpackage_states_its_role_and_has_a_layer():
+    """Each subpackage's docstring says its role; its layer (what it may import) is its
+    row of docs/architecture.md's table, the one list of the layers."""
+    listed = {p for layer in LAYERS for p in layer}
     for init in PACKAGE.glob("*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-        assert len(doc.splitlines()) >= 3 and "import" in doc, (
-            f"{init.relative_to(ROOT)}: its docstring should say the subpackage's role and "
-            f"what it may import")
+        assert len(doc.splitlines()) >= 2, (
+            f"{init.relative_to(ROOT)}: its docstring should say the subpackage's role")
+        assert f"edm2_jax.{init.parent.name}" in listed, (
+            f"{init.parent.name}/ has no row in docs/architecture.md's layer table")

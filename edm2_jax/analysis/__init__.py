@@ -2,7 +2,4 @@
 comparisons of the diagnostics the training loop logs, `diagnostics.py`; Sec. 2, Figures
 2-3); the precision policy and its audit of a traced or compiled program's convolutions
 and matmuls (`precision.py`).
-
-May import every subpackage below it (model, encoders, data, run, release, sampling,
-evaluation, ema, configs, training); never `modes` or the entry points.
 """

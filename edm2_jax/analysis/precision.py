@@ -22,7 +22,7 @@ suite runs it on the bfloat16 training step and sampler (tests/test_precision.py
 `audit_hlo(text, dtype)` does the same on a compiled program's HLO (`compiled.as_text()`,
 e.g. XLA's TPU program: tests/test_tpu_compile.py), where the compiler has the last word.
 
-May import: jax and numpy. It reads programs; nothing of the network imports it.
+It reads programs; nothing of the network imports it.
 """
 from __future__ import annotations
 

@@ -19,8 +19,6 @@ a bfloat16 network: up to the rounding of its logits, `backends/gpu.py`).
 Selected by `config.backend` (`kernels`: 'auto' | 'xla' | 'cpu', `cpu_conv_grad`,
 `cpu_barriers`, `attention`, `clip_mask`, `grad_layout`): `from_config(config)`, or
 `select(...)` directly.
-
-May import: jax, numpy and `edm2_jax.model` (and `edm2_jax.paths`).
 """
 from __future__ import annotations
 

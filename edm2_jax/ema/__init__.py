@@ -11,9 +11,7 @@
     outputs.py           the outputs' names and their complete-or-absent writing
     sweep.py             the sigma_rel sweep (a metric per EMA length), `--mode=phema_sweep`
 
-May import `edm2_jax.paths`, `model`, `backends`, `data`, `run`, `release`, `sampling`,
-`objectives`, `nets` and `evaluation` (the sweep measures its outputs); training
-imports `ema.power`. This `__init__` imports nothing, so that `import edm2_jax.ema.power`
+This `__init__` imports nothing, so that `import edm2_jax.ema.power`
 does not load the post-hoc modules (`sweep` imports `evaluation`): import the module
 you need.
 """

@@ -10,6 +10,5 @@ reader of their weight files.
 The user's weight files are read, never downloaded. Nothing here is the paper's math
 (`edm2_jax.model`) or asks which machine it runs on.
 
-May import: the standard library, jax, flax, numpy and `edm2_jax.paths`; nothing else
-of edm2_jax. The data sources, the sampler, the metrics and the training loop import it.
+The data sources, the sampler, the metrics and the training loop import it.
 """

@@ -10,8 +10,4 @@ set splits or a network's samples, with reference statistics in the release's fo
     classifier.py, classifier_metrics.py  the project classifier and its `cls` metrics
     stream.py              a network's metrics in one streamed, resumable pass
     commands.py            the bodies of `--mode=eval` and `--mode=ref`
-
-May import `paths`, `model`, `encoders`, `backends`, `data`, `run`, `release`,
-`sampling`, `objectives` and `nets` (reading the network a metric measures); never the
-EMA, the configs, the training loop or anything above them.
 """

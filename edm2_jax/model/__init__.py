@@ -7,7 +7,4 @@ parameter-holding `linen` modules: no training logic, and no question of which m
 runs them; hardware kernels come in as `mp.Kernels` (`edm2_jax.backends`). The SD VAE
 of the latent models is `edm2_jax.encoders`'; the precision policy's audit of a traced
 program `edm2_jax.analysis.precision`.
-
-May import: the standard library, jax, flax, numpy and `edm2_jax.paths`; nothing else
-of edm2_jax.
 """

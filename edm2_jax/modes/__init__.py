@@ -2,8 +2,4 @@
 each module defines the absl flags of its modes beside a `run_*()` that reads them and
 calls the library; `common.py` holds `--config`, `--workdir`, `--plugins`, the errors a
 user can act on and flag parsing.
-
-May import every library layer below it (training, ema, evaluation, sampling, release,
-run, ...), never `edm2_jax.main` or `edm2_jax.process`: what the process knows (its
-devices) is passed in by the entry point.
 """

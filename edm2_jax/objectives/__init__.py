@@ -21,8 +21,6 @@ config has its section (`section_fields`) and its checks (`check`), the set-up s
 the network from `start()` and the state with `init_state`, the training step calls
 `draws`, `loss` and `update`, sample grids, evaluation, the post-hoc EMA sweep and
 `--mode=generate` sample with `sampler()`, and the plan counts `flops_per_image`.
-
-May import: jax, optax, `edm2_jax.model` and `edm2_jax.sampling`.
 """
 from __future__ import annotations
 

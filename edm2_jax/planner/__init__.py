@@ -2,8 +2,4 @@
 slice on a machine without one (`plan.py`), the slices by Cloud TPU's names
 (`tpu_slices.py`), and the train state's size per device and the `mesh.fsdp` that fits
 it, before any compile (`fit.py`); docs/scaling.md.
-
-May import every subpackage below it (model, encoders, data, run, release, sampling,
-objectives, nets, evaluation, ema, configs, training, analysis); never `modes` or the
-entry points.
 """

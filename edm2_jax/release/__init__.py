@@ -11,9 +11,4 @@ into our runs, its per-seed torch draws in NumPy.
     training_state.py  reading a release training state `training-state-*.pt`
     export.py          our networks as the release's network pickles
     rng.py             the release's per-seed draws (noise, class, churn)
-
-May import `edm2_jax.paths`, `edm2_jax.model`, `edm2_jax.encoders` (the tensors of torch
-files: `torch_weights`) and `edm2_jax.run`; nothing higher (the train state built from a
-release state is `edm2_jax.training.from_release`'s, the command lines of convert and
-export `edm2_jax.modes.release`'s).
 """

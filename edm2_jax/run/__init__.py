@@ -11,7 +11,4 @@
     network_dir.py  network checkpoints (network.json + variables/); Orbax items as host
                     NumPy
     integrity.py    a checksum and finiteness per array, checked on every read
-
-May import `edm2_jax.paths` and `edm2_jax.model` (and third-party libraries), nothing
-higher: training, post-hoc EMA, sampling and the release formats read runs through it.
 """

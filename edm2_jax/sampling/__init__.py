@@ -5,7 +5,4 @@ classifier-free guidance, autoguidance and the guidance interval (`guidance.py`)
 release's named presets (`presets.py`), and the images of a seed range from a network
 (`seed_images.py`; reading the network is `nets.py`'s, the body of `--mode=generate`
 `modes/generate.py`'s).
-
-May import `paths`, `model`, `encoders`, `backends`, `data`, `run` and `release`; never the metrics,
-the EMA, the configs, the training loop or anything above them.
 """

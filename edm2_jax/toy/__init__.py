@@ -13,6 +13,5 @@ where the exact density and ideal denoiser are known and a run takes minutes on 
     python -m edm2_jax.toy.autoguidance --out=toy_out
     python -m edm2_jax.toy.distill --out=toy_distill_out
 
-May import the layers below it (model, sampling, objectives, ema, training's optimiser);
-nothing imports the toy. This `__init__` imports nothing: import the module you need.
+This `__init__` imports nothing: import the module you need.
 """

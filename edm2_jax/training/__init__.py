@@ -12,8 +12,4 @@
     periodic_eval.py  the metrics evaluated at every snapshot (`TrainingEval`)
     probes.py         training-dynamics probes logged at every status line
     from_release.py   a release training state as our train state
-
-May import the layers below it (model, encoders, backends, data, run, release,
-sampling, objectives, nets, evaluation, ema, configs), never analysis, modes or the entry points; nothing here
-changes the process (environment, devices): the entry point decides and passes it in.
 """
