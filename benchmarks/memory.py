@@ -117,11 +117,10 @@ def saved_for_backward(net, batch: int) -> list:
         x = jnp.zeros((batch, r, r, c), jnp.float32)
 
         def loss(params):
-            return loss_lib.edm2_objective(
+            return loss_lib.edm2_loss(
                 params, v["buffers"], net, x, jnp.zeros((batch, L), jnp.float32),
-                P_mean=-0.4, P_std=1.0, sigma_data=0.5, train=True,
-                rnd_normal=jnp.zeros((batch,)), noise_unit=x, dropout_rng=key,
-                batch_size=batch)[0]
+                rnd_normal=jnp.zeros((batch,)), noise_unit=x, P_mean=-0.4, P_std=1.0,
+                sigma_data=0.5, train=True, dropout_rng=key, batch_size=batch)[0]
         return jax.tree.leaves(jax.vjp(loss, v["params"])[1])
 
     return jax.eval_shape(residuals, jax.random.PRNGKey(0))

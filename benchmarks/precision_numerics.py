@@ -250,14 +250,16 @@ def make_probe(config):
         rnd = jax.random.normal(k_sigma, (batch_size,), jnp.float32)
         noise = jax.random.normal(k_noise, images.shape, jnp.float32)
         params = force_normalize(state["params"])
-        kw = dict(P_mean=lc.P_mean, P_std=lc.P_std, sigma_data=lc.sigma_data, train=True,
-                  rnd_normal=rnd, noise_unit=noise, dropout_rng=k_drop)
-        per_image, _ = loss_lib.edm2_loss(params, state["buffers"], net32, images, labels, **kw)
-        tf, _ = loss_lib.edm2_objective(params, state["buffers"], net16, images, labels, **kw)
+        tf, _ = loss_lib.edm2_loss(params, state["buffers"], net16, images, labels,
+                                   P_mean=lc.P_mean, P_std=lc.P_std, sigma_data=lc.sigma_data,
+                                   train=True, rnd_normal=rnd, noise_unit=noise,
+                                   dropout_rng=k_drop)
         sigma = jnp.exp(rnd * lc.P_std + lc.P_mean)
         x = images + noise * sigma[:, None, None, None]
         D, lv = net32.apply({"params": params, "buffers": state["buffers"]}, x, sigma, labels,
                             train=True, return_logvar=True, rngs={"dropout": k_drop})
+        per_image = jnp.sum(loss_lib.uncertainty_loss(D, images, sigma, lv, lc.sigma_data),
+                            axis=(1, 2, 3))
         c_skip, c_out, _, _ = precond_coefficients(sigma, lc.sigma_data, 4)
         F = (D - c_skip * x) / c_out
         r = (D - images) / c_out

@@ -79,30 +79,57 @@ def golden():
         batch_size=int(d["cfg/batch_size"]), nimg=int(d["cfg/nimg_before"]))
 
 
-@pytest.fixture(scope="module")
-def golden_step(golden):
-    """Force-normalise w0, then per-element loss and gradients of mean(per_image_loss)
-    at the normalised weights, in one jitted call (XLA optimisations off: the graph is
-    compiled once and run once, so compile time dominates on CPU)."""
-    net, kw = golden["net"], golden["loss_kw"]
+def loss_written_out(params, buffers, net, images, labels, *, rnd_normal, noise_unit, P_mean,
+                     P_std, sigma_data=0.5, dropout_rng=None):
+    """The EDM2 loss written out from the paper, in `loss.edm2_loss`'s order of operations:
+    `(sum of per-image losses / B, per-element loss)`."""
+    sigma = jnp.exp(rnd_normal * P_std + P_mean)                   # ln sigma ~ N(P_mean, P_std^2)
+    rngs = {} if dropout_rng is None else {"dropout": dropout_rng}
+    D, logvar = net.apply({"params": params, "buffers": buffers},
+                          images + noise_unit * sigma[:, None, None, None], sigma, labels,
+                          train=True, return_logvar=True, rngs=rngs)
+    lv = logvar[:, None, None, None]
+    s = sigma[:, None, None, None]
+    weight = (s**2 + sigma_data**2) / (s * sigma_data) ** 2        # EDM lambda(sigma)
+    per_elem = weight / jnp.exp(lv) * jnp.square(D - images) + lv  # Eq. 21
+    return jnp.sum(jnp.sum(per_elem, axis=(1, 2, 3))) / images.shape[0], per_elem
 
-    def objective(params):
-        per_elem, _, _ = loss.edm2_loss_per_element(
-            params, golden["buffers"], net, golden["images"], golden["labels"], **kw)
-        return jnp.mean(jnp.sum(per_elem, axis=(1, 2, 3))), per_elem
 
+def _golden_jit(golden, fn):
+    """Force-normalise w0, then `fn(params) -> (objective, aux)` and its gradients at the
+    normalised weights, in one jitted call (XLA optimisations off: the graph is compiled
+    once and run once, so compile time dominates on CPU)."""
     def step(w0):
         params = mp.force_normalize(w0)
-        (obj, per_elem), grads = jax.value_and_grad(objective, has_aux=True)(params)
-        return params, obj, per_elem, grads
+        (obj, aux), grads = jax.value_and_grad(fn, has_aux=True)(params)
+        return params, obj, aux, grads
 
     prev = jax.config.values["jax_disable_most_optimizations"]
     jax.config.update("jax_disable_most_optimizations", True)
     try:
-        params, obj, per_elem, grads = jax.device_get(jax.jit(step)(golden["w0"]))
+        params, obj, aux, grads = jax.device_get(jax.jit(step)(golden["w0"]))
     finally:
         jax.config.update("jax_disable_most_optimizations", prev)
-    return dict(params=params, objective=obj, per_elem=per_elem, grads=grads)
+    return dict(params=params, objective=obj, aux=aux, grads=grads)
+
+
+@pytest.fixture(scope="module")
+def golden_step(golden):
+    """`loss.edm2_loss` of the golden batch and draws, and its gradients."""
+    return _golden_jit(golden, lambda params: loss.edm2_loss(
+        params, golden["buffers"], golden["net"], golden["images"], golden["labels"],
+        **golden["loss_kw"]))
+
+
+@pytest.fixture(scope="module")
+def golden_written_out(golden):
+    """`loss_written_out` of the golden batch and draws (its aux: the per-element loss),
+    and its gradients."""
+    kw = {k: jnp.asarray(v, jnp.float32) if k in ("rnd_normal", "noise_unit") else v
+          for k, v in golden["loss_kw"].items()}
+    return _golden_jit(golden, lambda params: loss_written_out(
+        params, golden["buffers"], golden["net"], jnp.asarray(golden["images"], jnp.float32),
+        golden["labels"], **kw))
 
 
 # ------------------------------------------------------------------ golden parity
@@ -112,12 +139,21 @@ def test_forced_weight_normalisation_matches_release(golden):
     assert err <= 1e-5, f"forced WN differs at {where}: {err:.2e}"
 
 
-def test_loss_per_element_and_objective_match_release(golden, golden_step):
+def test_loss_per_element_and_objective_match_release(golden, golden_step, golden_written_out):
     d = golden["d"]
     ref = d["out/loss"].transpose(0, 2, 3, 1)
-    assert _rel(golden_step["per_elem"], ref) <= 1e-5
+    assert _rel(golden_written_out["aux"], ref) <= 1e-5
     # Objective = per-image sum over pixels and channels, averaged over the batch.
     assert golden_step["objective"] == pytest.approx(float(d["out/objective"]), rel=1e-5)
+    assert float(golden_step["aux"]["loss"]) == pytest.approx(float(ref.mean()), rel=1e-5)
+
+
+def test_edm2_loss_is_eqs_14_16_21_written_out_bit_for_bit(golden_step, golden_written_out):
+    """`loss.edm2_loss` is the equations' operations in their order: the same objective
+    and the same gradients, bit for bit, as the loss written out here by hand."""
+    assert np.array_equal(golden_step["objective"], golden_written_out["objective"])
+    same = jax.tree.map(np.array_equal, golden_step["grads"], golden_written_out["grads"])
+    assert all(jax.tree.leaves(same)), same
 
 
 # Gradients of the release (PyTorch) and ours agree to this fraction of each tensor's
@@ -211,58 +247,69 @@ def test_loss_is_uncertainty_weighted_edm_loss_by_hand():
     n = np.array([1.0, -1.0, 0.5, 2.0], np.float32).reshape(2, 1, 1, 2)
     logvar = np.array([math.log(2.0), -0.5], np.float32)
     net = _StubNet(denoised=jnp.full((2, 1, 1, 2), 0.4), logvar=jnp.asarray(logvar))
-    per_image, aux = loss.edm2_loss(
-        {}, {}, net, y, None, P_mean=0.0, P_std=math.log(2.0), sigma_data=0.5,
-        rnd_normal=np.array([0.0, 1.0]), noise_unit=n)
+    kw = dict(P_mean=0.0, P_std=math.log(2.0), sigma_data=0.5, rnd_normal=np.array([0.0, 1.0]),
+              noise_unit=n)
+    objective, aux = loss.edm2_loss({}, {}, net, y, None, **kw)
 
     # weight = (sigma^2 + 0.25) / (0.25 sigma^2): 5 at sigma 1, 4.25 at sigma 2.
     expected = [5 / 2 * ((0.4 - 0.3) ** 2 + (0.4 + 0.2) ** 2) + 2 * math.log(2.0),
                 4.25 / math.exp(-0.5) * ((0.4 - 0.5) ** 2 + (0.4 - 0.1) ** 2) - 2 * 0.5]
-    np.testing.assert_allclose(np.asarray(per_image), expected, rtol=1e-6)
+    assert float(objective) == pytest.approx(sum(expected) / 2, rel=1e-6)
     np.testing.assert_allclose(net.calls[0]["sigma"], [1.0, 2.0], rtol=1e-6)
     sigma = np.array([1.0, 2.0])[:, None, None, None]
     np.testing.assert_allclose(net.calls[0]["x"], y + n * sigma, rtol=1e-6)
     assert float(aux["loss"]) == pytest.approx(sum(expected) / 4, rel=1e-6)
     assert float(aux["logvar"]) == pytest.approx(float(logvar.mean()), rel=1e-6)
-    objective, _ = loss.edm2_objective(
-        {}, {}, net, y, None, P_mean=0.0, P_std=math.log(2.0), sigma_data=0.5,
-        rnd_normal=np.array([0.0, 1.0]), noise_unit=n)
-    assert float(objective) == pytest.approx(sum(expected) / 2, rel=1e-6)
+    wmse = [5 * ((0.4 - 0.3) ** 2 + (0.4 + 0.2) ** 2), 4.25 * ((0.4 - 0.5) ** 2 + (0.4 - 0.1) ** 2)]
+    assert float(aux["weighted_mse"]) == pytest.approx(sum(wmse) / 4, rel=1e-5)
+    # Over the global batch size (micro-batches): the sum of per-image losses over it.
+    objective, _ = loss.edm2_loss({}, {}, net, y, None, batch_size=8, **kw)
+    assert float(objective) == pytest.approx(sum(expected) / 8, rel=1e-6)
 
 
-def test_loss_draws_from_rng_and_routes_dropout_key():
+def test_loss_routes_the_dropout_key_and_weights_each_pixel_by_lambda():
     y = jnp.zeros((3, 2, 2, 1))
+    rnd = jax.random.normal(jax.random.PRNGKey(0), (3,))
+    draws = dict(rnd_normal=rnd, noise_unit=jax.random.normal(jax.random.PRNGKey(1), y.shape))
     net = _StubNet(denoised=0.0, logvar=jnp.zeros(3))
-    per_image, _ = loss.edm2_loss({}, {}, net, y, None, jax.random.PRNGKey(0),
-                                  P_mean=-0.4, P_std=1.0)
-    assert per_image.shape == (3,) and bool(jnp.all(jnp.isfinite(per_image)))
+    objective, _ = loss.edm2_loss({}, {}, net, y, None, P_mean=-0.4, P_std=1.0,
+                                  dropout_rng=jax.random.PRNGKey(2), **draws)
     assert "dropout" in net.calls[0]["rngs"] and net.calls[0]["train"] is True
-    # D = 0 and y = 0 leave a zero loss regardless of the draws; with D = 1 every pixel
-    # costs weight(sigma) exactly.
-    assert np.allclose(per_image, 0.0)
+    # D = 0 and y = 0 leave a zero loss whatever the draws; with D = 1 every pixel costs
+    # weight(sigma) exactly.
+    assert float(objective) == 0.0
     net1 = _StubNet(denoised=1.0, logvar=jnp.zeros(3))
-    per_image, _ = loss.edm2_loss({}, {}, net1, y, None, jax.random.PRNGKey(0),
-                                  P_mean=-0.4, P_std=1.0)
+    objective, _ = loss.edm2_loss({}, {}, net1, y, None, P_mean=-0.4, P_std=1.0, **draws)
+    assert net1.calls[0]["rngs"] == {}
     sigma = net1.calls[0]["sigma"]
-    np.testing.assert_allclose(per_image, 4 * loss.loss_weight(sigma), rtol=1e-6)
+    np.testing.assert_allclose(sigma, np.exp(np.asarray(rnd) * 1.0 - 0.4), rtol=1e-6)
+    assert float(objective) == pytest.approx(float(jnp.sum(4 * loss.loss_weight(sigma))) / 3,
+                                             rel=1e-6)
 
 
-def test_loss_rejects_missing_or_misshaped_draws():
+def test_loss_rejects_misshaped_draws():
     net = _StubNet(denoised=0.0, logvar=jnp.zeros(2))
     y = jnp.zeros((2, 2, 2, 1))
-    with pytest.raises(ValueError, match="rng"):
-        loss.edm2_loss({}, {}, net, y, None, P_mean=0.0, P_std=1.0, rnd_normal=jnp.zeros(2))
     with pytest.raises(ValueError, match="noise_unit"):
         loss.edm2_loss({}, {}, net, y, None, P_mean=0.0, P_std=1.0, rnd_normal=jnp.zeros(2),
                        noise_unit=jnp.zeros((2, 1, 2, 2)))
     with pytest.raises(ValueError, match="rnd_normal"):
         loss.edm2_loss({}, {}, net, y, None, P_mean=0.0, P_std=1.0, rnd_normal=jnp.zeros(3),
                        noise_unit=jnp.zeros((2, 2, 2, 1)))
+    with pytest.raises(ValueError, match="NHWC"):
+        loss.edm2_loss({}, {}, net, jnp.zeros((2, 4)), None, P_mean=0.0, P_std=1.0,
+                       rnd_normal=jnp.zeros(2), noise_unit=jnp.zeros((2, 4)))
 
 
 def test_sigma_is_log_normal_with_P_mean_P_std():
-    sigma = loss.sample_sigma(jax.random.PRNGKey(1), 200_000, P_mean=-0.8, P_std=1.6)
-    assert sigma.shape == (200_000,) and sigma.dtype == jnp.float32
+    # The noise levels of the step's standard normal draws (`Objective.draws`).
+    n = 200_000
+    net = _StubNet(denoised=0.0, logvar=jnp.zeros(n))
+    rnd = jax.random.normal(jax.random.PRNGKey(1), (n,), jnp.float32)
+    loss.edm2_loss({}, {}, net, jnp.zeros((n, 1, 1, 1)), None, P_mean=-0.8, P_std=1.6,
+                   rnd_normal=rnd, noise_unit=jnp.zeros((n, 1, 1, 1)))
+    sigma = net.calls[0]["sigma"]
+    assert sigma.shape == (n,) and sigma.dtype == jnp.float32
     log_sigma = np.log(np.asarray(sigma, np.float64))
     assert log_sigma.mean() == pytest.approx(-0.8, abs=0.02)
     assert log_sigma.std() == pytest.approx(1.6, abs=0.02)
