@@ -31,7 +31,7 @@ from edm2_jax.sampling import consistency
 from edm2_jax import nets
 from edm2_jax.sampling import sampler as sampling
 from edm2_jax.objectives import distill
-from edm2_jax.sampling import heun, solvers
+from edm2_jax.sampling import solvers
 from tests.cpu_devices import tree_from_process
 from tests.test_train import xla_cache  # noqa: F401  (a fixture: the runs share compiles)
 
@@ -124,13 +124,13 @@ def test_target_by_hand():
     student = lambda x, sigma: 0.5 * x  # noqa: E731
     x_t = jnp.full((3, 1, 1, 1), 3.0)
     t, r = jnp.full(3, 2.0), jnp.full(3, 1.0)
-    x_r = heun.heun_step(teacher, x_t, t, r)
+    x_r = solvers.heun_step(teacher, x_t, t, r)
     np.testing.assert_allclose(x_r.ravel(), 1.95, rtol=1e-6)
     s = jnp.array([0.5, 1.0, 0.0])
     target = distill.consistency_target(student, x_t, x_r, t, r, s)
     np.testing.assert_allclose(target.ravel(), [0.95, 0.9, 0.975], rtol=1e-6)
     # r = 0: Euler to 0 lands on the teacher's x0_hat, 3 / 5.
-    x_0 = heun.heun_step(teacher, x_t, t, jnp.zeros(3))
+    x_0 = solvers.heun_step(teacher, x_t, t, jnp.zeros(3))
     np.testing.assert_allclose(x_0.ravel(), 0.6, rtol=1e-6)
 
 
@@ -162,7 +162,7 @@ def test_teacher_heun_step_converges_to_the_flow_at_third_order():
         errs = []
         for h in (0.4, 0.2, 0.1, 0.05):
             r = t - h
-            errs.append(float(jnp.max(jnp.abs(heun.heun_step(ideal_denoiser, x_t, t, r)
+            errs.append(float(jnp.max(jnp.abs(solvers.heun_step(ideal_denoiser, x_t, t, r)
                                                - flow(x_t, t, r)))))
         ratios = np.array(errs[:-1]) / np.array(errs[1:])
         assert np.all((ratios > 6.5) & (ratios < 9.5)), (errs, ratios)

@@ -16,12 +16,11 @@ import pytest
 
 from edm2_jax import process
 from edm2_jax.sampling import sampler
-from edm2_jax.sampling.heun import heun_sampler_reference
 from edm2_jax.sampling.guidance import guided_steps, make_denoiser
 from edm2_jax.sampling.sampler import sample_images
 from edm2_jax.sampling.schedule import edm_sigma_steps
 from edm2_jax.sampling.seeds import split_seeds
-from edm2_jax.sampling.solvers import Heun, edm_sampler
+from edm2_jax.sampling.solvers import Heun, edm_sampler, heun_sampler_reference
 from tests.test_sampling import tiny_net
 from tests.tolerances import EPS32, forward_terms, reorder_tol
 

@@ -9,11 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edm2_jax.sampling.heun import heun_sampler_reference
 from edm2_jax.sampling.guidance import make_denoiser
 from edm2_jax.sampling.schedule import edm_sigma_steps
 from edm2_jax.sampling.seeds import seed_churn_noise, seed_noise
-from edm2_jax.sampling.solvers import edm_sampler
+from edm2_jax.sampling.solvers import edm_sampler, heun_sampler_reference
 from tests.test_sampling import tiny_net
 from tests.tolerances import EPS32, forward_terms, reorder_tol
 

@@ -42,7 +42,7 @@ def test_a_parallel_session_ends_on_its_summary_and_removes_its_caches(tmp_path)
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "slow_disk", "-p",
          "no:cacheprovider", "tests/test_architecture.py", "-k",
-         "imports_flow_down or modules_are_short"],
+         "imports_flow_down or states_its_role"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]

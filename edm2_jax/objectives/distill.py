@@ -38,7 +38,7 @@ from edm2_jax.model import loss as loss_lib
 from edm2_jax.model.networks import CONFIG_FIELDS, Precond
 from edm2_jax.objectives.base import Objective, StartNetwork, field
 from edm2_jax.sampling import consistency, solvers
-from edm2_jax.sampling.heun import heun_step
+from edm2_jax.sampling.solvers import heun_step
 from edm2_jax.sampling.schedule import RHO, SIGMA_MAX, SIGMA_MIN
 
 Array = jax.Array

@@ -50,9 +50,10 @@ import numpy as np
 from edm2_jax.ema import power as ema_lib
 from edm2_jax.model import mp
 from edm2_jax.objectives import distill
-from edm2_jax.sampling import consistency, heun
+from edm2_jax.sampling import consistency
 from edm2_jax.sampling import guidance as guidance_lib
 from edm2_jax.sampling.schedule import RHO, SIGMA_MIN
+from edm2_jax.sampling.solvers import heun_step
 from edm2_jax.toy.autoguidance import ToySettings, sample_metrics, sample_points
 from edm2_jax.toy.data import Mixture, log_prob, sample_mixture, tree_mixture
 from edm2_jax.toy.denoiser import ToyDenoiser, optimizer, optimizer_steps, train_denoiser
@@ -124,7 +125,7 @@ def distill_losses(params: dict[int, Any], buffers: Any, net: ToyDenoiser,
     def D(p):
         return lambda x, sigma: net.apply({"params": p, "buffers": buffers}, x, sigma, labels)
 
-    x_r = heun.heun_step(D(teacher_params), x_t, t, r)
+    x_r = heun_step(D(teacher_params), x_t, t, r)
     sd = net.sigma_data
     weight = (t**2 + sd**2) / (t * sd) ** 2
     losses = []
