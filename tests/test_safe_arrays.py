@@ -22,7 +22,6 @@ import io
 import json
 import math
 import os
-import pickle
 import subprocess
 import sys
 import warnings
@@ -45,7 +44,7 @@ from tests.test_untrusted_files import Build, Call, Global, New, Persistent, dum
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_TORCH = importlib.util.find_spec("torch") is not None
-SETTINGS = settings(max_examples=40, deadline=None, database=None, derandomize=True,
+SETTINGS = settings(max_examples=120, deadline=None, database=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.function_scoped_fixture])
 NATIVE = "<" if sys.byteorder == "little" else ">"

@@ -6,7 +6,8 @@ torch file (`torch_weights`: zip archives and legacy files, for the SD VAE, DINO
 Inception-v3 and the release's files), numpy's arrays inside a pickle (`NUMPY_GLOBALS`:
 the release's pickles, `release/unpickler.py`, and reference statistics,
 `evaluation/fid.py`), `.npy` files and the members of `.npz` archives (`read_npy`,
-`read_npz`). What it guarantees:
+`read_npz`). (`.safetensors` files are read by the safetensors package, which checks
+its own offsets.) What it guarantees:
 
 - the dtype is one of `DTYPES` (bool, int8-int64, uint8-uint64, float16/32/64 and
   bfloat16), looked up by name: no structured, sub-array, object or datetime dtype is
@@ -117,7 +118,9 @@ def array_from_bytes(raw, dtype, shape, *, byteorder: str | None = None,
         raise _refuse(what, f"it holds {nbytes} bytes, not the {count} x {dt.itemsize} "
                       f"of its {dt.name} shape {shape[:8]}")
     if count == 0:
-        return np.zeros(shape, dt, order=order)
+        empty = np.zeros(shape, dt, order=order)
+        empty.flags.writeable = False
+        return empty
     native = file_order == ("<" if np.little_endian else ">")
     if native or dt.itemsize == 1:
         flat = np.frombuffer(raw, dt, count)

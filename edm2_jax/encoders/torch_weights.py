@@ -150,7 +150,8 @@ class ScriptObject(metaclass=safe_arrays.Sealed):
     a dict of attributes."""
 
     def __setstate__(self, state):
-        if not (isinstance(state, dict) and all(isinstance(k, str) for k in state)):
+        if not (isinstance(state, dict)
+                and all(isinstance(k, str) and not k.startswith("__") for k in state)):
             raise ValueError(f"a TorchScript object's state is a {type(state).__name__}, "
                              f"not a dict of attributes; {DAMAGED}")
         self.__dict__.update(state)
