@@ -63,6 +63,7 @@ from edm2_jax.encoders import vae
 
 LATENT_NOISE_STREAM = 0x1A7E  # third SeedSequence word of the latent draws (module doc)
 _PARENT_POLL_S = 0.5          # how often a worker checks that the training process lives
+_UNLINK_WAIT_S = 10          # the longest `close` waits for grain to unlink buffered batches
 _in_worker = False            # True in a worker process: batches go straight to shared memory
 
 
@@ -247,12 +248,13 @@ class Batches(Iterator[dict]):
             raise StopIteration
         try:
             return next(self._it)
-        except RuntimeError as e:  # grain's words for a worker that is gone
-            died = re.search(r"terminated unexpectedly with exit code (-?\d+)", str(e))
-            if not died:
-                raise
-            self.close()
-            raise LoaderWorkerError(self._died(int(died.group(1)))) from None
+        except Exception as e:
+            self.close()  # a batch that failed ends the loader: its workers stop now
+            died = isinstance(e, RuntimeError) and re.search(  # grain's words for a dead worker
+                r"terminated unexpectedly with exit code (-?\d+)", str(e))
+            if died:
+                raise LoaderWorkerError(self._died(int(died.group(1)))) from None
+            raise
 
     def _died(self, code: int) -> str:
         where = getattr(self._source, "path", "") or self._source.name
@@ -269,6 +271,12 @@ class Batches(Iterator[dict]):
         it, self._it = self._it, None  # grain's iterators go now, not at interpreter exit
         if it is not None:
             it.close()
+            # The batches still buffered are unlinked by grain's deletion thread; wait for
+            # it (its tasks run in order), or a run that ends now leaves them to the
+            # resource tracker.
+            pool = grain.multiprocessing.SharedMemoryArray._del_thread_pool
+            if pool is not None and not sys.is_finalizing():
+                pool.apply_async(int).wait(_UNLINK_WAIT_S)
 
     def __enter__(self) -> "Batches":
         return self
