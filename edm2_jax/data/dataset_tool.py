@@ -1,13 +1,15 @@
 """Make training data sets in the EDM2 release's formats: the command line.
 
     python -m edm2_jax.data.dataset_tool convert --source=DIR|ZIP|fashion_mnist[:test]|tfds:NAME[:SPLIT] \
-        --dest=OUT.zip|OUTDIR [--resolution=WxH] \
+        --dest=OUT.zip|OUTDIR|OUT.npy [--resolution=WxH] \
         [--transform=center-crop|center-crop-dhariwal|center-crop-wide] [--max-images=N]
     python -m edm2_jax.data.dataset_tool encode --source=IMAGES.zip|DIR --dest=LATENTS.zip|DIR \
         --vae=PATH [--batch=N] [--max-images=N]
     python -m edm2_jax.data.dataset_tool decode --source=LATENTS.zip|DIR --dest=IMAGES.zip|DIR \
         --vae=PATH [--batch=N] [--max-images=N] [--seed=S | --mean]
 
+`--dest=OUT.npy` writes the raw format training reads with no decode (`raw_array`: one
+uint8 `[N, H, W, C]` array, labels in `OUT.labels.npy`; the same pixels as the PNGs).
 What `--source` and `--transform` accept: `dataset_inputs`; the formats written and what
 `convert`, `encode` and `decode` do: `dataset_convert`. Both are re-exported here, so
 `dataset_tool.convert(...)` etc. can be called from Python.
@@ -37,11 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m edm2_jax.data.dataset_tool",
                                 description="Make data sets in the EDM2 release's formats.")
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("convert", help="images -> zip/folder of PNGs + dataset.json")
+    c = sub.add_parser("convert", help="images -> zip/folder of PNGs + dataset.json, or .npy")
     c.add_argument("--source", required=True,
                    help=f"folder or .zip of images, {FASHION_MNIST}[:test], or tfds:NAME[:SPLIT]")
     c.add_argument("--tfds-dir", default="", help="tfds:...: the prepared data_dir")
-    c.add_argument("--dest", required=True, help="new output .zip or (empty) folder")
+    c.add_argument("--dest", required=True,
+                   help="new output .zip or (empty) folder of PNGs, or .npy (raw uint8 array)")
     c.add_argument("--resolution", help="output WxH, e.g. 64x64")
     c.add_argument("--transform",
                    choices=["center-crop", "center-crop-dhariwal", "center-crop-wide"])
