@@ -1,5 +1,5 @@
 """Guidance interval (Kynkaeaenniemi et al. 2024, arXiv:2404.07724) in the EDM sampler:
-`guidance.guided_steps`, `make_denoiser(guidance_interval=...)`, `edm_sampler`,
+`guidance.guided_steps`, `edm_sampler(guidance_interval=...)` (and `Heun`'s call),
 `sample_images`. Step `i` is guided, both of its evaluations, iff
 `sigma_lo < t_i <= sigma_hi`; the other steps evaluate the main net alone."""
 from __future__ import annotations
@@ -99,9 +99,9 @@ def heun_reference(noise, c):
 
 def run_linear(interval, **kw):
     log = []
-    denoise = make_denoiser(Linear(A, log), {}, Linear(B, log), {}, W, interval)
+    denoise = make_denoiser(Linear(A, log), {}, Linear(B, log), {}, W)
     noise = jax.random.normal(jax.random.PRNGKey(0), (4, 2, 2, 1))
-    x = jax.jit(lambda n: edm_sampler(denoise, n, **kw))(noise)
+    x = jax.jit(lambda n: edm_sampler(denoise, n, guidance_interval=interval, **kw))(noise)
     jax.effects_barrier()
     return np.asarray(x, np.float64), np.asarray(noise), log
 
@@ -178,33 +178,30 @@ def test_churn_raises_the_noise_but_the_step_decides_by_t_i():
     np.testing.assert_allclose(guide[1::2], T32[18:23], rtol=1e-6)   # the corrections
 
 
-def test_interval_given_to_the_sampler_or_the_denoiser():
+def test_the_interval_is_an_argument_of_the_sampler_call():
     log = []
     noise = jnp.ones((1, 2, 2, 1))
-    plain = make_denoiser(Linear(A, log), {}, Linear(B, log), {}, W)
-    with_iv = make_denoiser(Linear(A, log), {}, Linear(B, log), {}, W, (0.28, 1.61))
-    a = edm_sampler(plain, noise, num_steps=32, guidance_interval=(0.28, 1.61))
-    b = edm_sampler(with_iv, noise, num_steps=32)
+    denoise = make_denoiser(Linear(A, log), {}, Linear(B, log), {}, W)
+    a = edm_sampler(denoise, noise, num_steps=32, guidance_interval=(0.28, 1.61))
+    b = Heun(32)(denoise, noise, guidance_interval=(0.28, 1.61))
     np.testing.assert_array_equal(a, b)
-    with pytest.raises(ValueError, match="pass it once"):
-        edm_sampler(with_iv, noise, guidance_interval=(0.5, 1.0))
+    assert np.abs(np.asarray(a) - np.asarray(Heun(32)(denoise, noise))).max() > 1e-3
 
 
 # --- Errors of the public entry points --------------------------------------------------
 
 def test_interval_without_guidance_is_an_error(monkeypatch):
     log = []
-    with pytest.raises(ValueError, match="guidance_interval.*no guide"):
-        make_denoiser(Linear(A, log), {}, guidance_interval=(0.28, 1.61))
-    with pytest.raises(ValueError, match="guidance_interval.*guidance=1"):
-        make_denoiser(Linear(A, log), {}, Linear(B, log), {}, 1.0, (0.28, 1.61))
     with pytest.raises(ValueError, match="sigma_lo < sigma_hi"):
-        make_denoiser(Linear(A, log), {}, Linear(B, log), {}, W, (2.0, 1.0))
+        edm_sampler(make_denoiser(Linear(A, log), {}, Linear(B, log), {}, W),
+                    jnp.ones((1, 2, 2, 1)), guidance_interval=(2.0, 1.0))
     # sample_images checks before it compiles anything.
     monkeypatch.setattr(sampler, "_sample", lambda *a, **k: pytest.fail("compiled"))
     net, v = tiny_net(0, 2)
-    with pytest.raises(ValueError, match="guidance=1"):
+    with pytest.raises(ValueError, match="guidance_interval.*guidance=1"):
         sample_images(net, v, [0], guidance=1.0, guidance_interval=(0.28, 1.61))
+    with pytest.raises(ValueError, match="guidance=2.0 needs guide_net"):
+        sample_images(net, v, [0], guidance=2.0, guidance_interval=(0.28, 1.61))
     with pytest.raises(ValueError, match="sigma_lo < sigma_hi"):
         sample_images(net, v, [0], guide_net=net, guide_variables=v, guidance=2.0,
                       guidance_interval=(0.5, 0.1))

@@ -86,11 +86,11 @@ def test_guidance_interval_sampler_equals_algorithm_1(nets):
     (net, v), _, (u_net, u_v) = nets
     t = edm_sigma_steps(N, sigma_max=SIGMA_MAX)
     interval = (0.5 * (t[2] + t[3]), t[1])
-    denoise = make_denoiser(net, v, u_net, u_v, 2.0, interval)
-    fast, ref, noise = _both(denoise)
+    denoise = make_denoiser(net, v, u_net, u_v, 2.0)
+    fast, ref, noise = _both(denoise, guidance_interval=interval)
     tol = _tol(noise, ref, nets, guided=True)
     assert np.abs(fast - ref).max() <= tol
-    one_more = _reference(make_denoiser(net, v, u_net, u_v, 2.0, (0.0, t[1])))
+    one_more = _reference(denoise, guidance_interval=(0.0, t[1]))
     assert np.abs(one_more - ref).max() > 5 * tol
 
 
@@ -101,13 +101,14 @@ def test_churn_sampler_equals_algorithm_2(nets):
     each seed's own churn stream, with a guidance interval."""
     (net, v), (g_net, g_v), _ = nets
     t = edm_sigma_steps(N, sigma_max=SIGMA_MAX)
-    denoise = make_denoiser(net, v, g_net, g_v, 2.0, (t[3], t[1]))
+    denoise = make_denoiser(net, v, g_net, g_v, 2.0)
     fast, ref, noise = _both(denoise, S_churn=5.0, S_min=0.5 * (t[2] + t[3]), S_max=t[1],
-                             churn_noise=seed_churn_noise(SEEDS, SHAPE))
+                             churn_noise=seed_churn_noise(SEEDS, SHAPE),
+                             guidance_interval=(t[3], t[1]))
     assert np.abs(fast - ref).max() <= _tol(noise, ref, nets, guided=True)
 
 
 def test_the_reference_raises_as_the_sampler_does():
-    denoise = make_denoiser(*tiny_net(0, 2), guidance_interval=None)
+    denoise = make_denoiser(*tiny_net(0, 2))
     with pytest.raises(ValueError, match="S_churn > 0 needs churn noise"):
         heun_sampler_reference(denoise, jnp.ones((1, 8, 8, 3)), S_churn=1.0)

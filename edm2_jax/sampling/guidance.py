@@ -6,11 +6,12 @@ Classifier-free guidance and autoguidance share one form (Karras et al. 2024,
 Kynkaeaenniemi et al. 2024, "Applying Guidance in a Limited Interval Improves Sample and
 Distribution Quality in Diffusion Models" (arXiv:2404.07724), apply it only on the sampler
 steps of a middle range of noise levels and use the main net alone on the others:
-`guided_steps` says which steps of a schedule those are; `solvers.edm_sampler` runs them.
+`guided_steps` says which steps of a schedule those are; the sampler it is given to
+(`solvers.edm_sampler(guidance_interval=...)`) runs them.
 
-    denoise = make_denoiser(net, variables, guide_net, guide_variables, guidance=2.0,
-                            guidance_interval=(0.28, 1.61))
-    x0 = edm_sampler(denoise, noise, labels)      # guided on steps 17-22 of 32 only
+    denoise = make_denoiser(net, variables, guide_net, guide_variables, guidance=2.0)
+    x0 = edm_sampler(denoise, noise, labels, guidance_interval=(0.28, 1.61))
+    # guided on steps 17-22 of 32 only
 """
 from __future__ import annotations
 
@@ -77,8 +78,7 @@ def check_guidance_interval(guidance_interval: Any) -> tuple[float, float] | Non
 
 
 def make_denoiser(net: Any, variables: Any, guide_net: Any = None, guide_variables: Any = None,
-                  guidance: float = 1.0,
-                  guidance_interval: tuple[float, float] | None = None) -> Denoiser:
+                  guidance: float = 1.0) -> Denoiser:
     """Guided denoiser `D_g + w (D_main - D_g)` (arXiv:2406.02507, Eq. 1), `w = guidance`.
 
     `net`, `guide_net` are `Precond` modules with their `{'params', 'buffers'}`. The guide
@@ -87,15 +87,12 @@ def make_denoiser(net: Any, variables: Any, guide_net: Any = None, guide_variabl
     (`label_dim == 0`) gives classifier-free guidance. With a Python `guidance == 1` (or
     no guide) the result is the main model alone and the guide is never evaluated;
     `guidance` may also be a scalar array (e.g. traced, to sweep it without recompiling).
-    `guidance_interval=(sigma_lo, sigma_hi)` (`guided_steps`) is kept as the denoiser's
-    `guidance_interval` attribute, which `edm_sampler` applies.
 
     Returns: `denoise(x [B,H,W,C], sigma scalar or [B], labels [B,L] | None, guided=True)
       -> D` float32; `guided=False` (a Python bool) gives the main model alone without
-      evaluating the guide (the unguided steps of a guidance interval).
-    Raises: ValueError when `guidance != 1` without a guide, a guide without variables, a
-      bad interval (`check_guidance_interval`), or an interval with nothing to switch
-      (`guidance == 1` or no guide).
+      evaluating the guide (the unguided steps of a guidance interval, which the sampler
+      is given: `solvers.edm_sampler(guidance_interval=...)`).
+    Raises: ValueError when `guidance != 1` without a guide, or a guide without variables.
     """
     static_w = isinstance(guidance, (int, float))  # else an array: traced, no recompiles
     use_guide = guide_net is not None and (not static_w or guidance != 1)
@@ -104,12 +101,6 @@ def make_denoiser(net: Any, variables: Any, guide_net: Any = None, guide_variabl
                          "guide_variables, or use guidance=1.0")
     if guide_net is not None and guide_variables is None:
         raise ValueError("guide_net given without guide_variables; pass both")
-    interval = check_guidance_interval(guidance_interval)
-    if interval is not None and not use_guide:
-        raise ValueError(f"guidance_interval={interval} limits guidance to some steps, but "
-                         f"there is none (guidance={guidance}"
-                         f"{'' if guide_net is not None else ', no guide'}); drop the "
-                         f"interval, or set guidance != 1 with a guide")
 
     def denoise(x, sigma, labels=None, guided=True):
         sigma = jnp.broadcast_to(jnp.asarray(sigma, jnp.float32).reshape(-1), (x.shape[0],))
@@ -120,5 +111,4 @@ def make_denoiser(net: Any, variables: Any, guide_net: Any = None, guide_variabl
         D_g = guide_net.apply(guide_variables, x, sigma, g_labels).astype(jnp.float32)
         return D_g + guidance * (D - D_g)
 
-    denoise.guidance_interval = interval
     return denoise

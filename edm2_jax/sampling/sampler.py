@@ -76,9 +76,9 @@ def _sample(net, variables, guide_net, guide_variables, seeds, labels, guidance,
         churn = lambda i: churn_table[i]  # noqa: E731
     if noise is None:
         noise = seed_noise(seeds, shape)
-    denoise = make_denoiser(net, variables, guide_net, guide_variables, guidance,
-                            guidance_interval)
-    x = sampler(denoise, noise, labels, churn_noise=churn)
+    denoise = make_denoiser(net, variables, guide_net, guide_variables, guidance)
+    interval = {} if guidance_interval is None else {"guidance_interval": guidance_interval}
+    x = sampler(denoise, noise, labels, churn_noise=churn, **interval)
     return x if raw else decode_uint8(x)
 
 

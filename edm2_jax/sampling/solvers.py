@@ -1,5 +1,6 @@
 """The samplers as values: each is a frozen (hashable) dataclass holding its settings,
-called as `sampler(denoise, noise, labels, churn_noise=None) -> x_0`, that the image
+called as `sampler(denoise, noise, labels, churn_noise=None) -> x_0` (and
+`guidance_interval=` where it takes one), that the image
 functions (`sampler.sample_images`, `seed_images.generate_images`) run without asking
 which it is, and that an objective returns for its networks (`objectives`).
 
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from edm2_jax.sampling import consistency
-from edm2_jax.sampling.guidance import Denoiser, check_guidance_interval, guided_steps
+from edm2_jax.sampling.guidance import Denoiser, guided_steps
 from edm2_jax.sampling.schedule import RHO, SIGMA_MAX, SIGMA_MIN, edm_sigma_steps
 
 Array = jax.Array
@@ -68,14 +69,15 @@ def edm_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
       churn_noise: `churn_noise(i int32 scalar) -> eps` of `noise.shape` for step `i`
         (e.g. `seed_churn_noise`, independent of batch size); or else
       rng: a PRNG key; step `i` then draws from `fold_in(rng, i)` for the whole batch.
-      guidance_interval: `(sigma_lo, sigma_hi)` (`guided_steps`), by default that of
-        `denoise` (`make_denoiser(guidance_interval=...)`); None: every step as `denoise`.
+      guidance_interval: `(sigma_lo, sigma_hi)`: `denoise` as given on the steps with
+        `sigma_lo < t_i <= sigma_hi` (`guided_steps`), `denoise(..., guided=False)` on
+        the others; None: every step as `denoise`.
     Returns: `x_0` `[B, H, W, C]` float32.
     Raises: ValueError when `S_churn > 0` and neither `churn_noise` nor `rng` is given,
-      on a bad interval (`guided_steps`), or one other than `denoise`'s.
+      or on a bad interval (`guided_steps`).
     """
     t_host = edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)
-    a, b = guided_steps(_sampler_interval(denoise, guidance_interval), t_host)
+    a, b = guided_steps(guidance_interval, t_host)
     t_steps = jnp.asarray(t_host, jnp.float32)
     churn = _churn_source(S_churn, churn_noise, rng, noise.shape)
 
@@ -114,20 +116,6 @@ def edm_sampler(denoise: Denoiser, noise: Array, labels: Array | None = None, *,
             carry = jax.lax.fori_loop(start, min(stop, evaluations), functools.partial(
                 evaluation, guided=guided), carry)
     return carry[0]
-
-
-def _sampler_interval(denoise: Denoiser,
-                      guidance_interval: tuple[float, float] | None) -> Any:
-    """The sampler's guidance interval: the one given, else the denoiser's own
-    (`make_denoiser(guidance_interval=...)`). Raises: ValueError when both are given and
-    differ."""
-    own = getattr(denoise, "guidance_interval", None)
-    if guidance_interval is None:
-        return own
-    if own is not None and check_guidance_interval(guidance_interval) != own:
-        raise ValueError(f"guidance_interval={guidance_interval} but the denoiser's is {own}; "
-                         f"pass it once (to make_denoiser)")
-    return guidance_interval
 
 
 def _churn_source(S_churn: float, churn_noise: Callable[[Array], Array] | None,
@@ -216,7 +204,7 @@ def heun_sampler_reference(denoise: Denoiser, noise: Array, labels: Array | None
     and errors are those of `edm_sampler`.
     """
     t_host = edm_sigma_steps(num_steps, sigma_min, sigma_max, rho)
-    a, b = guided_steps(_sampler_interval(denoise, guidance_interval), t_host)
+    a, b = guided_steps(guidance_interval, t_host)
     t32 = t_host.astype(np.float32)
     t = jnp.asarray(t32)
     churn = _churn_source(S_churn, churn_noise, rng, noise.shape)
@@ -260,8 +248,9 @@ class Sampler:
     What it can do is stated apart, each a class attribute the callers read:
     - `takes_churn`: it has the fields `S_churn`, `S_min`, `S_max`, `S_noise` (EDM
       Sec. 4) and uses `churn_noise(i) -> eps` of step `i` when `stochastic`;
-    - `takes_guidance_interval`: `denoise(..., guided=False)` is called on the steps
-      outside the guidance interval of `denoise` (`guidance.guided_steps`);
+    - `takes_guidance_interval`: its call also takes `guidance_interval=(sigma_lo,
+      sigma_hi)` and calls `denoise(..., guided=False)` on the steps outside it
+      (`guidance.guided_steps`); the image functions pass it only to such a sampler;
     - `release_draws`: the release's per-seed random draws apply (`rng='release'`): the
       sampler is on the EDM schedule of its `release_schedule()`.
     """
@@ -277,6 +266,11 @@ class Sampler:
             cast = _TYPES.get(f.type if isinstance(f.type, str) else f.type.__name__)
             if cast is not None:
                 object.__setattr__(self, f.name, cast(getattr(self, f.name)))
+        self.check()
+
+    def check(self) -> None:
+        """Raise ValueError naming the setting when the settings are not a sampler (run at
+        construction, after the fields are cast to their types). Default: `num_steps >= 1`."""
         if self.num_steps < 1:
             raise ValueError(f"num_steps={self.num_steps}: a sampler takes at least 1 step")
 
@@ -359,8 +353,7 @@ class Heun(Sampler):
     S_max: float = float("inf")
     S_noise: float = 1.0
 
-    def __post_init__(self):
-        super().__post_init__()
+    def check(self) -> None:
         edm_sigma_steps(self.num_steps, self.sigma_min, self.sigma_max, self.rho)
 
     @property
@@ -380,10 +373,12 @@ class Heun(Sampler):
                 f"evaluations)")
 
     def __call__(self, denoise: Denoiser, noise: Array, labels: Array | None = None, *,
-                 churn_noise: Callable[[Array], Array] | None = None) -> Array:
-        """`edm_sampler` with these settings: `[B, H, W, C]` float32."""
+                 churn_noise: Callable[[Array], Array] | None = None,
+                 guidance_interval: tuple[float, float] | None = None) -> Array:
+        """`edm_sampler` with these settings and `guidance_interval`: `[B, H, W, C]`
+        float32."""
         return edm_sampler(denoise, noise, labels, churn_noise=churn_noise,
-                           **dataclasses.asdict(self))
+                           guidance_interval=guidance_interval, **dataclasses.asdict(self))
 
 
 @register
@@ -402,8 +397,7 @@ class FewStep(Sampler):
     sigma_max: float = SIGMA_MAX
     rho: float = RHO
 
-    def __post_init__(self):
-        super().__post_init__()
+    def check(self) -> None:
         consistency.segment_bounds(self.num_steps, self.teacher_steps)
         consistency.grid_sigmas(self.teacher_steps, self.sigma_min, self.sigma_max, self.rho)
 

@@ -57,8 +57,9 @@ from edm2_jax.toy.plot import plot_guidance
 def _sample(net, variables, guide_net, guide_variables, guidance, noise, labels, num_steps,
             sigma_max, guidance_interval=None):
     denoise = guidance_lib.make_denoiser(net, variables, guide_net, guide_variables,
-                                     1.0 if guide_net is None else guidance, guidance_interval)
-    return solvers.edm_sampler(denoise, noise, labels, num_steps=num_steps, sigma_max=sigma_max)
+                                     1.0 if guide_net is None else guidance)
+    return solvers.edm_sampler(denoise, noise, labels, num_steps=num_steps, sigma_max=sigma_max,
+                               guidance_interval=guidance_interval)
 
 
 def sample_points(net: ToyDenoiser, variables: dict, n: int, cls: int | None = 0, *,
