@@ -258,9 +258,9 @@ def make_probe(config):
         x = images + noise * sigma[:, None, None, None]
         D, lv = net32.apply({"params": params, "buffers": state["buffers"]}, x, sigma, labels,
                             train=True, return_logvar=True, rngs={"dropout": k_drop})
-        per_image = jnp.sum(loss_lib.uncertainty_loss(D, images, sigma, lv, lc.sigma_data),
+        per_image = jnp.sum(loss_lib.uncertainty_loss(D, images, sigma, lv, config.network.sigma_data),
                             axis=(1, 2, 3))
-        c_skip, c_out, _, _ = precond_coefficients(sigma, lc.sigma_data, 4)
+        c_skip, c_out, _, _ = precond_coefficients(sigma, config.network.sigma_data, 4)
         F = (D - c_skip * x) / c_out
         r = (D - images) / c_out
         inv_var = jnp.exp(-lv)

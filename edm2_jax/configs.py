@@ -41,8 +41,9 @@ def base_config() -> ml_collections.ConfigDict:
         # mp_fixed_layers (networks.py docstring); D->E is optim.forced_wn.
         mp_learned_layers=True, group_norm=False, mp_fixed_layers=True))
 
-    # Loss (docs/recipe.md §4): ln(sigma) ~ N(P_mean, P_std^2).
-    c.loss = ml_collections.ConfigDict(dict(P_mean=-0.8, P_std=1.6, sigma_data=0.5))
+    # Loss (docs/recipe.md §4): ln(sigma) ~ N(P_mean, P_std^2). The data's standard
+    # deviation is the network's `network.sigma_data` (the preconditioning's), one value.
+    c.loss = ml_collections.ConfigDict(dict(P_mean=-0.8, P_std=1.6))
 
     # Optimiser: Adam + inverse-sqrt decay after t_ref batches, linear ramp-up.
     c.optim = ml_collections.ConfigDict(dict(
@@ -265,10 +266,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
          "a probability in [0, 1), e.g. 0.1 (0 = no dropout)")
     need(str(c.network.dtype) in DTYPES, "network.dtype",
          f"one of {', '.join(DTYPES)} (auto: bfloat16 on GPU/TPU, float32 on CPU)")
-    need(float(c.loss.get("sigma_data", 0.5)) == float(c.network.get("sigma_data", 0.5)),
-         "loss.sigma_data", f"the data's standard deviation is one value: set it equal to "
-         f"network.sigma_data={c.network.get('sigma_data', 0.5)!r} (the preconditioning's), "
-         f"or set both")
 
 
 def compute_dtype(dtype: str, platform: str, recorded: str | None = None) -> str:

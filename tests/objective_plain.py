@@ -14,7 +14,8 @@ from edm2_jax.model import loss as loss_lib
 
 class PlainEDM(objectives.Objective):
     """`lambda(sigma) ||D(y + sigma n; sigma) - y||^2` per element, `ln sigma ~ N(P_mean,
-    P_std^2)` of `config.loss`; the network's uncertainty head gets no gradient."""
+    P_std^2)` of `config.loss`, `sigma_data` the network's; its uncertainty head gets no
+    gradient."""
 
     name = "edm_plain"
 
@@ -25,7 +26,7 @@ class PlainEDM(objectives.Objective):
         rngs = {"dropout": dropout_rng} if dropout_rng is not None else {}
         denoised = net.apply({"params": params, "buffers": buffers}, noisy, sigma, labels,
                              train=True, rngs=rngs)
-        weight = loss_lib.loss_weight(sigma, self.get("loss.sigma_data"))
+        weight = loss_lib.loss_weight(sigma, self.get("network.sigma_data"))
         per_element = weight[:, None, None, None] * jnp.square(denoised - images)
         return jnp.sum(per_element) / batch_size, {"loss": jnp.mean(per_element)}
 

@@ -443,7 +443,7 @@ class PreHeadDMD(objectives.Objective):
         loss_g, loss_f, aux = dmd.dmd_loss_per_element(
             params, buffers, net, state, labels, rnd_normal=draws["rnd_normal"],
             noise_unit=draws["noise_unit"], dropout_rng=dropout_rng,
-            sigma_data=float(self.get("loss.sigma_data", 0.5)), **grid_settings(self.config))
+            sigma_data=float(self.get("network.sigma_data", 0.5)), **grid_settings(self.config))
         per_image = jnp.sum(loss_g + loss_f, axis=(1, 2, 3))
         fake = loss_lib.loss_metrics(loss_f, aux["logvar"], aux["t_f"])
         metrics = {"loss": jnp.mean(loss_g + loss_f), "dm": jnp.mean(loss_g),

@@ -157,7 +157,7 @@ class ConsistencyDistillation(Objective):
     """Multistep consistency distillation (`config.objective='consistency'`): the student
     starts as the teacher `distill.teacher` (EMA `distill.teacher_ema`), whose weights
     the train state keeps frozen as `'teacher'`; the loss is `distill_objective` with
-    `config.loss.sigma_data`; its networks are sampled with the few-step sampler of its
+    `config.network.sigma_data`; its networks are sampled with the few-step sampler of its
     grid (`solvers.FewStep`)."""
 
     name = "consistency"
@@ -190,7 +190,7 @@ class ConsistencyDistillation(Objective):
         return distill_objective(
             params, buffers, net, state["teacher"], images, labels,
             rnd_normal=draws["rnd_normal"], noise_unit=draws["noise_unit"],
-            dropout_rng=dropout_rng, sigma_data=float(self.get("loss.sigma_data", 0.5)),
+            dropout_rng=dropout_rng, sigma_data=float(self.get("network.sigma_data", 0.5)),
             batch_size=batch_size, **grid_settings(self.config))
 
     def sampler(self, num_steps: int = 32) -> solvers.FewStep:

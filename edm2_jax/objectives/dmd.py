@@ -350,7 +350,7 @@ class DistributionMatching(Objective):
         return dmd_objective(params, buffers, net, state, labels,
                              rnd_normal=draws["rnd_normal"], noise_unit=draws["noise_unit"],
                              dropout_rng=dropout_rng,
-                             sigma_data=float(self.get("loss.sigma_data", 0.5)),
+                             sigma_data=float(self.get("network.sigma_data", 0.5)),
                              batch_size=batch_size, images=images, gan_weights=gan_weights,
                              gan_features=str(self.gan_setting("gan_features")),
                              gan_sigma_max=float(self.gan_setting("gan_sigma_max")),

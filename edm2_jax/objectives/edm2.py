@@ -15,7 +15,7 @@ Array = jax.Array
 
 class EDM2(Objective):
     """The objective of an EDM2 training run: `model.loss.edm2_loss` with the settings of
-    `config.loss` (`P_mean`, `P_std`, `sigma_data`). Everything else is the interface's
+    `config.loss` (`P_mean`, `P_std`) and `network.sigma_data`. Everything else is the interface's
     default (`base.Objective`)."""
 
     name = "edm2"
@@ -28,5 +28,5 @@ class EDM2(Objective):
         return edm2_loss(
             params, buffers, net, images, labels, rnd_normal=draws["rnd_normal"],
             noise_unit=draws["noise_unit"], P_mean=self.get("loss.P_mean"),
-            P_std=self.get("loss.P_std"), sigma_data=self.get("loss.sigma_data"),
+            P_std=self.get("loss.P_std"), sigma_data=self.get("network.sigma_data"),
             train=True, dropout_rng=dropout_rng, batch_size=batch_size)

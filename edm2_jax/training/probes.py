@@ -150,7 +150,7 @@ class Diagnostics:
                                                 int(d.seed)))
         self.fn = jax.jit(make_diagnostics_fn(
             net, tx, sigmas=d.sigmas, act_sigmas=d.act_sigmas,
-            batch_size=int(config.batch_size), sigma_data=float(config.loss.sigma_data),
+            batch_size=int(config.batch_size), sigma_data=float(config.network.sigma_data),
             forced_wn=bool(config.optim.get("forced_wn", True))))
 
     def __call__(self, state: dict) -> dict:

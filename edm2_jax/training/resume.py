@@ -65,7 +65,7 @@ def config_differences(saved: dict, current: dict) -> tuple[list[str], list[str]
         if a is None and isinstance(b, dict):  # a section added after the run started
             a = {}
         if isinstance(a, dict) and isinstance(b, dict):
-            keys = set(b) if field == section else set(a) | set(b)
+            keys = set(b)   # the fields this run reads (e.g. not a removed loss.sigma_data)
             for k in sorted(keys):
                 va = a.get(k, added.get(f"{field}.{k}"))
                 if va != b.get(k):
