@@ -95,11 +95,6 @@ def eval_results_path(net_path: str) -> str:
     return os.path.join(snap[0] if snap else path, EVAL_JSONL)
 
 
-def state_item(workdir: str, step: int) -> str:
-    """The Orbax item of state checkpoint `step`."""
-    return os.path.join(workdir, CHECKPOINTS, str(step), STATE_ITEM)
-
-
 def snapshot_item(workdir: str, step: int, item: str = "ema") -> str:
     """An Orbax item (`ema`, `buffers`) of EMA snapshot `step`."""
     return os.path.join(workdir, SNAPSHOTS, str(step), item)
