@@ -1,33 +1,40 @@
-"""Throughput of the training data pipeline on the host: can it feed the GPU?
+"""Throughput of the training data pipeline on the host: can it feed the accelerators?
 
-    python benchmarks/data_pipeline.py                               # 64x64 RGB stand-in
-    python benchmarks/data_pipeline.py --path=PATH/img64.zip --workers=1,2,4,8
-    python benchmarks/data_pipeline.py --images=512 --batch=64 --batches=4 --out=d.json
+    python benchmarks/data_pipeline.py                  # PNGs, raw, latents: threads vs workers
+    python benchmarks/data_pipeline.py --kinds=png,raw --workers=1,2,4,8,16 --threads=
+    python benchmarks/data_pipeline.py --path=PATH/img64.zip --out=d.json
 
-The pipeline is `edm2_jax.data.pipeline.make_iterator` over an `ImageFolder`, exactly as
-training reads `data.source='folder'` (a zip as the release's dataset_tool.py writes:
-PNGs and dataset.json), with its loader threads (`data.num_workers`) and prefetching:
-PNG decode, the uint8 -> [-1, 1] float32 conversion and the one-hot labels of each
-global batch. Nothing trains: the consumer only takes batches, so the figure is what the
-host can deliver, to compare with what the step consumes (`--target`, img/s per process;
-600 is twice the img/s of the release's img64-s step on one H100).
+What is timed is `edm2_jax.data.pipeline.make_iterator` over the sources training reads
+(`data.source='folder'`): decode or gather, the uint8 -> [-1, 1] float32 conversion, the
+one-hot labels (for latents, the per-use draw `mean + N(0, 1) std`), every batch handed to
+the consumer; nothing trains, so a figure is what the host can deliver. Three kinds of data
+(`--kinds`), each 8,192 stand-in items written once to `--workdir` (or `--path`):
+  * `png`: a zip of 64x64 RGB PNGs as `dataset_tool convert` and the release's tool write
+    them (compression level 0: every image decodes at the same cost), `ImageFolder`;
+  * `raw`: the same images converted to this project's raw uint8 array
+    (`dataset_tool convert --dest=NAME.npy`, `RawImages`), bit for bit the same batches;
+  * `latents`: the img512 presets' data, `[8, 64, 64]` float32 .npy raw SD-VAE latents
+    per item in a zip (`LatentFolder`, 128 KiB each).
+Loaders per kind: `threads:T` for each T of `--threads`, the pool of T Python threads that
+loaded batches before grain (`threaded_reference`, kept here as the baseline), and
+`workers:W` for each W of `--workers`, grain's W worker processes (`data.num_workers=W`).
+For `raw`, stored decoded, `make_iterator` gathers in the training process whatever
+`num_workers` (`in-process`); `workers:W` there forces the worker processes to show what
+they would cost.
 
-Without `--path`, a stand-in data set is written first (to `--workdir`, reused when
-present): `--images` random RGB PNGs of `--resolution` with `--classes` labels, stored
-as `python -m edm2_jax.data.dataset_tool convert` and the release's dataset_tool.py store
-them (PNG compression level 0, so every image decodes at the same cost whatever it
-shows). The mean PNG size is printed. `--latents`: the img512 presets' data instead,
-raw SD-VAE latents (`[8, R, R]` float32 .npy per image, means then stds, as
-`dataset_tool encode` writes them; default `--resolution` then 64), from which the
-pipeline draws each image's 4 latent channels anew (`data.pipeline`).
-
-Prints, per worker count in `--workers`, the img/s over `--batches` global batches of
-`--batch` after one warm-up batch (median of `--repeats`), img/s per worker, and whether
-it meets `--target`; `--out` writes the figures as JSON.
+Per row: img/s over `--batches` global batches of `--batch` after a warm-up batch (median of
+`--repeats` consecutive windows of one iterator; the workers start in the warm-up), the CPU
+seconds the loader's processes spent per image in those windows (the training process and
+its workers, user + system), hence img/s per core (= images per CPU second), and the
+loader's memory (the proportional set size of its processes together, MiB, at the end).
+The floors of issue 66 are checked at the end: PNGs at 2 workers >= 1.8x 1 worker (on 2
+cores), the raw format >= 5x PNGs per core. `--out` writes everything as JSON.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
 import io
 import json
 import os
@@ -37,11 +44,16 @@ import time
 import zipfile
 
 import numpy as np
+import psutil
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from edm2_jax.data import pipeline  # noqa: E402
+from edm2_jax.data import dataset_tool, pipeline  # noqa: E402
 from edm2_jax.data.image_folder import ImageFolder  # noqa: E402
 from edm2_jax.data.latents import LatentFolder  # noqa: E402
+from edm2_jax.data.raw_array import RawImages  # noqa: E402
+from edm2_jax.encoders import vae  # noqa: E402
+
+KINDS = ("png", "raw", "latents")
 
 
 def write_standin(path: str, images: int, resolution: int, classes: int, seed: int = 0,
@@ -82,75 +94,253 @@ def mean_file_bytes(path: str) -> float:
     return float(np.mean(sizes))
 
 
-def measure(source: ImageFolder | LatentFolder, batch: int, batches: int, workers: int,
-            prefetch: int = 2) -> float:
-    """img/s of `make_iterator(source, num_workers=workers)` over `batches` batches of
-    `batch`, after one warm-up batch (which starts the threads)."""
-    it = pipeline.make_iterator(source, global_batch=batch, seed=0, num_workers=workers,
-                                prefetch=prefetch)
+# ------------------------------------------------------------------------ the baseline
+
+def _fill(source, indices, image, label, positions, seed) -> None:
+    """The thread pool's per-image loop (data/pipeline.py before grain), unchanged."""
+    shape = image.shape[1:]
+    latent = getattr(source, "encoder", "none") == "sd-vae"
+    u8 = None if latent else np.empty(image.shape, np.uint8)
+    for j, i in enumerate(indices):
+        img, lab = source[int(i)]
+        if latent:
+            image[j] = vae.encode_latents(img, pipeline.latent_noise(seed, int(positions[j]),
+                                                                     shape))
+        else:
+            u8[j] = img
+        if label.shape[1]:
+            label[j, lab] = 1
+    if not latent:
+        np.subtract(u8.astype(np.float32) / np.float32(127.5), np.float32(1), out=image)
+
+
+class threaded_reference:  # noqa: N801 - used like the function it replaces
+    """Batches of `source` as the pool of `workers` threads made them before grain (the
+    same stream as `make_iterator`: one process, start at 0), `prefetch` batches ahead."""
+
+    def __init__(self, source, *, global_batch: int, seed: int, workers: int,
+                 prefetch: int = 2):
+        self.source, self.batch, self.seed, self.prefetch = source, global_batch, seed, prefetch
+        self.order = pipeline.StreamOrder(len(source), seed)
+        self.shape = (global_batch, source.resolution, source.resolution, source.num_channels)
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, "edm2-data")
+        self.chunks, self.pending, self.step = 4 * workers, collections.deque(), 0
+
+    def _submit(self) -> None:
+        first = self.step * self.batch
+        self.step += 1
+        indices = self.order.indices(first, self.batch)
+        positions = first + np.arange(self.batch, dtype=np.int64)
+        batch = {"image": np.empty(self.shape, np.float32),
+                 "label": np.zeros((self.batch, self.source.label_dim), np.float32)}
+        bounds = np.linspace(0, self.batch, self.chunks + 1).astype(int)
+        futures = [self.pool.submit(_fill, self.source, indices[a:b], batch["image"][a:b],
+                                    batch["label"][a:b], positions[a:b], self.seed)
+                   for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        self.pending.append((batch, futures))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        while len(self.pending) < self.prefetch:
+            self._submit()
+        batch, futures = self.pending.popleft()
+        for f in futures:
+            f.result()
+        return batch
+
+    def close(self) -> None:
+        for _, futures in self.pending:
+            for f in futures:
+                f.cancel()
+        self.pool.shutdown(wait=True)
+
+
+class _Undecoded:
+    """`source` presented as one that decodes, so that `make_iterator` sends it to worker
+    processes (the `raw` rows `workers:W`)."""
+
+    decoded = False
+
+    def __init__(self, source):
+        self._s = source
+        self.name, self.resolution, self.num_channels = source.name, source.resolution, \
+            source.num_channels
+        self.label_dim, self.encoder = source.label_dim, source.encoder
+
+    def __len__(self):
+        return len(self._s)
+
+    def __getitem__(self, i):
+        return self._s[i]
+
+    def read_batch(self, indices):
+        return self._s.read_batch(indices)
+
+
+# --------------------------------------------------------------------------- measuring
+
+def _family() -> list[psutil.Process]:
+    me = psutil.Process()
+    return [me] + me.children(recursive=True)
+
+
+def _cpu_s(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _pss_mib(procs: list[psutil.Process]) -> float:
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_full_info().pss
+        except (psutil.NoSuchProcess, AttributeError, psutil.AccessDenied):
+            total += p.memory_info().rss
+    return total / 2**20
+
+
+def measure(make, batch: int, batches: int, repeats: int) -> dict:
+    """img/s, CPU seconds per image and memory of the iterator `make()` (module doc)."""
+    it = make()
     try:
-        next(it)
-        t = time.perf_counter()
-        for _ in range(batches):
-            b = next(it)
-        seconds = time.perf_counter() - t
-        assert b["image"].shape[0] == batch
+        assert next(it)["image"].shape[0] == batch  # the warm-up: workers start here
+        procs = _family()
+        rates, cpu = [], []
+        for _ in range(repeats):
+            c, t = _cpu_s(procs), time.perf_counter()
+            for _ in range(batches):
+                next(it)
+            seconds = time.perf_counter() - t
+            rates.append(batch * batches / seconds)
+            cpu.append((_cpu_s(procs) - c) / (batch * batches))
+        memory = _pss_mib(_family())
     finally:
         it.close()
-    return batch * batches / seconds
+    cpu_per_img = float(np.median(cpu))
+    return dict(img_per_s=float(np.median(rates)), all=rates, cpu_s_per_img=cpu_per_img,
+                img_per_core_s=1 / cpu_per_img if cpu_per_img > 0 else float("inf"),
+                processes=len(procs), memory_mib=memory)
+
+
+def _loaders(kind: str, source, args) -> list[tuple[str, object]]:
+    """(row name, iterator factory) of each loader measured for `kind`."""
+    kw = dict(global_batch=args.batch, seed=0)
+    rows = [(f"threads:{t}", lambda t=t: threaded_reference(source, workers=t, **kw))
+            for t in args.threads]
+    if kind == "raw":
+        rows.append(("in-process", lambda: pipeline.make_iterator(source, num_workers=1, **kw)))
+        source = _Undecoded(source)
+    rows += [(f"workers:{w}", lambda w=w: pipeline.make_iterator(source, num_workers=w, **kw))
+             for w in args.workers]
+    return rows
+
+
+def _data(kind: str, args) -> str:
+    """The path of `kind`'s data set: written once to `--workdir`, from `--path` for raw."""
+    os.makedirs(args.workdir, exist_ok=True)
+    stem = os.path.join(args.workdir, f"standin-{args.images}x{args.resolution}-{args.classes}")
+    png = args.path or stem + "-images.zip"
+    raw = os.path.join(args.workdir, os.path.splitext(os.path.basename(png))[0] + ".npy")
+    path = {"png": png, "raw": raw, "latents": stem + "-latents.zip"}[kind]
+    if not os.path.exists(path):
+        t = time.perf_counter()
+        if kind == "raw":
+            dataset_tool.convert(_data("png", args), path, quiet=True)
+        else:
+            write_standin(path, args.images, args.resolution, args.classes,
+                          latents=kind == "latents")
+        print(f"Wrote {path} in {time.perf_counter() - t:.0f} s", flush=True)
+    return path
+
+
+def _open(kind: str, path: str):
+    return {"png": ImageFolder, "raw": RawImages, "latents": LatentFolder}[kind](path)
+
+
+def floors(rows: list[dict]) -> dict:
+    """The floors of issue 66 from the rows measured (None where a row is missing)."""
+    by = {(r["kind"], r["loader"]): r for r in rows}
+    png1, png2 = by.get(("png", "workers:1")), by.get(("png", "workers:2"))
+    raw = by.get(("raw", "in-process"))
+    png_core = max((r["img_per_core_s"] for r in rows if r["kind"] == "png"
+                    and r["loader"].startswith("workers")), default=None)
+    out = {"png_2_over_1_workers": png2["img_per_s"] / png1["img_per_s"]
+           if png1 and png2 else None,
+           "raw_over_png_per_core": raw["img_per_core_s"] / png_core
+           if raw and png_core else None}
+    out["meets"] = {"png_2_over_1_workers >= 1.8": out["png_2_over_1_workers"] is not None
+                    and out["png_2_over_1_workers"] >= 1.8,
+                    "raw_over_png_per_core >= 5": out["raw_over_png_per_core"] is not None
+                    and out["raw_over_png_per_core"] >= 5}
+    return out
+
+
+def _counts(text: str, flag: str, least: int) -> list[int]:
+    counts = [int(w) for w in text.split(",") if w.strip()]
+    if any(c < least for c in counts):
+        sys.exit(f"error: --{flag}={text!r} must list counts >= {least}, e.g. 1,2,4")
+    return counts
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--path", default="", help="a data set (zip or folder); default: a stand-in")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="of png, raw, latents")
+    ap.add_argument("--path", default="", help="a PNG zip (default: the stand-in); raw is "
+                                               "converted from it")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "edm2_jax_data_bench"),
-                    help="where the stand-in data set is written")
-    ap.add_argument("--images", type=int, default=8192, help="stand-in: number of images")
-    ap.add_argument("--resolution", type=int, default=64, help="stand-in: image size")
-    ap.add_argument("--latents", action="store_true",
-                    help="SD-VAE latents (the img512 presets' data) instead of images")
+                    help="where the stand-in data sets are written")
+    ap.add_argument("--images", type=int, default=8192, help="stand-in: number of items")
+    ap.add_argument("--resolution", type=int, default=64, help="stand-in: image (latent) side")
     ap.add_argument("--classes", type=int, default=1000, help="stand-in: number of classes")
     ap.add_argument("--batch", type=int, default=256, help="global batch (one process)")
-    ap.add_argument("--batches", type=int, default=16, help="timed batches per repeat")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--workers", default="1,2", help="loader thread counts, comma-separated")
+    ap.add_argument("--batches", type=int, default=16, help="timed batches per window")
+    ap.add_argument("--repeats", type=int, default=3, help="timed windows")
+    ap.add_argument("--workers", default="1,2", help="worker process counts, comma-separated")
+    ap.add_argument("--threads", default="1,2", help="baseline thread counts ('' for none)")
     ap.add_argument("--target", type=float, default=600.0, help="img/s the step consumes")
     ap.add_argument("--out", default="", help="write the figures as JSON here")
     args = ap.parse_args(argv)
-    workers = [int(w) for w in args.workers.split(",") if w.strip()]
-    if not workers or min(workers) < 1:
-        sys.exit(f"error: --workers={args.workers!r} must list thread counts >= 1, e.g. 1,2,4")
-    path = args.path
-    if not path:
-        os.makedirs(args.workdir, exist_ok=True)
-        kind = "latents" if args.latents else "images"
-        path = os.path.join(args.workdir, f"standin-{kind}-{args.images}x{args.resolution}-"
-                                          f"{args.classes}.zip")
-        if not os.path.exists(path):
-            t = time.perf_counter()
-            write_standin(path, args.images, args.resolution, args.classes,
-                          latents=args.latents)
-            print(f"Wrote the stand-in data set {path} in {time.perf_counter() - t:.0f} s",
-                  flush=True)
-    source = (LatentFolder if args.latents else ImageFolder)(path, use_labels=True)
-    size = mean_file_bytes(path) if path.endswith(".zip") else float("nan")
-    print(f"{source.name}: {len(source)} {'latents' if args.latents else 'images'} "
-          f"{source.resolution}x{source.resolution}x{source.num_channels}, "
-          f"{source.label_dim} classes, {size / 1024:.1f} KiB per file; batch {args.batch}, "
-          f"{os.cpu_count()} CPUs", flush=True)
-    rows = []
-    for w in workers:
-        rates = [measure(source, args.batch, args.batches, w) for _ in range(args.repeats)]
-        rate = float(np.median(rates))
-        rows.append(dict(workers=w, img_per_s=rate, img_per_s_per_worker=rate / w,
-                         all=rates, meets_target=rate >= args.target))
-        print(f"workers {w}: {rate:.0f} img/s ({rate / w:.0f} per worker; repeats "
-              f"{', '.join(f'{r:.0f}' for r in rates)}): "
-              f"{'meets' if rate >= args.target else 'below'} the target of "
-              f"{args.target:.0f} img/s", flush=True)
-    out = dict(data=path, latents=args.latents, images=len(source),
-               resolution=source.resolution, file_bytes=size, batch=args.batch, batches=args.batches, target=args.target,
-               cpus=os.cpu_count(), rows=rows)
+    args.workers = _counts(args.workers, "workers", 1)
+    args.threads = _counts(args.threads, "threads", 1)
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not kinds or set(kinds) - set(KINDS):
+        sys.exit(f"error: --kinds={args.kinds!r}: choose from {','.join(KINDS)}")
+    load = os.getloadavg()[0]
+    print(f"{os.cpu_count()} CPUs, load average {load:.2f} before the run; batch "
+          f"{args.batch}, {args.repeats} windows of {args.batches} batches", flush=True)
+    rows, data = [], {}
+    for kind in kinds:
+        path = data[kind] = _data(kind, args)
+        source = _open(kind, path)
+        size = os.path.getsize(path) / len(source) if kind == "raw" else mean_file_bytes(path)
+        print(f"{kind}: {path}: {len(source)} items {source.resolution}x{source.resolution}x"
+              f"{source.num_channels}, {source.label_dim} classes, {size / 1024:.1f} KiB per "
+              f"item", flush=True)
+        for name, make in _loaders(kind, source, args):
+            row = dict(kind=kind, loader=name, item_bytes=size,
+                       **measure(make, args.batch, args.batches, args.repeats))
+            row["meets_target"] = row["img_per_s"] >= args.target
+            rows.append(row)
+            print(f"  {name:>11}: {row['img_per_s']:8,.0f} img/s (windows "
+                  f"{', '.join(f'{r:,.0f}' for r in row['all'])}); "
+                  f"{row['img_per_core_s']:8,.0f} img/s per core; {row['processes']} "
+                  f"processes, {row['memory_mib']:,.0f} MiB", flush=True)
+    checks = floors(rows)
+    for name, ok in checks["meets"].items():
+        value = checks[name.split(" ")[0]]
+        print(f"floor {name}: {'n/a' if value is None else f'{value:.2f}'} "
+              f"{'met' if ok else 'NOT met'}")
+    out = dict(data=data, images=args.images, resolution=args.resolution, batch=args.batch,
+               batches=args.batches, repeats=args.repeats, target=args.target,
+               cpus=os.cpu_count(), load_average_before=load, rows=rows, floors=checks)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

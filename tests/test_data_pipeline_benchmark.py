@@ -1,6 +1,7 @@
 """benchmarks/data_pipeline.py: its stand-in data set is what the dataset tools write (a
 zip of 64x64 PNGs with labels that `ImageFolder` reads back pixel for pixel), and the
-command measures the training iterator at each worker count and writes its figures."""
+command measures, in one call, the training iterator and the thread baseline over each
+kind of data and writes its figures."""
 from __future__ import annotations
 
 import json
@@ -39,35 +40,51 @@ def test_standin_data_set_reads_back_as_written(tmp_path):
     assert not (tmp_path / "d.zip.part").exists()
 
 
-def test_command_measures_each_worker_count(tmp_path, capsys):
+def test_command_measures_each_loader_of_each_kind(tmp_path, capsys):
+    """One call: for PNGs and their raw conversion, the thread baseline and the worker
+    processes (raw: also gathered in-process), img/s, per-core img/s and memory per row,
+    the floors checked, everything in the JSON it writes."""
     out = tmp_path / "d.json"
-    res = data_pipeline.main([f"--workdir={tmp_path}", "--images=40", "--resolution=16",
-                              "--classes=3", "--batch=8", "--batches=2", "--repeats=2",
-                              "--workers=1,2", "--target=1e12", f"--out={out}"])
+    res = data_pipeline.main([f"--workdir={tmp_path}", "--kinds=png,raw", "--images=40",
+                              "--resolution=16", "--classes=3", "--batch=8", "--batches=2",
+                              "--repeats=2", "--threads=1", "--workers=1", "--target=1e12",
+                              f"--out={out}"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(res))
-    assert [r["workers"] for r in res["rows"]] == [1, 2]
+    assert [(r["kind"], r["loader"]) for r in res["rows"]] == [
+        ("png", "threads:1"), ("png", "workers:1"),
+        ("raw", "threads:1"), ("raw", "in-process"), ("raw", "workers:1")]
     for r in res["rows"]:
         assert len(r["all"]) == 2 and r["img_per_s"] == pytest.approx(np.median(r["all"]))
-        assert r["img_per_s"] > 0 and r["meets_target"] is False
-        assert r["img_per_s_per_worker"] == pytest.approx(r["img_per_s"] / r["workers"])
+        assert r["img_per_s"] > 0 and r["meets_target"] is False and r["memory_mib"] > 10
+        assert r["cpu_s_per_img"] >= 0
+    assert all(r["processes"] >= 2 for r in res["rows"] if r["loader"] == "workers:1")
+    assert set(res["floors"]["meets"]) == {"png_2_over_1_workers >= 1.8",
+                                           "raw_over_png_per_core >= 5"}
+    assert res["floors"]["png_2_over_1_workers"] is None  # no 2-worker row asked for
     text = capsys.readouterr().out
-    assert "40 images 16x16x3, 3 classes" in text and "workers 2:" in text
-    # the batches it timed are the training iterator's
-    src = ImageFolder(res["data"])
-    batch = next(pipeline.make_iterator(src, global_batch=8, seed=0, num_workers=0))
-    assert batch["image"].shape == (8, 16, 16, 3) and batch["label"].shape == (8, 3)
+    assert "40 items 16x16x3, 3 classes" in text and "workers:1:" in text
+    # the batches it timed are the training iterator's, and the baseline's are the same
+    src = ImageFolder(res["data"]["png"])
+    ref = data_pipeline.threaded_reference(src, global_batch=8, seed=0, workers=2)
+    with pipeline.make_iterator(src, global_batch=8, seed=0, num_workers=0) as it:
+        for _ in range(6):
+            a, b = next(it), next(ref)
+            np.testing.assert_array_equal(a["image"], b["image"])
+            np.testing.assert_array_equal(a["label"], b["label"])
+    ref.close()
 
 
 def test_latent_standin_is_drawn_by_the_pipeline(tmp_path):
-    """--latents: raw [8, R, R] latents that `LatentFolder` reads, and batches of the
+    """--kinds=latents: raw [8, R, R] latents that `LatentFolder` reads, and batches of the
     pipeline's 4-channel draws, mean + N(0, 1) std scaled as `vae.encode_latents`."""
     from edm2_jax.data.latents import LatentFolder
     from edm2_jax.encoders import vae
-    res = data_pipeline.main([f"--workdir={tmp_path}", "--latents", "--images=8",
+    res = data_pipeline.main([f"--workdir={tmp_path}", "--kinds=latents", "--images=8",
                               "--resolution=8", "--classes=2", "--batch=4", "--batches=1",
-                              "--repeats=1", "--workers=1"])
-    assert res["latents"] and res["file_bytes"] >= 8 * 8 * 8 * 4
-    src = LatentFolder(res["data"], use_labels=True)
+                              "--repeats=1", "--threads=1", "--workers="])
+    assert [r["loader"] for r in res["rows"]] == ["threads:1"]
+    assert res["rows"][0]["item_bytes"] >= 8 * 8 * 8 * 4
+    src = LatentFolder(res["data"]["latents"], use_labels=True)
     raw, label = src[3]
     assert raw.shape == (8, 8, 8) and label == 1 and (raw[..., 4:] >= 0.1).all()
     batch = next(pipeline.make_iterator(src, global_batch=4, seed=0, num_workers=0))
@@ -77,6 +94,8 @@ def test_latent_standin_is_drawn_by_the_pipeline(tmp_path):
         np.testing.assert_array_equal(batch["image"][position], want)
 
 
-def test_bad_worker_list_is_one_error_line(tmp_path):
-    with pytest.raises(SystemExit, match=r"^error: --workers='0' must list thread counts"):
+def test_bad_lists_are_one_error_line(tmp_path):
+    with pytest.raises(SystemExit, match=r"^error: --workers='0' must list counts >= 1"):
         data_pipeline.main([f"--workdir={tmp_path}", "--workers=0"])
+    with pytest.raises(SystemExit, match=r"^error: --kinds='jpeg': choose from png,raw,latents"):
+        data_pipeline.main([f"--workdir={tmp_path}", "--kinds=jpeg"])
