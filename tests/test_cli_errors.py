@@ -282,7 +282,7 @@ def zero_steps(mode):
                              f"--outdir={tmp_path}/out"],
                 "eval": ["--mode=eval", f"--net={netdir}", "--metrics=cls", "--num_images=4",
                          f"--out_json={tmp_path}/eval.json"]}[mode]
-        return ([*args, "--steps=0"], {}, ["--steps=0", "num_steps must be an integer >= 2"],
+        return ([*args, "--steps=0"], {}, ["--steps=0", "out of range, sampler steps"],
                 tmp_path)
     return setup
 

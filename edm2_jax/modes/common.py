@@ -93,6 +93,32 @@ def require_workdir() -> str:
 # Flags that only one mode reads: given to another mode, they would be ignored.
 MODE_ONLY_FLAGS = {"tpu": "plan", "sample_batch": "plan"}
 
+INF = float("inf")
+# The range of every numeric flag of every mode, `(lo, hi, what)` with `lo <= value <=
+# hi`, checked before any work (`check_flags`): a value outside it is refused in one
+# line naming the flag and its range, never run (a guidance weight of 1e30 gives black
+# images; a seed of 2**32 wraps to 0). The bounds are what a sampler, a metric or a
+# post-hoc EMA can use in float32 without overflow, wide enough for any setting a paper
+# reports.
+FLAG_RANGES = {
+    "guidance": (0.0, 100.0, "a guidance weight, 1 = unguided"),
+    "sigma_min": (1e-6, 1e3, "the lowest noise level of the schedule"),
+    "sigma_max": (1e-5, 1e4, "the highest noise level of the schedule"),
+    "rho": (0.1, 1e3, "the schedule's exponent (EDM Eq. 5; the release's 7)"),
+    "S_churn": (0.0, 1e4, "the churn (EDM Sec. 4; 0 = deterministic)"),
+    "S_min": (0.0, INF, "a noise level"),
+    "S_max": (0.0, INF, "a noise level (inf = every step)"),
+    "S_noise": (0.0, 10.0, "the churn noise's scale (the release's 1 to 1.007)"),
+    "steps": (1, 10_000, "sampler steps"),
+    "teacher_steps": (1, 10_000, "the teacher grid's Heun steps"),
+    "batch": (1, 1 << 20, "images per batch"),
+    "num_images": (2, 1 << 31, "images to measure (FID-50k: 50000)"),
+    "class_idx": (0, 1 << 31, "a class index"),
+    "subset_seed": (0, (1 << 32) - 1, "a seed"),
+    "sample_batch": (0, 1 << 20, "the sampler's batch (0 = no sampler)"),
+    "at_kimg": (0.0, 1e9, "a training time in kimg"),
+}
+
 
 def load_plugins() -> None:
     """Allow and import the modules the user names (`--plugins`, the environment's
@@ -106,13 +132,22 @@ def load_plugins() -> None:
 
 def check_flags(mode: str) -> None:
     """Before any work of `--mode=mode`: raise app.UsageError for a flag that only another
-    mode reads (`MODE_ONLY_FLAGS`), ValueError for a float flag given as NaN or an
-    infinity (but where its default is that infinity, e.g. `--S_max=inf`) and for a
-    `--config` value that is not finite (`configs.non_finite_fields`)."""
+    mode reads (`MODE_ONLY_FLAGS`), ValueError for a numeric flag outside its range
+    (`FLAG_RANGES`), a float flag given as NaN or an infinity (but where its default is
+    that infinity, e.g. `--S_max=inf`) and for a `--config` value that is not finite
+    (`configs.non_finite_fields`)."""
     for name, owner in MODE_ONLY_FLAGS.items():
         if name in FLAGS and FLAGS[name].present and mode != owner:
             raise app.UsageError(f"--{name} is a flag of --mode={owner}, not of --mode={mode} "
                                  f"(where it would be ignored); drop it, or run --mode={owner}")
+    for name, (lo, hi, what) in FLAG_RANGES.items():
+        value = FLAGS[name].value if name in FLAGS and FLAGS[name].present else None
+        if value is None or isinstance(value, float) and not math.isfinite(value):
+            continue  # NaN and infinities: below (an infinite default, S_max's, is taken)
+        if not lo <= value <= hi:
+            raise ValueError(f"--{name}={value:g}: out of range, {what} in [{lo:g}, {hi:g}]"
+                             if isinstance(value, float) else
+                             f"--{name}={value}: out of range, {what} in [{lo}, {hi}]")
     for name in sorted(FLAGS):
         flag = FLAGS[name]
         if (flag.present and isinstance(flag.parser, flags.FloatParser)

@@ -79,15 +79,16 @@ def _sample(net, variables, guide_net, guide_variables, seeds, labels, guidance,
     denoise = make_denoiser(net, variables, guide_net, guide_variables, guidance)
     interval = {} if guidance_interval is None else {"guidance_interval": guidance_interval}
     x = sampler(denoise, noise, labels, churn_noise=churn, **interval)
-    return x if raw else decode_uint8(x)
+    finite = jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim)))
+    return (x if raw else decode_uint8(x)), finite
 
 
 def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
                   labels: Array | int | None = None, *, guide_net: Any = None,
                   guide_variables: Any = None, guidance: float = 1.0,
                   sampler: solvers.Sampler | None = None, rng: str = "jax",
-                  raw: bool = False, guidance_interval: tuple[float, float] | None = None
-                  ) -> Array:
+                  raw: bool = False, guidance_interval: tuple[float, float] | None = None,
+                  return_finite: bool = False) -> Array | tuple[Array, Array]:
     """Generate one pixel-space image per seed with `sampler` (guided), jitted.
 
     Noise, churn noise and random labels all come from each seed's own stream, so an
@@ -110,7 +111,9 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
       rng: `'jax'` or `'release'` (then `seeds` must be concrete values, not traced).
       guidance_interval: `(sigma_lo, sigma_hi)`: guidance only on the steps with
         `sigma_lo < t_i <= sigma_hi` (`guidance.guided_steps`); None: on every step.
-    Returns: `[B, H, W, C]` uint8 (float32 with `raw`).
+    Returns: `[B, H, W, C]` uint8 (float32 with `raw`); with `return_finite`, also `[B]`
+      bool: whether each sample was finite before decoding (a sample that overflowed is
+      black or white once decoded; `seed_images.generate_images` refuses to write it).
     Raises: ValueError on labels that do not fit the net (the message names the fix),
       an unknown `rng` or one the sampler cannot follow, a guidance interval with a
       sampler that has none (`FewStep`), or a bad interval or one at `guidance == 1`
@@ -134,8 +137,10 @@ def sample_images(net: Any, variables: Any, seeds: Sequence[int] | Array,
         guide_net = guide_variables = None
     elif guide_net is None or guide_variables is None:
         raise ValueError(f"guidance={guidance} needs guide_net and guide_variables")
-    return _sample(net, variables, guide_net, guide_variables, seed_array(seeds), labels,
-                   float(guidance), sampler, noise, churn_table, bool(raw), interval)
+    images, finite = _sample(net, variables, guide_net, guide_variables, seed_array(seeds),
+                             labels, float(guidance), sampler, noise, churn_table, bool(raw),
+                             interval)
+    return (images, finite) if return_finite else images
 
 
 def _check_sample_options(sampler: solvers.Sampler,

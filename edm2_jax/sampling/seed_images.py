@@ -20,23 +20,34 @@ from edm2_jax import paths
 from edm2_jax.encoders import vae as vae_lib
 from edm2_jax.model.networks import Precond
 from edm2_jax.sampling import solvers
-
 from edm2_jax.sampling.sampler import sample_images
 
 MAX_SEEDS_PER_DIR = 1000
 
 
+# Seeds are 32-bit (a JAX key's and the release's torch generator's): larger ones would
+# wrap onto small ones.
+MAX_SEED = 2**32 - 1
+MAX_SEEDS = 2**31   # the most seeds one command takes
+
+
 def parse_seeds(spec: str) -> list[int]:
-    """'0-49999' / '1,5,7-9' -> list of ints. Raises ValueError on a malformed range."""
+    """'0-49999' / '1,5,7-9' -> list of ints in `[0, MAX_SEED]`. Raises ValueError on a
+    malformed or empty range, a seed above `MAX_SEED`, or more than `MAX_SEEDS` seeds."""
     seeds: list[int] = []
     for part in str(spec).split(","):
         part = part.strip()
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        m = re.fullmatch(r"(\d{1,20})(?:-(\d{1,20}))?", part)
         if not m:
             raise ValueError(f"bad seed spec {part!r}; use e.g. '0-49999' or '1,5,7-9'")
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if hi < lo:
             raise ValueError(f"seed range {part!r} is empty")
+        if hi > MAX_SEED:
+            raise ValueError(f"seed {hi} in {part!r} is above {MAX_SEED}: seeds are 32-bit "
+                             f"(a larger one would give a smaller seed's image)")
+        if len(seeds) + hi - lo + 1 > MAX_SEEDS:
+            raise ValueError(f"--seeds={spec} names more than {MAX_SEEDS} seeds")
         seeds.extend(range(lo, hi + 1))
     return seeds
 
@@ -77,10 +88,17 @@ def generate_images(net: Precond, variables: dict, seeds: Sequence[int], *, outd
     for b in mine:
         padded = np.asarray(b + [b[-1]] * (batch_size - len(b)), np.int64)
         seeds_dev = jax.device_put(padded.astype(np.uint32), sharding)
-        imgs = np.asarray(sample_images(
+        imgs, finite = sample_images(
             net, variables, seeds_dev, class_idx, guide_net=guide_net, guide_variables=guide_vars,
             guidance=guidance, rng=rng, raw=vae is not None, guidance_interval=guidance_interval,
-            sampler=sampler))[:len(b)]
+            sampler=sampler, return_finite=True)
+        imgs, finite = np.asarray(imgs)[:len(b)], np.asarray(finite)[:len(b)]
+        if not finite.all():
+            bad = [s for s, ok in zip(b, finite) if not ok]
+            raise ValueError(f"the samples of seeds {bad[:8]}{' ...' if len(bad) > 8 else ''} are "
+                             f"not finite (they overflowed): nothing written for them; check the "
+                             f"sampler's settings (--guidance, --sigma_max, --S_noise, --steps) "
+                             f"and the network")
         if vae is not None:
             imgs = vae.decode(imgs, sharding=sharding)
         if outdir:
