@@ -1,6 +1,9 @@
 """XLA:CPU kernels: the model's `mp_silu`, `clip_act` and 3x3 convolution, with their
 gradients computed so that XLA:CPU's fusions run fast. Same functions as
-`edm2_jax.model.mp` (values equal; gradients equal up to float32 rounding).
+`edm2_jax.model.mp` (values equal; gradients equal up to float32 rounding). `mp_silu` and
+`clip_act` are `jax.custom_jvp`s (a forward-mode rule whose transpose is their backward);
+the 3x3 convolutions `jax.custom_vjp`s, which a `jax.jvp` replaces by `mp.conv_same`
+(`Kernels.forward_mode`).
 
 Why. On the CPU backend XLA fuses the elementwise producers of a backward-pass operand
 into the YNN fusion (matmul / convolution + epilogue) that consumes it, and a YNN fusion
@@ -53,44 +56,35 @@ def _mp_silu_grad(x: Array) -> Array:
     return (s + x * (s * (1 - s))) / 0.596
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def mp_silu(x: Array) -> Array:
-    """`mp.mp_silu`; its gradient `(s + x s (1 - s)) / 0.596`, `s = sigmoid(x)` (the
-    formula autodiff takes, up to float32 rounding) is computed in the forward pass
-    behind `barrier` and kept as the residual instead of `x`."""
+    """`mp.mp_silu`; its derivative `(s + x s (1 - s)) / 0.596`, `s = sigmoid(x)` (the
+    formula autodiff takes, up to float32 rounding) is computed behind `barrier` and
+    multiplies the tangent: in reverse mode (the transpose) it is the residual the
+    forward pass keeps instead of `x`."""
     return mp.mp_silu(x)
 
 
-def _mp_silu_fwd(x):
-    return mp.mp_silu(x), barrier(_mp_silu_grad, x)
-
-
-def _mp_silu_bwd(g, dy):
-    return (dy * g.astype(dy.dtype),)
-
-
-mp_silu.defvjp(_mp_silu_fwd, _mp_silu_bwd)
+@mp_silu.defjvp
+def _mp_silu_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return mp.mp_silu(x), t * barrier(_mp_silu_grad, x).astype(t.dtype)
 
 
 # Activation clipping: `mp.clip_act` with its mask computed behind a barrier.
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def clip_act(x: Array, limit: float) -> Array:
-    """`mp.clip_act` (`torch.clamp`'s gradient); the mask `-limit <= x <= limit` is
-    computed in the forward pass behind `barrier`."""
+    """`mp.clip_act` (`torch.clamp`'s derivative, in both modes); the mask `-limit <= x
+    <= limit` is computed behind `barrier` (the residual of the backward pass)."""
     return jnp.clip(x, -limit, limit)
 
 
-def _clip_act_fwd(x, limit):
+@clip_act.defjvp
+def _clip_act_jvp(limit, primals, tangents):
+    (x,), (t,) = primals, tangents
     inside = barrier(lambda x: mp.clip_mask(x, limit), x)
-    return jnp.clip(x, -limit, limit), inside
-
-
-def _clip_act_bwd(limit, inside, dy):
-    return (jnp.where(inside, dy, jnp.zeros_like(dy)),)
-
-
-clip_act.defvjp(_clip_act_fwd, _clip_act_bwd)
+    return jnp.clip(x, -limit, limit), mp.pass_inside(inside, t)
 
 
 # 3x3 convolution: the weight gradient by 'relayout' or 'matmul'.
@@ -161,12 +155,15 @@ conv_matmul.defvjp(_conv_fwd, _conv_matmul_bwd)
 def kernels(conv_grad: str = DEFAULT_CONV_GRAD, barriers: bool = DEFAULT_BARRIERS) -> Kernels:
     """The CPU kernel set: the 3x3 convolution's weight gradient by `conv_grad` (one of
     `CONV_GRADS`), and with `barriers` the residuals of `mp_silu` and `clip_act`
-    behind `barrier` (else the model's math). Raises ValueError for another
-    `conv_grad`."""
+    behind `barrier` (else the model's math). The 'relayout' and 'matmul' convolutions
+    are `jax.custom_vjp`s (a hand-written weight gradient) named in `reverse_only`: a
+    `jax.jvp` takes `Kernels.forward_mode()`, with `mp.conv_same` in their place. Raises
+    ValueError for another `conv_grad`."""
     if conv_grad not in CONV_GRADS:
         raise ValueError(f"cpu_conv_grad={conv_grad!r}: expected one of {CONV_GRADS} "
                          "(python benchmarks/conv_grad.py says which is faster here)")
     conv = {"relayout": conv_relayout, "xla": mp.conv_same, "matmul": conv_matmul}[conv_grad]
+    reverse_only = () if conv is mp.conv_same else ("conv",)
     if not barriers:
-        return Kernels(conv=conv)
-    return Kernels(mp_silu=mp_silu, clip_act=clip_act, conv=conv)
+        return Kernels(conv=conv, reverse_only=reverse_only)
+    return Kernels(mp_silu=mp_silu, clip_act=clip_act, conv=conv, reverse_only=reverse_only)

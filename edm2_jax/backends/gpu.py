@@ -53,33 +53,33 @@ def fused_attention(q: Array, k: Array, v: Array, implementation: str = "cudnn")
                                         implementation=implementation)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def clip_act_bytes(x: Array, limit: float) -> Array:
-    """`mp.clip_act` (`torch.clamp`'s gradient) with its mask kept as bools."""
+    """`mp.clip_act` (`torch.clamp`'s derivative, in both modes) with its mask kept as
+    bools (the residual of the backward pass)."""
     return jnp.clip(x, -limit, limit)
 
 
-def _clip_fwd(x, limit):
-    return jnp.clip(x, -limit, limit), mp.clip_mask(x, limit)
-
-
-def _clip_bwd(limit, inside, dy):
-    return (jnp.where(inside, dy, jnp.zeros_like(dy)),)
-
-
-clip_act_bytes.defvjp(_clip_fwd, _clip_bwd)
+@clip_act_bytes.defjvp
+def _clip_jvp(limit, primals, tangents):
+    (x,), (t,) = primals, tangents
+    return jnp.clip(x, -limit, limit), mp.pass_inside(mp.clip_mask(x, limit), t)
 
 
 def kernels(attention: str = DEFAULT_ATTENTION, clip_mask: str = DEFAULT_CLIP_MASK) -> Kernels:
     """The model's kernels with `attention` ('xla': `mp.attention`; 'cudnn':
     `fused_attention`) and `clip_mask` ('bits': `mp.clip_act`; 'bytes':
-    `clip_act_bytes`). Raises ValueError for other values, naming the valid ones."""
+    `clip_act_bytes`). cuDNN's attention has a backward and no forward-mode rule (a
+    `jax.custom_vjp` inside JAX): it is named in `reverse_only`, and a `jax.jvp` takes
+    `Kernels.forward_mode()`, with `mp.attention` in its place. Raises ValueError for
+    other values, naming the valid ones."""
     if attention not in ATTENTIONS:
         raise ValueError(f"backend attention={attention!r}: expected one of {ATTENTIONS}")
     if clip_mask not in CLIP_MASKS:
         raise ValueError(f"backend clip_mask={clip_mask!r}: expected one of {CLIP_MASKS}")
     return Kernels(attention=fused_attention if attention == "cudnn" else mp.attention,
-                   clip_act=clip_act_bytes if clip_mask == "bytes" else mp.clip_act)
+                   clip_act=clip_act_bytes if clip_mask == "bytes" else mp.clip_act,
+                   reverse_only=("attention",) if attention == "cudnn" else ())
 
 
 def grad_placement(grad_layout: str = DEFAULT_GRAD_LAYOUT):

@@ -13,7 +13,8 @@ function over the params pytree that the training step applies to the online wei
 
 `Kernels` names the four ops whose computation a backend may replace (`mp_silu`,
 `clip_act`, the spatial convolution, attention) by the same function computed another way;
-its defaults are the math of this module, plain autodiff (`edm2_jax.backends`).
+its defaults are the math of this module, plain autodiff (`edm2_jax.backends`), and
+`Kernels.forward_mode()` the set a `jax.jvp` through the network takes.
 """
 from __future__ import annotations
 
@@ -84,13 +85,14 @@ def mp_silu(x: Array) -> Array:
 
 # Activation clipping (the blocks' `clip_act`).
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def clip_act(x: Array, limit: float) -> Array:
     """`x` clipped to `[-limit, limit]`, with the gradient of the release's `torch.clamp`.
 
-    The gradient passes unchanged where `-limit <= x <= limit` (the limits included)
-    and is 0 elsewhere; `jnp.clip`'s autodiff would pass half of it at a limit.
-    `limit` is a Python float; `x` any shape and float dtype, kept.
+    The derivative is 1 where `-limit <= x <= limit` (the limits included) and 0
+    elsewhere, in forward mode (the tangent masked) and reverse mode (the cotangent
+    masked: the transpose of the same rule); `jnp.clip`'s autodiff would pass half of it
+    at a limit. `limit` is a Python float; `x` any shape and float dtype, kept.
     """
     return jnp.clip(x, -limit, limit)
 
@@ -100,18 +102,25 @@ def clip_mask(x: Array, limit: float) -> Array:
     return (x >= -limit) & (x <= limit)
 
 
-def _clip_act_fwd(x, limit):
-    # The mask is kept packed, 8 elements a byte along the last axis: a bool array would
-    # be half the bytes of the bfloat16 activation it clips.
-    return jnp.clip(x, -limit, limit), jnp.packbits(clip_mask(x, limit), axis=-1)
+@jax.checkpoint
+def pass_inside(inside: Array, t: Array) -> Array:
+    """`t` where `inside` (bool, `t`'s shape), 0 elsewhere: the clip's derivative applied
+    to a tangent. Rematerialised: a backward pass keeps `inside`, not an array of zeros."""
+    return jnp.where(inside, t, jnp.zeros_like(t))
 
 
-def _clip_act_bwd(limit, packed, dy):
-    inside = jnp.unpackbits(packed, axis=-1, count=dy.shape[-1]).astype(jnp.bool_)
-    return (jnp.where(inside, dy, jnp.zeros_like(dy)),)
+@clip_act.defjvp
+def _clip_act_jvp(limit, primals, tangents):
+    # The mask is packed, 8 elements a byte along the last axis, and unpacked inside a
+    # rematerialised function of the tangent: the backward pass keeps the packed bytes
+    # alone (a bool array would be half the bytes of the bfloat16 activation it clips).
+    (x,), (t,) = primals, tangents
+    return jnp.clip(x, -limit, limit), _unpack_inside(jnp.packbits(clip_mask(x, limit), -1), t)
 
 
-clip_act.defvjp(_clip_act_fwd, _clip_act_bwd)
+@jax.checkpoint
+def _unpack_inside(packed: Array, t: Array) -> Array:
+    return pass_inside(jnp.unpackbits(packed, -1, count=t.shape[-1]).astype(jnp.bool_), t)
 
 
 # Magnitude-preserving sum (Equation 88).
@@ -242,7 +251,8 @@ class Kernels:
 
     A replacement computes the same function: the same values, gradients equal up to
     float32 summation order. The defaults are this module's math (plain autodiff, and
-    `clip_act`'s mask); `edm2_jax.backends.select` builds the other sets.
+    `clip_act`'s mask), differentiable in both modes; `edm2_jax.backends.select` builds
+    the other sets.
 
     Attributes:
       mp_silu: `x -> silu(x) / 0.596` (Eq. 81), any shape.
@@ -252,12 +262,23 @@ class Kernels:
         kernels larger than 1x1 (1x1 is a matmul).
       attention: `(q, k, v [N, L, heads, c]) -> [N, L, heads, c]`, `softmax(q k^T /
         sqrt(c)) v` in the compute dtype (`attention`).
+      reverse_only: the names of the kernels above that have a hand-written backward
+        and no forward-mode rule (a `jax.custom_vjp`): `forward_mode` replaces them.
     """
 
     mp_silu: Callable[[Array], Array] = mp_silu
     clip_act: Callable[[Array, float], Array] = clip_act
     conv: Callable[[Array, Array], Array] = conv_same
     attention: Callable[[Array, Array, Array], Array] = attention
+    reverse_only: tuple[str, ...] = ()
+
+    def forward_mode(self) -> Kernels:
+        """The kernel set a `jax.jvp` through the network takes (`model/jvp.py`): this
+        one with each kernel of `reverse_only` replaced by the model's math, the same
+        function, differentiable in forward mode. The others have a forward-mode rule
+        whose transpose is their backward; training keeps `self`, unchanged."""
+        return dataclasses.replace(self, reverse_only=(), **{
+            name: getattr(MODEL_MATH, name) for name in self.reverse_only})
 
 
 MODEL_MATH = Kernels()
