@@ -194,8 +194,8 @@ def test_a_worker_that_dies_is_one_error_naming_the_data_set_never_a_hang(pngs):
             next(it)
     with pytest.raises(data.LoaderWorkerError) as e:
         call_within(drain)
-    assert pngs in str(e.value) and "signal 9 (SIGKILL)" in str(e.value)
-    assert "data.num_workers" in str(e.value) and "\n" not in str(e.value)
+    assert pngs in str(e.value) and "signal 9 (SIGKILL), e.g. by the kernel" in str(e.value)
+    assert "lower data.num_workers" in str(e.value) and "\n" not in str(e.value)
     assert gone([w.pid for w in workers]) == []  # the other one stopped with it
 
 
@@ -291,6 +291,23 @@ def test_workers_end_with_the_run_and_a_killed_run_resumes_mid_epoch(pngs, tmp_p
                             num_workers=1) as it:
         assert_same(call_within(lambda: [next(it) for _ in range(3)]),
                     definition(src, 2 * G, 3 * G))
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_workers_that_cannot_start_are_one_error_not_a_hang(pngs):
+    """A script read from stdin: spawn's workers cannot import its main module and exit at
+    once. The training process gets one error naming the data set (the message that
+    starts a worker is small: it cannot block on a pipe nobody reads)."""
+    script = (f"from edm2_jax import data\n"
+              f"it = data.make_iterator(data.ImageFolder({pngs!r}), global_batch=8, seed=0, "
+              f"num_workers=2)\n"
+              f"try:\n    next(it)\nexcept data.LoaderWorkerError as e:\n    print(e)\n")
+    proc = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"reading {pngs} died with exit code 1 (its error is printed above)" in proc.stdout
+    assert "No such file or directory" in proc.stderr  # spawn's own words for <stdin>
 
 
 @pytest.mark.slow

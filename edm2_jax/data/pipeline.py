@@ -50,10 +50,12 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Iterator
 
+import cloudpickle
 import grain
 import numpy as np
 from absl import flags
@@ -65,6 +67,8 @@ LATENT_NOISE_STREAM = 0x1A7E  # third SeedSequence word of the latent draws (mod
 _PARENT_POLL_S = 0.5          # how often a worker checks that the training process lives
 _UNLINK_WAIT_S = 10          # the longest `close` waits for grain to unlink buffered batches
 _in_worker = False            # True in a worker process: batches go straight to shared memory
+_PARCEL_LOCK = threading.Lock()
+_PARCELS: set[str] = set()    # the source files this process wrote for its workers
 
 
 class LoaderWorkerError(ValueError):
@@ -159,7 +163,14 @@ class StreamBatches:
     """This process's batches of the stream as a random-access data source (grain's
     `RandomAccessDataSource`): item `j` is its slice of global batch `j` of an iterator
     started at `start_nimg` (module docstring), built by `build_batch`. Endless: its length
-    is `sys.maxsize`."""
+    is `sys.maxsize`.
+
+    Pickled for the workers, it carries its source as a file (`parcel`, in the temporary
+    directory; `drop_parcel` deletes it once every worker has read it): the message that
+    starts a worker stays small. multiprocessing's spawn writes that message into a pipe
+    the worker reads only after importing the main module, and a worker that dies first
+    (a script without `if __name__ == "__main__":`, a script on stdin) would leave a
+    message larger than the pipe's 64 KiB blocking the training process forever."""
 
     def __init__(self, source: Source, *, global_batch: int, seed: int, start_nimg: int,
                  process_index: int, process_count: int):
@@ -168,6 +179,26 @@ class StreamBatches:
         self.offset = process_index * self.local
         self.order = StreamOrder(len(source), seed)
         self.shape = (self.local, source.resolution, source.resolution, source.num_channels)
+        self.parcel = None
+
+    def __getstate__(self):
+        with _PARCEL_LOCK:  # grain pickles one copy per worker, from a thread each
+            if self.parcel is None:
+                fd, self.parcel = tempfile.mkstemp(prefix="edm2-loader-source-", suffix=".pkl")
+                _PARCELS.add(self.parcel)
+                with os.fdopen(fd, "wb") as f:
+                    cloudpickle.dump(self.source, f)
+        return {k: v for k, v in self.__dict__.items() if k != "source"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        with open(self.parcel, "rb") as f:
+            self.source = cloudpickle.load(f)
+
+    def drop_parcel(self) -> None:
+        parcel, self.parcel = self.parcel, None
+        if parcel is not None:
+            _drop(parcel)
 
     def __len__(self) -> int:
         return sys.maxsize
@@ -181,6 +212,18 @@ class StreamBatches:
         positions = self.positions(int(j))
         indices = self.order.indices(int(positions[0]), self.local)
         return build_batch(self.source, indices, positions, self.seed, self.shape)
+
+
+def _drop(parcel: str) -> None:
+    _PARCELS.discard(parcel)
+    if os.path.exists(parcel):
+        os.remove(parcel)
+
+
+@atexit.register
+def _drop_parcels() -> None:  # those of iterators never closed
+    for parcel in list(_PARCELS):
+        _drop(parcel)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -240,14 +283,19 @@ class Batches(Iterator[dict]):
     leaving a `with` block) stops the workers and threads, after which `next()` raises
     StopIteration. Closing twice is fine."""
 
-    def __init__(self, it: Any, source: Source, num_workers: int):
-        self._it, self._source, self._workers = it, source, num_workers
+    def __init__(self, it: Any, batches: StreamBatches, num_workers: int):
+        self._it, self._batches, self._workers = it, batches, num_workers
+        self._source, self._received = batches.source, 0
 
     def __next__(self) -> Any:
         if self._it is None:
             raise StopIteration
         try:
-            return next(self._it)
+            batch = next(self._it)
+            self._received += 1
+            if self._received == self._workers:  # batch w came from worker w: all started
+                self._batches.drop_parcel()
+            return batch
         except Exception as e:
             self.close()  # a batch that failed ends the loader: its workers stop now
             died = isinstance(e, RuntimeError) and re.search(  # grain's words for a dead worker
@@ -258,19 +306,22 @@ class Batches(Iterator[dict]):
 
     def _died(self, code: int) -> str:
         where = getattr(self._source, "path", "") or self._source.name
-        how = f"exit code {code}"
+        how = f"exit code {code} (its error is printed above)"
         if code < 0:
             how = f"signal {-code} ({signal.Signals(-code).name})"
             if -code == signal.SIGKILL:
-                how += ": killed, e.g. by the kernel for lack of memory"
+                how += ", e.g. by the kernel for lack of memory: lower data.num_workers or the batch"
         return (f"a data loader worker process (1 of data.num_workers={self._workers}) reading "
                 f"{where} died with {how}; the run stops here (rerun it to resume from its "
-                f"last checkpoint). If memory ran out, lower data.num_workers or the batch")
+                f"last checkpoint)")
 
     def close(self) -> None:
         it, self._it = self._it, None  # grain's iterators go now, not at interpreter exit
         if it is not None:
-            it.close()
+            try:
+                it.close()
+            finally:
+                self._batches.drop_parcel()
             # The batches still buffered are unlinked by grain's deletion thread; wait for
             # it (its tasks run in order), or a run that ends now leaves them to the
             # resource tracker.
@@ -327,19 +378,20 @@ def make_iterator(source: Source, *, global_batch: int, seed: int, start_nimg: i
                             process_index=process_index, process_count=process_count)
     prefetch = max(1, int(prefetch))
     ds = grain.MapDataset.source(batches)
-    if num_workers == 0:
-        ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-    elif getattr(source, "decoded", False):
-        ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch))
-    else:
+    workers = num_workers > 0 and not getattr(source, "decoded", False)
+    if workers:
         _absl_flags_readable()
         ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(
             num_workers=num_workers, per_worker_buffer_size=prefetch),
             worker_init_fn=functools.partial(_worker_init, os.getpid()))
         ds = ds.map(_received)
+    else:
+        threads = min(num_workers, 1)  # 0: the calling thread; else one prefetch thread
+        ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads,
+                                                  prefetch_buffer_size=threads * prefetch))
     if put is not None:
         ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=1)
         ds = grain.experimental.ThreadPrefetchIterDataset(ds.map(put),
                                                           prefetch_buffer_size=device_prefetch)
-    return Batches(iter(ds), source, num_workers)
+    return Batches(iter(ds), batches, num_workers if workers else 0)
