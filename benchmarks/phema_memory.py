@@ -1,4 +1,4 @@
-"""Peak host memory of post-hoc EMA reconstruction (phema.reconstruct).
+"""Peak host memory of post-hoc EMA reconstruction (`ema.reconstruction.reconstruct`).
 
 Writes a synthetic training run (Orbax snapshots exactly as training writes them) whose
 EMAs have the parameter shapes of a released preset (default img512-xxs, 31M parameters,
@@ -98,9 +98,10 @@ def _hwm() -> int:
 def measure(workdir: str, sigma_rels: list[float], out_dir: str) -> dict:
     """Run in a fresh process: baseline RSS, then reconstruct and sample RSS every 20 ms."""
     import jax
-    from edm2_jax.ema import posthoc as phema
+    from edm2_jax.ema.inputs import find_snapshots
+    from edm2_jax.ema.reconstruction import reconstruct
     jax.devices()
-    phema.find_snapshots(workdir)  # Orbax and the metadata reader loaded
+    find_snapshots(workdir)  # Orbax and the metadata reader loaded
     jax.numpy.zeros(1).block_until_ready()
     baseline = _rss()
     peak = {"rss": baseline}
@@ -114,8 +115,8 @@ def measure(workdir: str, sigma_rels: list[float], out_dir: str) -> dict:
     th = threading.Thread(target=sampler, daemon=True)
     th.start()
     t0 = time.time()
-    paths = phema.reconstruct(workdir, sigma_rels, out_dir=out_dir,
-                              batch_outputs=len(sigma_rels), progress=True)
+    paths = reconstruct(workdir, sigma_rels, out_dir=out_dir, batch_outputs=len(sigma_rels),
+                        progress=True)
     seconds = time.time() - t0
     stop.set()
     th.join()

@@ -6,7 +6,7 @@ or of a synthetic run written here (`--preset`, `--snapshots`, as in phema_memor
   read      `cat`-like sequential read of every file under snapshots/*/ema (on-disk bytes)
   orbax     Orbax restore of every EMA to host numpy, nothing else
   reader    phema's reader (TensorStore, tensor by tensor) into float32 chunks, nothing else
-  phema K   phema.reconstruct of K outputs (reading, accumulating, writing the outputs)
+  phema K   `reconstruct` of K outputs (reading, accumulating, writing the outputs)
   phema K nw  the same with the outputs not written (reading and accumulating only)
 
 each cold (the files' pages evicted with posix_fadvise(DONTNEED) first) and warm (page
@@ -69,10 +69,10 @@ def restore_all(workdir: str) -> int:
     import numpy as np
     import jax
     from edm2_jax.run import network_dir as checkpoint
-    from edm2_jax.ema import posthoc as phema
+    from edm2_jax.ema.inputs import find_snapshots
     from edm2_jax.ema import streaming
     streaming.quiet_orbax()
-    _, files = phema.find_snapshots(workdir)
+    _, files = find_snapshots(workdir)
     n = 0
     for f in files:
         for path in f.tree_paths:
@@ -83,12 +83,12 @@ def restore_all(workdir: str) -> int:
 
 
 def read_all(workdir: str) -> int:
-    """phema.reconstruct's reader over every EMA, chunks discarded (float32 bytes)."""
+    """`reconstruct`'s reader over every EMA, chunks discarded (float32 bytes)."""
     from edm2_jax.run import network_dir as checkpoint
-    from edm2_jax.ema import posthoc as phema
+    from edm2_jax.ema.inputs import find_snapshots
     from edm2_jax.ema import streaming
     streaming.quiet_orbax()
-    _, files = phema.find_snapshots(workdir)
+    _, files = find_snapshots(workdir)
     layout, n = None, 0
     for f in files:
         keys, context = streaming.orbax_tree_keys(f.directory), streaming.ts_context()
@@ -117,7 +117,7 @@ def main():
             workdir = os.path.join(tmp, "run")
             write_synthetic_run(workdir, args.preset, args.snapshots)
         from edm2_jax.run import network_dir as checkpoint
-        from edm2_jax.ema import posthoc as phema
+        from edm2_jax.ema.reconstruction import reconstruct
         from edm2_jax.ema import streaming
         streaming.quiet_orbax()
         paths = snapshot_files(workdir)
@@ -150,7 +150,7 @@ def main():
             def run():
                 out = os.path.join(tmp, "out")
                 shutil.rmtree(out, ignore_errors=True)
-                phema.reconstruct(workdir, sig, out_dir=out, batch_outputs=k, progress=False)
+                reconstruct(workdir, sig, out_dir=out, batch_outputs=k, progress=False)
             timed(f"phema {k}", run, decoded=decoded)
             # The same without writing the outputs: reading + accumulating only.
             real_save = checkpoint.save_network

@@ -137,7 +137,7 @@ def test_importing_the_library_changes_no_environment_variable():
     # own (TPU_SKIP_MDS_QUERY, TF_CPP_MIN_LOG_LEVEL).
     _environment_unchanged_by(
         "import jax", "import edm2_jax, edm2_jax.model, edm2_jax.model.networks, "
-        "edm2_jax.training.loop, edm2_jax.sampling.sampler, edm2_jax.ema.posthoc, "
+        "edm2_jax.training.loop, edm2_jax.sampling.sampler, edm2_jax.ema.reconstruction, "
         "edm2_jax.backends")
 
 

@@ -343,9 +343,9 @@ def test_student_images_depend_only_on_the_seed_and_generate_finds_its_sampler(
 @pytest.mark.slow
 @pytest.mark.ci
 def test_post_hoc_ema_of_a_student_is_sampled_as_a_student(distill_runs, tmp_path):
-    from edm2_jax.ema import posthoc, sweep
+    from edm2_jax.ema import reconstruction, sweep
     run = str(distill_runs["full"])
-    out, = posthoc.reconstruct(run, [0.07], out_dir=str(tmp_path / "phema"), progress=False)
+    out, = reconstruction.reconstruct(run, [0.07], out_dir=str(tmp_path / "phema"), progress=False)
     assert nets.net_sampler(out) == nets.net_sampler(run)
     net, variables, _ = nets.load_net(out)
     imgs = np.asarray(sampling.sample_images(net, variables, np.arange(2),

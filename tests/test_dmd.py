@@ -401,10 +401,10 @@ def test_post_hoc_ema_of_a_generator_is_sampled_as_the_generator(dmd_runs, tmp_p
     """A post-hoc EMA of a DMD run is a generator: `nets.net_sampler` and the post-hoc EMA
     sweep give it the run's few-step sampler, and its image of a seed is the sampler's."""
     from edm2_jax import nets
-    from edm2_jax.ema import posthoc, sweep
+    from edm2_jax.ema import reconstruction, sweep
     from edm2_jax.sampling import sampler as sampling
     run = str(dmd_runs["full"])
-    out, = posthoc.reconstruct(run, [0.07], out_dir=str(tmp_path / "phema"), progress=False)
+    out, = reconstruction.reconstruct(run, [0.07], out_dir=str(tmp_path / "phema"), progress=False)
     kw = nets.net_sampler(run)
     assert nets.net_sampler(out) == kw and isinstance(kw, solvers.FewStep)
     assert sweep.net_sampler(out) == kw

@@ -380,15 +380,15 @@ def test_byte_flips_in_snapshots_and_networks_are_refused_by_every_reader(full_r
     from edm2_jax.run import network_dir as ckpt_lib
     from edm2_jax import nets
     from edm2_jax.run import integrity
-    from edm2_jax.ema import posthoc as phema
+    from edm2_jax.ema.reconstruction import reconstruct
     from edm2_jax.run import snapshots
     run = tmp_path / "run"
     shutil.copytree(full_run["run"], run)
-    [good] = phema.reconstruct(str(run), [0.07], out_dir=str(tmp_path / "ph"), progress=False)
+    [good] = reconstruct(str(run), [0.07], out_dir=str(tmp_path / "ph"), progress=False)
     outputs = _sums(tmp_path / "ph")
     with pytest.raises(ValueError, match=r"--at_kimg=100 is outside the snapshots.*Pass a "
                                          r"value in \(0, 0\.032\]"):
-        phema.reconstruct(str(run), [0.07], at_kimg=100, out_dir=str(tmp_path / "far"))
+        reconstruct(str(run), [0.07], at_kimg=100, out_dir=str(tmp_path / "far"))
     assert not (tmp_path / "far").exists()
 
     _flip(_largest_array_file(run / "snapshots" / "4" / "ema"), 1000)
@@ -397,7 +397,7 @@ def test_byte_flips_in_snapshots_and_networks_are_refused_by_every_reader(full_r
                                                        r"mismatch.*" + fix):
         snapshots.restore_snapshot(str(run), 4)
     with pytest.raises(integrity.IntegrityError, match=r"snapshot .*checksum mismatch.*" + fix):
-        phema.reconstruct(str(run), [0.08], out_dir=str(tmp_path / "ph2"), progress=False)
+        reconstruct(str(run), [0.08], out_dir=str(tmp_path / "ph2"), progress=False)
     assert not any(ckpt_lib.is_network_checkpoint(str(p)) for p in (tmp_path / "ph2").glob("*"))
     with pytest.raises(integrity.IntegrityError, match="checksum mismatch"):
         nets.load_net(str(run / "snapshots" / "4"))

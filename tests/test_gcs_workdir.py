@@ -162,7 +162,7 @@ def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  
     from edm2_jax import nets
     from edm2_jax.modes import generate as generate_mode
     from edm2_jax.sampling import seed_images
-    from edm2_jax.ema import posthoc as phema
+    from edm2_jax.ema.reconstruction import reconstruct
     from edm2_jax.run import checkpoints, layout, network_dir, records, snapshots, stats
     from edm2_jax.training import loop
     root, fs = gcs
@@ -199,7 +199,7 @@ def test_train_resume_generate_phema_on_gcs(gcs, tmp_path, xla_cache, capsys):  
     assert not fs.exists(f"{b}/train.lock")
 
     # Post-hoc EMA from the bucket's snapshots into the bucket (streaming TensorStore reads).
-    outs = phema.reconstruct(run, [0.07], progress=False)
+    outs = reconstruct(run, [0.07], progress=False)
     assert outs[0].startswith(f"{run}/phema/")
     assert fs.exists(outs[0][5:] + "/network.json")
     net_cfg, meta = network_dir.read_network_json(outs[0])

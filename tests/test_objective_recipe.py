@@ -55,7 +55,7 @@ def test_a_registered_objective_is_picked_by_its_name_and_checked():
 def test_the_objective_trains_resumes_reconstructs_generates_and_plans(tmp_path, xla_cache,
                                                                        libtpu):
     from edm2_jax.planner import plan, tpu_slices
-    from edm2_jax.ema import posthoc
+    from edm2_jax.ema import reconstruction
     from edm2_jax.modes.generate import main_generate
     from edm2_jax.training import loop
     from edm2_jax.training import state as state_lib
@@ -81,7 +81,7 @@ def test_the_objective_trains_resumes_reconstructs_generates_and_plans(tmp_path,
     with pytest.raises(ValueError, match="objective: checkpoint 'edm_plain' vs now 'edm2'"):
         loop.train_and_evaluate(tiny_config(data), str(full))
     # Post-hoc EMA and generation: sampled with its objective's sampler (the Heun one).
-    out, = posthoc.reconstruct(str(full), [0.07], out_dir=str(tmp_path / "phema"),
+    out, = reconstruction.reconstruct(str(full), [0.07], out_dir=str(tmp_path / "phema"),
                                progress=False)
     assert nets.net_sampler(out) == nets.net_sampler(str(full)) == solvers.Heun(32)
     main_generate(out, "0-3", str(tmp_path / "png"), sampler=solvers.Heun(2))

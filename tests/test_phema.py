@@ -20,7 +20,11 @@ from scipy import integrate
 
 from edm2_jax.run import network_dir as checkpoint
 from edm2_jax.ema import power as ema
-from edm2_jax.ema import posthoc as phema
+from edm2_jax.ema.inputs import (find_snapshots, import_release_snapshots, parse_release_name,
+                                 release_kimg_to_nimg)
+from edm2_jax.ema.reconstruction import main_phema, parse_per_tensor, reconstruct
+from edm2_jax.ema.solver import profile_error, profile_inner_products, solve_weights
+from edm2_jax.ema.sweep import run_data_config, sweep
 from edm2_jax.ema import streaming
 from tests.testdata import golden
 from tests.tolerances import tree_magnitude, weighted_sum_tol
@@ -49,12 +53,12 @@ def test_inner_product_is_the_integral_of_the_two_profiles(t_a, s_a, t_b, s_b):
     pa, pb = _profile(t_a, g_a), _profile(t_b, g_b)
     want, _ = integrate.quad(lambda tau: pa(tau) * pb(tau), 0, min(t_a, t_b),
                              epsabs=0, epsrel=1e-12, limit=200)
-    got = phema.profile_inner_products(t_a, g_a, t_b, g_b)
+    got = profile_inner_products(t_a, g_a, t_b, g_b)
     assert got.dtype == np.float64
     np.testing.assert_allclose(got, want, rtol=1e-9)
     # Symmetric, and vectorised over broadcast inputs.
-    np.testing.assert_allclose(phema.profile_inner_products(t_b, g_b, t_a, g_a), got, rtol=1e-13)
-    vec = phema.profile_inner_products(np.array([[t_a], [t_b]]), np.array([[g_a], [g_b]]),
+    np.testing.assert_allclose(profile_inner_products(t_b, g_b, t_a, g_a), got, rtol=1e-13)
+    vec = profile_inner_products(np.array([[t_a], [t_b]]), np.array([[g_a], [g_b]]),
                                        np.array([t_a, t_b]), np.array([g_a, g_b]))
     assert vec.shape == (2, 2)
     np.testing.assert_allclose(vec[0, 1], got, rtol=1e-13)
@@ -69,12 +73,12 @@ def test_coefficients_match_the_release():
     np.testing.assert_allclose(beta, d["beta"], rtol=0, atol=1e-9)
 
     t_final = d["in_nimg"].max()
-    X = phema.solve_weights(d["in_nimg"], d["in_sigma_rel"], t_final, d["out_sigma_rel"])
+    X = solve_weights(d["in_nimg"], d["in_sigma_rel"], t_final, d["out_sigma_rel"])
     assert X.shape == d["coefs_final"].shape == (32, 4) and X.dtype == np.float64
     np.testing.assert_allclose(X, d["coefs_final"], rtol=0, atol=1e-9)
 
     # Mid-training output: only the 16 snapshots at or before 64Mi take part.
-    X = phema.solve_weights(d["in_nimg"], d["in_sigma_rel"], d["out_nimg_mid"],
+    X = solve_weights(d["in_nimg"], d["in_sigma_rel"], d["out_nimg_mid"],
                             d["out_sigma_rel"])
     later = d["in_nimg"] > d["out_nimg_mid"]
     assert np.all(X[later] == 0)
@@ -85,65 +89,65 @@ def test_coefficients_match_the_release():
 def test_a_snapshot_profile_is_reconstructed_by_that_snapshot_alone():
     t = np.repeat(np.arange(1, 9) * 1000.0, 2)
     s = np.tile([0.05, 0.10], 8)
-    X = phema.solve_weights(t, s, [5000, 8000], [0.10, 0.05])
+    X = solve_weights(t, s, [5000, 8000], [0.10, 0.05])
     want = np.zeros((16, 2))
     want[9, 0] = 1   # (5000, 0.10)
     want[14, 1] = 1  # (8000, 0.05)
     np.testing.assert_allclose(X, want, atol=1e-9)
-    np.testing.assert_allclose(phema.profile_error(t, s, [5000, 8000], [0.10, 0.05], X), 0,
+    np.testing.assert_allclose(profile_error(t, s, [5000, 8000], [0.10, 0.05], X), 0,
                                atol=1e-6)
     # A single 0.05 snapshot cannot be a 0.10 EMA: weight 1, but a large profile error.
-    X1 = phema.solve_weights([1000], [0.05], 1000, [0.10])
+    X1 = solve_weights([1000], [0.05], 1000, [0.10])
     assert X1[0, 0] == pytest.approx(1.0)
-    assert phema.profile_error([1000], [0.05], 1000, [0.10], X1)[0] > 0.5
+    assert profile_error([1000], [0.05], 1000, [0.10], X1)[0] > 0.5
 
 
 def test_solver_errors_name_the_fix():
     with pytest.raises(ValueError, match="at least one snapshot"):
-        phema.solve_weights([], [], 1000, 0.1)
+        solve_weights([], [], 1000, 0.1)
     for bad in (0.0, -0.1, 0.31):
         with pytest.raises(ValueError, match=r"sigma_rel must be in \(0, 0\.300"):
-            phema.solve_weights([1000, 2000], 0.05, 2000, bad)
+            solve_weights([1000, 2000], 0.05, 2000, bad)
         with pytest.raises(ValueError, match="snapshot sigma_rel"):
-            phema.solve_weights([1000, 2000], bad, 2000, 0.05)
+            solve_weights([1000, 2000], bad, 2000, 0.05)
     with pytest.raises(ValueError, match=r"no snapshot at or before.*at_kimg >= 1"):
-        phema.solve_weights([1000, 2000], 0.05, 500, 0.1)
+        solve_weights([1000, 2000], 0.05, 500, 0.1)
     with pytest.raises(ValueError, match="passed 2 times.*each snapshot once"):
-        phema.solve_weights([1000, 1000, 2000], 0.05, 2000, 0.1)
+        solve_weights([1000, 1000, 2000], 0.05, 2000, 0.1)
     with pytest.raises(ValueError, match=r"nearly linearly dependent.*closest pair "
                        r"\(kimg 2, sigma_rel 0\.05\) and \(kimg 2, sigma_rel 0\.05\).*differ"):
         # Two EMAs of (almost) the same width: indistinguishable profiles. (Snapshot
         # spacing alone never gets there: the profiles' jump at t makes cond ~ t / dt.)
-        phema.solve_weights([1000, 2000, 2000], [0.05, 0.05, 0.05 + 1e-9], 2000, 0.1)
+        solve_weights([1000, 2000, 2000], [0.05, 0.05, 0.05 + 1e-9], 2000, 0.1)
     with pytest.raises(ValueError, match="> 0"):
-        phema.solve_weights([0, 1000], 0.05, 1000, 0.1)
+        solve_weights([0, 1000], 0.05, 1000, 0.1)
 
 
 def test_per_tensor_spec_parsing():
-    assert phema.parse_per_tensor("emb_label=0.10;enc_.*=0.05") == [("emb_label", 0.10),
+    assert parse_per_tensor("emb_label=0.10;enc_.*=0.05") == [("emb_label", 0.10),
                                                                     ("enc_.*", 0.05)]
-    assert phema.parse_per_tensor("a=0.1,b=0.2") == [("a", 0.1), ("b", 0.2)]
-    assert phema.parse_per_tensor("x{1,2}=0.1;y=0.2") == [("x{1,2}", 0.1), ("y", 0.2)]
-    assert phema.parse_per_tensor(None) == []
+    assert parse_per_tensor("a=0.1,b=0.2") == [("a", 0.1), ("b", 0.2)]
+    assert parse_per_tensor("x{1,2}=0.1;y=0.2") == [("x{1,2}", 0.1), ("y", 0.2)]
+    assert parse_per_tensor(None) == []
     with pytest.raises(ValueError, match="REGEX=SIGMA_REL"):
-        phema.parse_per_tensor("emb_label")
+        parse_per_tensor("emb_label")
     with pytest.raises(ValueError, match="invalid"):
-        phema.parse_per_tensor("([=0.1")
+        parse_per_tensor("([=0.1")
     with pytest.raises(ValueError, match="sigma_rel"):
-        phema.parse_per_tensor("a=0.5")
+        parse_per_tensor("a=0.5")
 
 
 def test_release_names_give_time_and_width():
     # The release names a snapshot by kimg = nimg // 1000 of a multiple of 1024 images:
     # 0134217 is 128Mi = 134217728 images, 0008388 is 8Mi.
-    assert phema.parse_release_name("/x/edm2-img512-xs-0134217-0.050.pkl") == (128 << 20, 0.05)
-    assert phema.parse_release_name("edm2-img64-s-0008388-0.100") == (8 << 20, 0.1)
-    assert phema.parse_release_name("network-snapshot-0000006-0.050.pkl") == (6144, 0.05)
-    assert phema.parse_release_name("network-snapshot.pkl") is None
+    assert parse_release_name("/x/edm2-img512-xs-0134217-0.050.pkl") == (128 << 20, 0.05)
+    assert parse_release_name("edm2-img64-s-0008388-0.100") == (8 << 20, 0.1)
+    assert parse_release_name("network-snapshot-0000006-0.050.pkl") == (6144, 0.05)
+    assert parse_release_name("network-snapshot.pkl") is None
     for nimg in range(0, 1 << 20, 1024):
-        assert phema.release_kimg_to_nimg(nimg // 1000) == nimg
+        assert release_kimg_to_nimg(nimg // 1000) == nimg
     with pytest.raises(ValueError, match="kimg 42 .*multiple of 1024"):
-        phema.release_kimg_to_nimg(42)  # 41984 -> 41, 43008 -> 43
+        release_kimg_to_nimg(42)  # 41984 -> 41, 43008 -> 43
 
 
 def test_random_walk_error_shrinks_with_snapshot_frequency():
@@ -166,7 +170,7 @@ def test_random_walk_error_shrinks_with_snapshot_frequency():
         sel = snaps[every - 1::every]
         tt = np.repeat([x[0] for x in sel], 2)
         V = np.stack([v for x in sel for v in x[1:]])
-        X = phema.solve_weights(tt, np.tile(SEEN, len(sel)), 4000, 0.075)
+        X = solve_weights(tt, np.tile(SEEN, len(sel)), 4000, 0.075)
         errs.append(np.linalg.norm(X[:, 0] @ V - e[0.075]) / np.linalg.norm(e[0.05] - e[0.10]))
     assert errs[0] < 0.01 and errs[0] < errs[1] < errs[2], errs
 
@@ -255,7 +259,7 @@ def test_reconstructed_ema_equals_the_tracked_ema(tiny_run):
     for every in (1, 5, 30):  # snapshots every 10, 50, 300 steps
         sel = snaps[every - 1::every]
         t = np.repeat([n for n, _ in sel], 2)
-        X = phema.solve_weights(t, np.tile(SEEN, len(sel)), STEPS * BATCH, 0.075)
+        X = solve_weights(t, np.tile(SEEN, len(sel)), STEPS * BATCH, 0.075)
         recon = _flat(_weighted(sel, X[:, 0], SEEN))
         errors[every * EVERY] = np.linalg.norm(recon - tracked) / spread
     print("reconstruction error of sigma_rel 0.075 relative to |ema_0.05 - ema_0.10|:",
@@ -270,13 +274,13 @@ def test_reconstruct_from_a_training_run(tiny_run, tmp_path):
     """The streaming reconstruction (Orbax snapshots every 50 steps) equals the weighted
     sum of those snapshots, with the run's config and Fourier buffers."""
     workdir = tiny_run["workdir"]
-    paths = phema.reconstruct(workdir, [0.075, 0.05], out_dir=str(tmp_path / "out"),
+    paths = reconstruct(workdir, [0.075, 0.05], out_dir=str(tmp_path / "out"),
                               batch_outputs=1, progress=False)
     assert [os.path.basename(p) for p in paths] == ["phema-0000002-0.075",
                                                    "phema-0000002-0.050"]
     sel = tiny_run["snaps"][4::5]
     t = np.repeat([n for n, _ in sel], 2)
-    X = phema.solve_weights(t, np.tile(SEEN, len(sel)), STEPS * BATCH, [0.075, 0.05])
+    X = solve_weights(t, np.tile(SEEN, len(sel)), STEPS * BATCH, [0.075, 0.05])
     for k, p in enumerate(paths):
         net_config, variables, meta = checkpoint.load_network(p)
         want = _weighted(sel, X[:, k], SEEN)
@@ -293,11 +297,11 @@ def test_reconstruct_from_a_training_run(tiny_run, tmp_path):
     assert_reconstructed(v["params"], sel[-1][1][0.05], sel, X[:, 1])
     # Outputs are never overwritten; exist_ok keeps a matching one.
     with pytest.raises(FileExistsError, match="exist_ok"):
-        phema.reconstruct(workdir, [0.05], out_dir=str(tmp_path / "out"), progress=False)
-    assert phema.reconstruct(workdir, [0.05], out_dir=str(tmp_path / "out"), exist_ok=True,
+        reconstruct(workdir, [0.05], out_dir=str(tmp_path / "out"), progress=False)
+    assert reconstruct(workdir, [0.05], out_dir=str(tmp_path / "out"), exist_ok=True,
                              progress=False) == paths[1:]
     with pytest.raises(ValueError, match=r"no snapshot at or before.*at_kimg >= 0\.4"):
-        phema.reconstruct(workdir, [0.05], at_kimg=0.2, out_dir=str(tmp_path / "o2"))
+        reconstruct(workdir, [0.05], at_kimg=0.2, out_dir=str(tmp_path / "o2"))
 
 
 def test_sweep_finds_the_held_out_ema(tiny_run, tmp_path, capsys):
@@ -309,7 +313,7 @@ def test_sweep_finds_the_held_out_ema(tiny_run, tmp_path, capsys):
         return float(np.linalg.norm(_flat(checkpoint.load_network(path)[1]["params"]) - tracked))
 
     sigma_rels = [0.05, 0.065, 0.075, 0.085, 0.10]
-    csv_path, png_path = phema.sweep(tiny_run["workdir"], sigma_rels, metric,
+    csv_path, png_path = sweep(tiny_run["workdir"], sigma_rels, metric,
                                      out_dir=str(tmp_path), metric_name="dist")
     import csv
     rows = list(csv.DictReader(open(csv_path)))
@@ -327,7 +331,7 @@ def test_sweep_says_a_poor_reconstruction_in_one_line(tiny_run, tmp_path, capsys
     """An EMA the snapshots cannot express (0.25 from the first snapshot's 0.05 and 0.10
     alone) is swept with one `warning:` line naming its profile error, not Python's
     warning format with a source line."""
-    phema.sweep(tiny_run["workdir"], [0.25], lambda path: 0.0, at_kimg=0.4,  # the first
+    sweep(tiny_run["workdir"], [0.25], lambda path: 0.0, at_kimg=0.4,  # the first
                 out_dir=str(tmp_path), metric_name="zero")
     err = capsys.readouterr().err
     said = [line for line in err.splitlines() if "relative error" in line]
@@ -337,7 +341,7 @@ def test_sweep_says_a_poor_reconstruction_in_one_line(tiny_run, tmp_path, capsys
 
 
 def test_main_phema_prints_outputs(tiny_run, tmp_path, capsys):
-    paths = phema.main_phema(tiny_run["workdir"], [0.08], at_kimg=1.6, out_dir=str(tmp_path))
+    paths = main_phema(tiny_run["workdir"], [0.08], at_kimg=1.6, out_dir=str(tmp_path))
     out = capsys.readouterr().out
     assert "6 snapshot file(s) (12 EMAs" in out and paths[0] in out
     # The figure printed with each output is explained on one line of its own.
@@ -346,8 +350,8 @@ def test_main_phema_prints_outputs(tiny_run, tmp_path, capsys):
     meta = json.load(open(os.path.join(paths[0], "network.json")))["meta"]
     assert meta["kimg"] == 1.6 and len(meta["inputs"]) == 8  # steps 50..200 only
     # A sweep without --config takes its reference data from the run's config.json.
-    assert phema.run_data_config(tiny_run["workdir"]) == tiny_run["config"].data.to_dict()
-    assert phema.run_data_config(str(tmp_path)) is None
+    assert run_data_config(tiny_run["workdir"]) == tiny_run["config"].data.to_dict()
+    assert run_data_config(str(tmp_path)) is None
 
 
 # --------------------------------------------------------------------------------------
@@ -379,11 +383,11 @@ def test_streaming_batches_and_per_tensor(tmp_path):
     output's own; buffers from the snapshots."""
     snaps, buffers = _synthetic_run(tmp_path)
     sig = [0.06, 0.08, 0.12]
-    paths = phema.reconstruct(str(tmp_path), sig, per_tensor="emb_=0.10", batch_outputs=2,
+    paths = reconstruct(str(tmp_path), sig, per_tensor="emb_=0.10", batch_outputs=2,
                               progress=False)
     assert all("-pt" in os.path.basename(p) for p in paths)
     t = np.repeat([n for n, _ in snaps], 2)
-    X = phema.solve_weights(t, np.tile(SEEN, 5), 5000, sig + [0.10])
+    X = solve_weights(t, np.tile(SEEN, 5), 5000, sig + [0.10])
     assert np.all(np.abs(X[:, 3] - np.eye(10)[9]) < 1e-9)  # 0.10 at 5000 = last snapshot
     for k, p in enumerate(paths):
         cfg, v, meta = checkpoint.load_network(p)
@@ -398,7 +402,7 @@ def test_streaming_batches_and_per_tensor(tmp_path):
         assert cfg == {"img_resolution": 8}
         assert meta["per_tensor"][0]["regex"] == "emb_" and meta["sigma_rel"] == sig[k]
     with pytest.raises(ValueError, match="match no parameter.*unet/"):
-        phema.reconstruct(str(tmp_path), [0.06], per_tensor="nothing_here=0.1",
+        reconstruct(str(tmp_path), [0.06], per_tensor="nothing_here=0.1",
                           out_dir=str(tmp_path / "x"))
 
 
@@ -410,7 +414,7 @@ def test_reader_paths_agree(tmp_path, monkeypatch):
     (tmp_path / "run").mkdir()
     snaps, _ = _synthetic_run(tmp_path / "run")
     sig = [0.06, 0.12]
-    X = phema.solve_weights(np.repeat([n for n, _ in snaps], 2), np.tile(SEEN, 5), 5000,
+    X = solve_weights(np.repeat([n for n, _ in snaps], 2), np.tile(SEEN, 5), 5000,
                             sig + [0.10])
 
     def check(paths):
@@ -421,7 +425,7 @@ def test_reader_paths_agree(tmp_path, monkeypatch):
             assert_reconstructed(v, own, snaps, X[:, k], X[:, 2])
 
     def run(name, src=tmp_path / "run"):
-        return phema.reconstruct(str(src), sig, per_tensor="emb_=0.10", progress=False,
+        return reconstruct(str(src), sig, per_tensor="emb_=0.10", progress=False,
                                  out_dir=str(tmp_path / name))
 
     def no_orbax(*a):
@@ -466,23 +470,23 @@ def test_snapshots_of_another_network_are_refused(tmp_path):
     m.close()
     with pytest.raises(ValueError, match=r"snapshots/30: the EMA at power/0\.050 has other "
                                          r"tensors.*shape \(3, 3, 2, 5\).*same network"):
-        phema.reconstruct(str(tmp_path), [0.06], out_dir=str(tmp_path / "o"))
+        reconstruct(str(tmp_path), [0.06], out_dir=str(tmp_path / "o"))
 
 
 def test_missing_inputs_are_reported(tmp_path):
     with pytest.raises(FileNotFoundError, match="snapshots/<step>"):
-        phema.reconstruct(str(tmp_path), [0.05])
+        reconstruct(str(tmp_path), [0.05])
     (tmp_path / "edm2-img64-s.pkl").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="not named like the release's snapshots"):
-        phema.reconstruct(str(tmp_path), [0.05])
+        reconstruct(str(tmp_path), [0.05])
     (tmp_path / "edm2-img64-s-0000000-0.050.pkl").write_bytes(b"")  # nimg 0 is no input
     with pytest.raises(FileNotFoundError, match="network-snapshot-0008388-0.050.pkl"):
-        phema.reconstruct(str(tmp_path), [0.05])
+        reconstruct(str(tmp_path), [0.05])
     run = tmp_path / "run"
     run.mkdir()
     _synthetic_run(run, n_steps=2, with_buffers=False)
     with pytest.raises(FileNotFoundError, match="buffers"):
-        phema.reconstruct(str(run), [0.05])
+        reconstruct(str(run), [0.05])
 
 
 def test_reconstruct_from_imported_release_snapshots(tiny_run, tmp_path):
@@ -498,16 +502,16 @@ def test_reconstruct_from_imported_release_snapshots(tiny_run, tmp_path):
             sd = convert.variables_to_state_dict({"params": snap[s],
                                                   "buffers": tiny_run["buffers"]})
             np.savez(src / f"edm2-tiny-{(i + 1) * 100:07d}-{s:.3f}.npz", **sd)
-    nets = phema.import_release_snapshots(str(src), str(tmp_path / "nets"))
+    nets = import_release_snapshots(str(src), str(tmp_path / "nets"))
     assert len(nets) == 6
-    paths = phema.reconstruct(str(tmp_path / "nets"), [0.075], progress=False)
+    paths = reconstruct(str(tmp_path / "nets"), [0.075], progress=False)
     assert paths == [str(tmp_path / "nets" / "phema" / "phema-0000300-0.075")]
-    t = [phema.release_kimg_to_nimg(k) for k in (100, 200, 300)]
+    t = [release_kimg_to_nimg(k) for k in (100, 200, 300)]
     assert t == [100352, 200704, 300032]
-    X = phema.solve_weights(np.repeat(t, 2), np.tile(SEEN, 3), t[-1], 0.075)
+    X = solve_weights(np.repeat(t, 2), np.tile(SEEN, 3), t[-1], 0.075)
     _, v, meta = checkpoint.load_network(paths[0])
     assert_reconstructed(v["params"], _weighted(sel, X[:, 0], SEEN), sel, X[:, 0])
     np.testing.assert_array_equal(_flat(v["buffers"]), _flat(tiny_run["buffers"]))
     assert meta["inputs"][0] == "edm2-tiny-0000100-0.050:0.050"
     # The outputs (meta phema=True) are not taken as inputs by a second reconstruction.
-    assert len(phema.find_snapshots(str(tmp_path / "nets"))[1]) == 6
+    assert len(find_snapshots(str(tmp_path / "nets"))[1]) == 6

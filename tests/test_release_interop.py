@@ -27,7 +27,8 @@ import pytest
 from edm2_jax import objectives
 from edm2_jax.run import network_dir as checkpoint
 from edm2_jax.release import convert, pickle_io
-from edm2_jax.ema import posthoc as phema
+from edm2_jax.ema.inputs import find_snapshots
+from edm2_jax.ema.reconstruction import main_phema, reconstruct
 from tests.testdata import golden
 from tests.tolerances import EPS32
 
@@ -116,11 +117,11 @@ def test_release_run_directory_is_phema_input_as_the_release_reads_it(release_ru
     assert case["out_nimg"] == 6144 and min(case["in_nimg"]) == 1024  # the 0-kimg pair skipped
     assert case["out_std"] == list(OUT_STDS)
 
-    kind, files = phema.find_snapshots(str(run))
+    kind, files = find_snapshots(str(run))
     assert kind == "pickles" and len(files) == 12
     assert [(f.label, f.nimg, f.sigma_rels) for f in files] == \
         [(p["name"], p["nimg"], (p["std"],)) for p in gold["listed"] if p["nimg"] > 0]
-    paths = phema.main_phema(str(run), list(OUT_STDS), out_dir=str(tmp_path / "out"))
+    paths = main_phema(str(run), list(OUT_STDS), out_dir=str(tmp_path / "out"))
     inputs = [written[f.label] for f in files]
     coefs = np.asarray(case["coefs"])
     assert coefs.shape == (12, 2)
@@ -146,7 +147,7 @@ def test_at_kimg_names_a_release_snapshot_by_its_file_kimg(release_run, tmp_path
     """`at_kimg=3` is the release's `kimg_to_nimg(3)` = 3072: its inputs and coefficients."""
     case = _json("phema_rundir.json")["cases"]["kimg3"]
     assert case["out_nimg"] == case["out_nimg_arg"] == 3072
-    X = [checkpoint.read_network_json(p)[1] for p in phema.reconstruct(
+    X = [checkpoint.read_network_json(p)[1] for p in reconstruct(
         str(release_run[0]), list(OUT_STDS), at_kimg=3, out_dir=str(tmp_path), progress=False)]
     assert len(X) == 2
     for j, meta in enumerate(X):

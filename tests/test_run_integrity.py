@@ -235,14 +235,14 @@ def test_cli_phema_refuses_a_snapshot_without_its_record(full_run, tmp_path, xla
 
 
 def test_snapshot_with_one_copy_of_its_record_is_still_checked(full_run, tmp_path):
-    from edm2_jax.ema import posthoc as phema
+    from edm2_jax.ema.reconstruction import reconstruct
     run = _copy(full_run, tmp_path)
     _lose_records(run, "snapshots", 4, "orbax")
-    [net] = phema.reconstruct(str(run), [0.07], out_dir=str(tmp_path / "ok"), progress=False)
+    [net] = reconstruct(str(run), [0.07], out_dir=str(tmp_path / "ok"), progress=False)
     assert Path(net).is_dir()  # intact: read through the run's copy
     _finite_flip(run / "snapshots" / "4" / "ema")
     with pytest.raises(integrity.IntegrityError, match=r"snapshots/4.*checksum mismatch"):
-        phema.reconstruct(str(run), [0.07], out_dir=str(tmp_path / "bad"), progress=False)
+        reconstruct(str(run), [0.07], out_dir=str(tmp_path / "bad"), progress=False)
 
 
 def test_a_step_without_its_record_is_refused_whatever_config_json_says(full_run, tmp_path):

@@ -78,8 +78,8 @@ def sweep(workdir: str, sigma_rels: Sequence[float], metric_fn: Callable[[str], 
 def _plot(rows: list[dict], metric_name: str, path: str) -> None:
     """The metric against sigma_rel, the best point marked, as a PNG at `path`."""
     # matplotlib is a required dependency, imported here rather than at the top: it takes
-    # ~1.5 s to import, which every `import edm2_jax.ema.posthoc` (reconstruction, the CLI)
-    # would pay for a plot only the sweep draws.
+    # ~1.5 s to import, which every import of this module (the CLI's `--mode=phema` too,
+    # through modes/phema.py) would pay for a plot only the sweep draws.
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

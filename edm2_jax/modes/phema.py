@@ -16,7 +16,7 @@ import os
 from absl import flags
 
 from edm2_jax import paths
-from edm2_jax.ema import posthoc as phema
+from edm2_jax.ema import reconstruction, sweep
 from edm2_jax.ema import power as ema_power
 from edm2_jax.modes import common
 from edm2_jax.modes import evaluate as evaluate_mode  # noqa: F401 (--metrics, --num_images, --ref)
@@ -60,7 +60,7 @@ def run_phema() -> None:
     workdir = common.require_workdir()
     widths = sigma_rels()
     check_phema_dirs(workdir)
-    phema.main_phema(workdir, widths, FLAGS.at_kimg, FLAGS.outdir, FLAGS.per_tensor)
+    reconstruction.main_phema(workdir, widths, FLAGS.at_kimg, FLAGS.outdir, FLAGS.per_tensor)
 
 
 def run_sweep() -> None:
@@ -68,7 +68,7 @@ def run_sweep() -> None:
     workdir = common.require_workdir()
     widths = sigma_rels()
     check_phema_dirs(workdir)
-    phema.main_sweep(
+    sweep.main_sweep(
         workdir, widths, metrics=FLAGS.metrics, num_images=FLAGS.num_images,
         batch_size=FLAGS.batch, num_steps=FLAGS.steps if FLAGS["steps"].present else None,
         ref=FLAGS.ref,
