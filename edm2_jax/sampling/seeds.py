@@ -2,7 +2,8 @@
 churn noise, its random label) comes from its own integer seed (`seed_keys`), on its
 own sub-stream, so that an image depends only on its seed, never on the batch it was
 generated in or on the device count; `split_seeds` spreads the seeds over this
-process's devices. `sampler.py` re-exports these names."""
+process's devices. Import them from here (`sampler.sample_images` draws its images'
+noise, churn and labels with them)."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
