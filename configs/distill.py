@@ -21,6 +21,15 @@
         --config.distill.teacher=runs/fmnist
     python -m edm2_jax.main --config=configs/distill.py:dmd-gan-img64-s \
         --workdir=runs/img64-s-dmd1-gan --config.distill.teacher=nets/img64-s
+    # continuous-time consistency (sCM, objectives/scm.py): a 2-step sCD student, an sCT one
+    python -m edm2_jax.main --config=configs/distill.py:scm --workdir=runs/fmnist-scm2 \
+        --config.distill.teacher=runs/fmnist
+    python -m edm2_jax.main --config=configs/distill.py:sct --workdir=runs/fmnist-sct2 \
+        --config.distill.teacher=runs/fmnist        # the network sCT starts from
+    python -m edm2_jax.main --config=configs/distill.py:scm-img512-s \
+        --workdir=runs/img512-s-scm2 --config.distill.teacher=nets/img512-s
+    python -m edm2_jax.main --config=configs/distill.py:scm-tiny --workdir=/tmp/s \
+        --config.distill.teacher=/tmp/t   # smoke test, from a fashion_mnist.py:tiny run
 
 The student is the teacher's network (its architecture is read from the teacher; the
 config's `network` is replaced), initialised from its weights; `distill.steps` is the
@@ -28,7 +37,10 @@ number of sampling steps it is trained for. Variants: 'fashion_mnist' (default),
 'dmd' (Fashion-MNIST, distribution matching), 'dmd-tiny', a preset of configs/img64.py /
 configs/img512.py ('img64-s', 'img512-xs', ...), 'dmd-' and a preset
 ('dmd-img64-s': distribution matching of that preset's network), and each 'dmd' variant
-with DMD2's GAN head as 'dmd-gan', 'dmd-gan-tiny', 'dmd-gan-img64-s', ...
+with DMD2's GAN head as 'dmd-gan', 'dmd-gan-tiny', 'dmd-gan-img64-s', ...; sCM:
+'scm' (2-step sCD, Fashion-MNIST), 'scm-tiny', 'sct' (2-step sCT, Fashion-MNIST) and
+'scm-' and a preset ('scm-img512-s': 2-step sCD of that preset's network, the paper's
+settings).
 """
 import os
 
@@ -36,6 +48,7 @@ import numpy as np
 
 from edm2_jax import configs
 from edm2_jax.model import presets
+from edm2_jax.objectives import scm
 from edm2_jax.training import optim
 
 
@@ -60,6 +73,10 @@ def get_config(variant: str = "fashion_mnist"):
         return c
     if variant.startswith("dmd-") and variant[4:] in presets.NETWORK_PRESETS:
         return _dmd_preset(get_config(variant[4:]))
+    if variant in ("scm", "scm-tiny", "sct"):
+        return _scm(get_config("tiny" if variant == "scm-tiny" else "fashion_mnist"), variant)
+    if variant.startswith("scm-") and variant[4:] in presets.NETWORK_PRESETS:
+        return _scm_preset(get_config(variant[4:]), variant[4:])
     if variant in ("fashion_mnist", "tiny"):
         c = _distill(_fashion_mnist_config("tiny" if variant == "tiny" else "default"))
         # Fine-tuning from a trained network: the teacher's final learning rate after a
@@ -79,7 +96,8 @@ def get_config(variant: str = "fashion_mnist"):
     if variant not in presets.NETWORK_PRESETS:
         raise ValueError(f"unknown variant {variant!r}; use 'fashion_mnist', 'tiny', 'dmd', "
                          f"'dmd-tiny', a preset or 'dmd-' and a preset, or any 'dmd' "
-                         f"variant with 'dmd-gan' in place of 'dmd'; presets: "
+                         f"variant with 'dmd-gan' in place of 'dmd', 'scm', 'scm-tiny', "
+                         f"'sct' or 'scm-' and a preset; presets: "
                          f"{', '.join(sorted(presets.NETWORK_PRESETS))}")
     c = _distill(configs.preset_config(variant))
     t = presets.TRAINING_PRESETS[variant]
@@ -147,4 +165,42 @@ def _gan(c, variant: str):
         c.ema.sigma_rels = (0.03, 0.10)   # read at 0.03: the higher recall in all three seeds
     elif variant != "dmd-gan-tiny":
         c.distill.update(sigma_max=80.0, fake_lr=c.optim.ref_lr)
+    return c
+
+
+def _scm(c, variant: str):
+    """Continuous-time consistency (objectives/scm.py) on Fashion-MNIST: 2 steps through
+    t_mid = 1.1, the proposal of the paper's pixel-space 32x32 data (CIFAR-10: P_mean
+    -1.0, P_std 1.4, NVlabs/FastGen's sCM default), the tangent warmed up over the first
+    2 kimg (the paper's 10k of 200k-400k iterations is 2.5-5 % of its training; a short
+    run takes more), the distillation's learning-rate schedule (`fashion_mnist` above)
+    at 1/5 of its rate (the paper's consistency models train at 1/100 of their
+    diffusion teacher's rate, for 200k iterations; these runs take a few hundred).
+    'sct': the same as sCT, started from the network `distill.teacher` names. Not
+    tuned: no quality is measured for these settings yet."""
+    configs.with_objective(c, "scm")
+    c.distill.update(steps=2, P_mean=-1.0, P_std=1.4, training=variant == "sct")
+    if variant == "scm-tiny":
+        c.distill.warmup_kimg = 0.064
+        return c
+    c.distill.warmup_kimg = 2.0
+    c.optim.ref_lr = 0.001
+    return c
+
+
+def _scm_preset(c, preset: str):
+    """sCD of a release preset (2 steps), the paper's settings for its consistency
+    models: the proposal (ImageNet 64x64: P_mean -1.0, P_std 1.6; 512x512: -0.8, 1.6),
+    c = 0.1, the tangent warmed up over 10k iterations of 2048 images, Adam's eps 1e-11,
+    the learning rate 1/100 of the teacher's (1e-4 for S) with the teacher's decay
+    `t_ref`, and the sCD iterations (img64: 400k, img512: 200k batches of 2048). The
+    teacher unguided: the paper's teachers learn an unconditional slot (label dropout),
+    which the release's networks do not (their guide is another network)."""
+    configs.with_objective(c, "scm")
+    t = presets.TRAINING_PRESETS[preset]
+    P_mean, P_std = scm.PROPOSALS["img512" if preset.startswith("img512") else "img64"]
+    c.distill.update(steps=2, P_mean=P_mean, P_std=P_std, warmup_kimg=scm.WARMUP_KIMG)
+    c.optim.update(ref_lr=round(t["ref_lr"] / 100, 12), t_ref=t["t_ref"], rampup_kimg=0.0, eps=1e-11)
+    iterations = 200_000 if preset.startswith("img512") else 400_000
+    c.total_kimg = iterations * t["batch_size"] / 1000
     return c

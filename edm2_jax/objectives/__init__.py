@@ -32,6 +32,7 @@ from edm2_jax.objectives.base import Objective, StartNetwork, field
 from edm2_jax.objectives.distill import ConsistencyDistillation
 from edm2_jax.objectives.dmd import DistributionMatching
 from edm2_jax.objectives.edm2 import EDM2
+from edm2_jax.objectives.scm import ContinuousConsistency
 
 __all__ = ["Objective", "StartNetwork", "REGISTRY", "register", "from_config",
            "from_metadata", "name_of", "objective_class", "record", "check_config"]
@@ -52,7 +53,7 @@ def register(cls: type[Objective]) -> type[Objective]:
     return cls
 
 
-for _cls in (EDM2, ConsistencyDistillation, DistributionMatching):
+for _cls in (EDM2, ConsistencyDistillation, DistributionMatching, ContinuousConsistency):
     register(_cls)
 
 

@@ -1,0 +1,360 @@
+"""Continuous-time consistency models (objectives/scm.py: sCD and sCT of Lu & Song 2024,
+arXiv:2410.11081) against closed forms.
+
+Claims tested:
+- the EDM network is a TrigFlow network: `F` from the denoiser, `(cos t x_t - D(x_t /
+  cos t; sigma_data tan t)) / (sigma_data sin t)`, is minus the raw U-Net output at
+  `c_in x = x_t / sigma_data`, `c_noise = ln(sigma_data tan t) / 4` (random weights);
+- on Gaussian data, where the PF-ODE and the consistency function are closed-form, the
+  objective's tangent `g` (r = 1, unnormalised) is `cos t df/dt` along the teacher's
+  ODE (sCD) and along the data's velocity (sCT), and vanishes at the ideal consistency
+  function;
+- a 1-step student trained on the objective maps noise to the data's mean and variance;
+- the sampler: one step is the denoiser at sigma_max, two re-noise at t_mid with each
+  seed's own noise; images follow their seeds;
+- bad settings are refused naming the flag, before anything is built;
+- a tiny sCD run trains, resumes bitwise, and generates with its own sampler.
+(The jvp of the network itself against float64 differences is tests/test_jvp.py's.)
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from edm2_jax import configs, objectives
+from edm2_jax.model.networks import precond_coefficients, precond_from_config
+from edm2_jax.objectives import scm
+from edm2_jax.sampling import sampler as sampling
+from edm2_jax.sampling import solvers
+from tests.tolerances import EPS32
+
+SD = 0.5   # sigma_data
+
+# ---------------------------------------------------------------------------------------
+# The EDM <-> TrigFlow identity
+
+
+def test_edm_network_is_a_trigflow_network_with_F_minus_the_raw_output():
+    """On random weights (every layer reaching the output), `F` computed from the
+    denoiser equals `-F_raw`, the U-Net's output at `c_in x = x_t / sigma_data` and
+    `c_noise = ln(sigma) / 4`; and the preconditioning coefficients are TrigFlow's
+    (`c_skip x = cos t x_t`, `c_out = sigma_data sin t`). Float32 error of the
+    difference form: its numerator `cos t x_t - D` rounds by ~4 eps |x_t| (D = c_skip x
+    + c_out F_raw, x = x_t / cos t), divided by sigma_data sin t; measured 3.3e-5 at
+    t = 0.01 (bound 3.8e-4), ~1e-7 elsewhere."""
+    from tests.test_jvp import TINY, _variables
+    net = precond_from_config(TINY)
+    variables = _variables(net)
+    t = jnp.array([0.01, 0.5, 1.2, 1.56])
+    x_t = 0.5 * jax.random.normal(jax.random.PRNGKey(0), (4, 8, 8, 2))
+    labels = jax.nn.one_hot(jnp.arange(4) % 3, 3)
+    x, sigma = scm.edm_point(x_t, t, SD)
+    F = scm.trigflow_F(net.apply(variables, x, sigma, labels), x_t, t, SD)
+    c_skip, c_out, c_in, c_noise = precond_coefficients(sigma, SD, 4)
+    b = lambda v: v[:, None, None, None]  # noqa: E731
+    np.testing.assert_allclose(c_in * x, x_t / SD, rtol=4 * EPS32, atol=4 * EPS32)
+    np.testing.assert_allclose(c_skip * x, b(jnp.cos(t)) * x_t, rtol=8 * EPS32,
+                               atol=8 * EPS32)
+    np.testing.assert_allclose(c_out, b(SD * jnp.sin(t)), rtol=8 * EPS32)
+    raw = net.apply(variables, c_in * x, c_noise, labels, False,
+                    method=lambda m, *a: m.unet(*a))
+    assert float(jnp.std(raw)) > 0.1   # the output gain reaches the output
+    tol = 8 * EPS32 * (b(jnp.cos(t)) * jnp.abs(x_t) / b(SD * jnp.sin(t)) + jnp.abs(raw))
+    assert bool(jnp.all(jnp.abs(F + raw) <= tol)), float(jnp.max(jnp.abs(F + raw) / tol))
+
+
+# ---------------------------------------------------------------------------------------
+# Gaussian data: x_0 ~ N(mu, s^2) per channel, independent pixels.
+
+MU = np.array([0.4, -0.3])
+S = np.array([0.3, 0.8])
+
+
+def ideal_denoiser(x, sigma, xp=jnp):
+    """E[x_0 | x_0 + sigma n = x]: mu + s^2 / (s^2 + sigma^2) (x - mu)."""
+    s2 = xp.reshape(sigma, (-1, 1, 1, 1)) ** 2
+    return MU + S**2 / (S**2 + s2) * (x - MU)
+
+
+def consistency_function(x, sigma, xp=jnp):
+    """The PF-ODE's end from (x, sigma) to 0: mu + s / sqrt(s^2 + sigma^2) (x - mu)."""
+    s2 = xp.reshape(sigma, (-1, 1, 1, 1)) ** 2
+    return MU + S / xp.sqrt(S**2 + s2) * (x - MU)
+
+
+def _k_and_dk(kind, sigma):
+    """`f = mu + k(sigma) (x - mu)`: k and dk/dsigma, float64 `[B, 1, 1, C]`."""
+    s2 = sigma.reshape(-1, 1, 1, 1) ** 2
+    if kind == "denoiser":
+        return S**2 / (S**2 + s2), -2 * S**2 * np.sqrt(s2) / (S**2 + s2) ** 2
+    return S / np.sqrt(S**2 + s2), -S * np.sqrt(s2) / (S**2 + s2) ** 1.5
+
+
+def analytic_g(kind, x_t, t, dxdt):
+    """cos t df/dt of `f(x_t, t) = mu + k(sigma) (x_t / cos t - mu)`, sigma = sigma_data
+    tan t, along `dx_t/dt`, differentiated by hand (float64):
+    df/dt = k'(sigma) sigma_data / cos^2 t (x - mu) + k (dx_t/dt / cos t + x_t sin t / cos^2 t)."""
+    c, s = np.cos(t).reshape(-1, 1, 1, 1), np.sin(t).reshape(-1, 1, 1, 1)
+    k, dk = _k_and_dk(kind, SD * np.tan(t))
+    df = dk * SD / c**2 * (x_t / c - MU) + k * (dxdt / c + x_t * s / c**2)
+    return c * df
+
+
+def _gaussian_draws(n=4096, seed=0):
+    """`(x_0, z, t)` float64, t of the proposal (P_mean -1.0, P_std 1.6)."""
+    rng = np.random.default_rng(seed)
+    x0 = MU + S * rng.standard_normal((n, 2, 2, 2))
+    z = SD * rng.standard_normal(x0.shape)
+    t = np.arctan(np.exp(-1.0 + 1.6 * rng.standard_normal(n)) / SD)
+    return x0, z, t
+
+
+@pytest.mark.parametrize("mode", ["sCD", "sCT"])
+@pytest.mark.parametrize("kind", ["denoiser", "consistency"])
+def test_tangent_is_cos_t_df_dt_on_gaussian_data(mode, kind):
+    """`scm_tangent` with r = 1 (no normalisation) at a student `f = mu + k(sigma) (x -
+    mu)` (the ideal denoiser, or the ideal consistency function) along the teacher's
+    PF-ODE `dx_t/dt = (cos t x_t - D*(x_t / cos t)) / sin t` (sCD) or the data's velocity
+    `cos t z - sin t x_0` (sCT) equals `cos t df/dt` by hand. Float32 error: `F` and its
+    tangent are differences `cos t x_t - D` divided by `sigma_data sin t`, so each term of
+    g is off by a few eps (|x_t| + |dx_t/dt| + |mu|) / sin t; bound 16 eps that (measured:
+    at most 0.23 of it, over the four cases)."""
+    x0, z, t = _gaussian_draws()
+    x_t = np.cos(t)[:, None, None, None] * x0 + np.sin(t)[:, None, None, None] * z
+    x_t, t = x_t.astype(np.float32), t.astype(np.float32)      # what the objective sees
+    student = ideal_denoiser if kind == "denoiser" else consistency_function
+    teacher_F = scm.trigflow_fn(ideal_denoiser, SD)
+    c64 = np.cos(t.astype(np.float64))[:, None, None, None]
+    s64 = np.sin(t.astype(np.float64))[:, None, None, None]
+    if mode == "sCD":
+        dxdt = SD * teacher_F(jnp.asarray(x_t), jnp.asarray(t))
+        denoised = ideal_denoiser(x_t / c64, SD * np.tan(t.astype(np.float64)), np)
+        dxdt64 = (c64 * x_t - denoised) / s64
+    else:
+        x0, z = x0.astype(np.float32), z.astype(np.float32)
+        dxdt = scm.data_velocity(jnp.asarray(x0), jnp.asarray(z), jnp.asarray(t))
+        dxdt64 = c64 * z - s64 * x0
+    _, g = jax.jit(lambda x, t, v: scm.scm_tangent(scm.trigflow_fn(student, SD), x, t, v,
+                                                   1.0, SD))(x_t, t, dxdt)
+    want = analytic_g(kind, x_t.astype(np.float64), t.astype(np.float64), dxdt64)
+    scale = (np.abs(x_t) + np.abs(dxdt64) + np.abs(MU)) / np.sin(t)[:, None, None, None]
+    err = np.abs(np.asarray(g, np.float64) - want) / (16 * EPS32 * scale)
+    assert err.max() <= 1, err.max()
+    if kind == "consistency" and mode == "sCD":
+        # The ideal consistency function is constant along the ODE: df/dt = 0.
+        assert np.abs(want).max() < 1e-12
+    else:
+        assert np.abs(want).max() > 0.1   # a tangent of substance, not a zero
+
+
+def test_tangent_normalisation_warmup_and_loss_by_hand():
+    """g / (||g|| + c) per image; r = min(1, iters * batch / (1000 H)); the loss is
+    e^{-u} ||F_theta - F- - g||^2 / D + u, whose residual's value is -g."""
+    g = jnp.array([[[[3.0, 4.0]]], [[[0.0, 0.0]]]])
+    np.testing.assert_allclose(scm.normalize_tangent(g, 0.1)[0].ravel(), [3 / 5.1, 4 / 5.1],
+                               rtol=1e-6)
+    assert float(jnp.abs(scm.normalize_tangent(g, 0.1)[1]).max()) == 0
+    np.testing.assert_allclose(scm.tangent_warmup(jnp.int32(5), 64, 1.28), 0.25, rtol=1e-6)
+    assert float(scm.tangent_warmup(jnp.int32(500), 64, 1.28)) == 1.0
+    assert float(scm.tangent_warmup(jnp.int32(0), 64, 0.0)) == 1.0
+    # A student D(x; sigma) = x / 2 with logvar 0.7, sCT: mse = ||g_n||^2 / D.
+    x0 = jnp.full((2, 1, 1, 2), 0.3)
+    draws = dict(rnd_normal=jnp.array([0.0, 1.0]), noise_unit=jnp.array(
+        [[[[1.0, -0.5]]], [[[0.2, 2.0]]]]))
+    student = lambda x, s: (0.5 * x, jnp.full(x.shape[:1], 0.7))  # noqa: E731
+    loss, aux = scm.scm_loss_per_image(student, lambda x, s: 0.5 * x, None, x0, r=1.0,
+                                       P_mean=-1.0, P_std=1.6, sigma_data=SD, **draws)
+    sigma = np.exp(-1.0 + 1.6 * np.array([0.0, 1.0]))
+    t = np.arctan(sigma / SD)
+    z = SD * np.asarray(draws["noise_unit"])
+    x_t = np.cos(t)[:, None, None, None] * 0.3 + np.sin(t)[:, None, None, None] * z
+    v = np.cos(t)[:, None, None, None] * z - np.sin(t)[:, None, None, None] * 0.3
+    # f = x_t / (2 cos t): df/dt = v / (2 cos t) + x_t sin t / (2 cos^2 t).
+    c = np.cos(t)[:, None, None, None]
+    g = c * (v / (2 * c) + x_t * np.sin(t)[:, None, None, None] / (2 * c**2))
+    gn = g / (np.sqrt((g**2).sum(axis=(1, 2, 3), keepdims=True)) + 0.1)
+    mse = (gn**2).mean(axis=(1, 2, 3))
+    np.testing.assert_allclose(aux["mse"], mse, rtol=1e-5)
+    np.testing.assert_allclose(loss, np.exp(-0.7) * mse + 0.7, rtol=1e-5)
+    np.testing.assert_allclose(aux["sigma"], sigma, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# A 1-step student trained on Gaussian data
+
+
+class AffineNet(nn.Module):
+    """A stand-in of `Precond`'s call signature: EDM preconditioning around a raw output
+    `F_raw = a(c_noise) c_in x + b(c_noise)` per channel, `a`, `b` and the uncertainty
+    `logvar` linear in 16 Gaussian bumps of `c_noise` over [-2.5, 1.5] (sigma from
+    e^-10 to e^6): the ideal consistency function of Gaussian data has this form."""
+
+    @nn.compact
+    def __call__(self, x, sigma, labels=None, train=False, return_logvar=False):
+        sigma = jnp.broadcast_to(jnp.asarray(sigma, jnp.float32).reshape(-1), x.shape[:1])
+        c_skip, c_out, c_in, c_noise = precond_coefficients(sigma, SD, x.ndim)
+        centres = jnp.linspace(-2.5, 1.5, 16)
+        h = jnp.exp(-0.5 * jnp.square((c_noise[:, None] - centres) / 0.25))
+        ab = nn.Dense(2 * x.shape[-1], kernel_init=nn.initializers.zeros)(h)
+        a, b = ab[:, None, None, : x.shape[-1]], ab[:, None, None, x.shape[-1]:]
+        D = c_skip * x + c_out * (a * c_in * x + b)
+        if not return_logvar:
+            return D
+        return D, nn.Dense(1, kernel_init=nn.initializers.zeros)(h)[:, 0]
+
+
+@pytest.mark.parametrize("mode, num_steps, batch, slack", [("sCD", 600, 256, 0.05),
+                                                           ("sCT", 1000, 512, 0.1)])
+def test_a_one_step_student_maps_noise_to_the_data_mean_and_variance(mode, num_steps,
+                                                                      batch, slack):
+    """The stand-in student trained from `F_raw = 0` on the objective (the proposal
+    P_mean -1.0, P_std 1.6, c = 0.1, r = 1, adaptive weighting), by sCD with the exact
+    teacher (the ideal denoiser) or by sCT, until its 1-step sample `D(80 n; 80)` has
+    the data's mean and standard deviation per channel (the ideal 1-step student's: mu +
+    s n up to s / 80): 4096 samples, within 4 standard errors plus a training slack of
+    `slack` s (sCT's velocity is one draw of the ODE's, a noisier target). Measured:
+    sCD mean and std within 0.03 s, sCT within 0.08 s."""
+    net = AffineNet()
+    x = jnp.zeros((1, 1, 1, 2))
+    params = net.init(jax.random.PRNGKey(0), x, jnp.ones(1), return_logvar=True)["params"]
+    tx = optax.adam(optax.cosine_decay_schedule(1e-2, num_steps))
+    opt = tx.init(params)
+    teacher = ideal_denoiser if mode == "sCD" else None
+
+    def loss(p, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        x0 = MU + S * jax.random.normal(k1, (batch, 1, 1, 2))
+        per_image, _ = scm.scm_loss_per_image(
+            lambda x, s: net.apply({"params": p}, x, s, return_logvar=True),
+            lambda x, s: net.apply({"params": jax.lax.stop_gradient(p)}, x, s),
+            teacher, x0, rnd_normal=jax.random.normal(k2, (batch,)),
+            noise_unit=jax.random.normal(k3, x0.shape), r=1.0, P_mean=-1.0, P_std=1.6,
+            sigma_data=SD)
+        return jnp.mean(per_image)
+
+    @jax.jit
+    def steps(p, opt, key):
+        def body(carry, k):
+            p, opt = carry
+            u, opt = tx.update(jax.grad(loss)(p, k), opt)
+            return (optax.apply_updates(p, u), opt), None
+        return jax.lax.scan(body, (p, opt), jax.random.split(key, 100))[0]
+
+    def sample(p):
+        n = jax.random.normal(jax.random.PRNGKey(99), (4096, 1, 1, 2))
+        return np.asarray(scm.ScmSampler(1)(lambda x, s, l: net.apply({"params": p}, x, s),
+                                            n)).reshape(-1, 2)
+
+    before = sample(params)
+    for i in range(num_steps // 100):
+        params, opt = steps(params, opt, jax.random.PRNGKey(i))
+    after = sample(params)
+    # The start is far from the data: D(80 n; 80) = c_skip 80 n ~ 0.003 n.
+    assert np.all(before.std(0) < 0.01)
+    tol = 4 * S / np.sqrt(len(after)) + slack * S
+    np.testing.assert_array_less(np.abs(after.mean(0) - MU), tol)
+    np.testing.assert_array_less(np.abs(after.std(0) - S), tol)
+
+
+# ---------------------------------------------------------------------------------------
+# The sampler
+
+
+def test_sampler_steps_by_hand_and_images_follow_their_seeds():
+    """One step: D(sigma_max n; sigma_max). Two: x_0 = D(80 n; 80), then x = x_0 +
+    sigma_data tan(1.1) eps_0, x_0 = D(x; sigma_data tan 1.1). K steps at t_mid (K - k) /
+    (K - 1). With the image functions, an image depends on its seed alone."""
+    D = lambda x, s, labels: 0.5 * x / (1 + s)  # noqa: E731
+    n = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 2, 1))
+    eps = jax.random.normal(jax.random.PRNGKey(1), (4, 3, 2, 2, 1))
+    one = scm.ScmSampler(1, sigma_max=80.0)(D, n)
+    np.testing.assert_allclose(one, 0.5 * 80 * n / 81, rtol=1e-6)
+    s1 = SD * np.tan(1.1)
+    two = scm.ScmSampler(2)(D, n, churn_noise=lambda k: eps[k])
+    x0 = 0.5 * 80 * n / 81
+    np.testing.assert_allclose(two, 0.5 * (x0 + s1 * eps[0]) / (1 + s1), rtol=1e-5)
+    np.testing.assert_allclose(scm.ScmSampler(4).times()[1:], [1.1, 1.1 * 2 / 3, 1.1 / 3])
+    assert scm.ScmSampler(4).sigmas()[0] == np.float32(80) and scm.ScmSampler(4).sigmas()[-1] == 0
+    assert scm.ScmSampler(2).stochastic and not scm.ScmSampler(1).stochastic
+    with pytest.raises(ValueError, match="churn_noise"):
+        scm.ScmSampler(2)(D, n)
+    with pytest.raises(ValueError, match="t_mid"):
+        scm.ScmSampler(2, t_mid=1.6)
+    assert solvers.SAMPLERS["scm"] is scm.ScmSampler
+    assert solvers.from_settings(scm.ScmSampler(3).settings()) == scm.ScmSampler(3)
+    # Seeds: the image functions draw each seed's own noise for every step.
+    from tests.test_jvp import TINY, _variables
+    net = precond_from_config(dict(TINY, label_dim=0))
+    variables = _variables(net)
+    a = np.asarray(sampling.sample_images(net, variables, np.arange(5), raw=True,
+                                          sampler=scm.ScmSampler(3)))
+    b = np.asarray(sampling.sample_images(net, variables, np.array([3, 1]), raw=True,
+                                          sampler=scm.ScmSampler(3)))
+    np.testing.assert_allclose(a[[3, 1]], b, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(a[0], a[1])
+
+
+# ---------------------------------------------------------------------------------------
+# The objective: settings, refusals, cost
+
+
+def _config(**distill):
+    from tests.test_train import tiny_config
+    c = tiny_config("/nowhere", objective="scm")
+    c.distill.update(distill)
+    return c
+
+
+def test_objective_is_registered_with_its_section_sampler_and_cost():
+    c = _config(teacher="runs/t", steps=2)
+    obj = objectives.check_config(c)
+    assert isinstance(obj, scm.ContinuousConsistency)
+    assert obj.sampler(32) == scm.ScmSampler(2, sigma_max=80.0, t_mid=1.1, sigma_data=0.5)
+    assert obj.start().path == "runs/t" and obj.start().role == "teacher"
+    assert set(obj.init_state({"w": jnp.ones(2)})) == {"teacher", "iters"}
+    assert obj.flops_per_image(1.0) == 6
+    c.distill.update(guidance=1.5)
+    assert objectives.check_config(c).flops_per_image(1.0) == 7
+    sct = objectives.check_config(_config(training=True))
+    assert sct.start() is None and set(sct.init_state({})) == {"iters"}
+    assert sct.flops_per_image(1.0) == 5
+    assert objectives.check_config(_config(training=True, teacher="n")).start().path == "n"
+    entries, _ = sct.update({"iters": jnp.int32(4)}, {}, jnp.float32(0))
+    assert int(entries["iters"]) == 5
+    # A record of the section is sampled as trained.
+    meta = objectives.record(c)
+    assert objectives.from_metadata(meta).sampler() == obj.sampler()
+
+
+@pytest.mark.parametrize("name, value", [
+    ("steps", 0), ("P_std", 0.0), ("P_mean", float("nan")), ("tangent_c", 0.0),
+    ("warmup_kimg", -1.0), ("t_mid", 1.6), ("t_mid", 0.0), ("sigma_max", 0.0),
+    ("guidance", 0.5)])
+def test_bad_settings_are_refused_naming_the_flag(name, value):
+    """One ValueError whose message starts with the flag, from `configs.validate`
+    (before anything is built or compiled)."""
+    with pytest.raises(ValueError, match=rf"^--config\.distill\.{name}="):
+        configs.validate(_config(**{name: value}))
+
+
+@pytest.mark.parametrize("name, value", [("steps", 1.5), ("steps", True),
+                                         ("training", "yes"), ("teacher", 3)])
+def test_mistyped_settings_of_a_config_json_are_refused_naming_the_flag(name, value):
+    """A config.json's section (a dict: no ConfigDict type check) is checked too."""
+    c = _config().to_dict()
+    c["distill"][name] = value
+    with pytest.raises(ValueError, match=rf"^--config\.distill\.{name}="):
+        objectives.check_config(c)
+
+
+def test_guidance_needs_a_teacher_and_labels():
+    with pytest.raises(ValueError, match="^--config.distill.guidance=.*sCT"):
+        configs.validate(_config(training=True, guidance=2.0))
+    c = _config(guidance=2.0)
+    c.data.use_labels = False
+    with pytest.raises(ValueError, match="^--config.distill.guidance=.*conditional"):
+        configs.validate(c)
