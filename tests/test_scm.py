@@ -358,3 +358,77 @@ def test_guidance_needs_a_teacher_and_labels():
     c.data.use_labels = False
     with pytest.raises(ValueError, match="^--config.distill.guidance=.*conditional"):
         configs.validate(c)
+
+
+# ---------------------------------------------------------------------------------------
+# A tiny sCD run: trains, resumes bitwise, generates with its own sampler
+
+
+@pytest.fixture(scope="module")
+def scm_runs(tmp_path_factory, xla_cache):
+    """A random teacher (every gain 0.7: its output reaches the images) saved as a
+    network checkpoint, and two tiny sCD runs of it on 8x8 grey images with 2 classes:
+    4 steps in one go, and the same stopped after 2 and resumed; the tangent warmed up
+    over the first 2 steps."""
+    from edm2_jax.model.networks import precond_from_config
+    from edm2_jax.objectives import distill
+    from edm2_jax.run import network_dir
+    from edm2_jax.training import loop
+    from tests.test_jvp import _variables
+    from tests.test_train import make_image_folder, tiny_config
+    root = tmp_path_factory.mktemp("scm")
+    data = make_image_folder(root / "data", n=16, resolution=8)
+    cfg = dict(tiny_config(data).network.to_dict(), img_resolution=8, img_channels=1,
+               label_dim=2, dtype="float32")
+    net = precond_from_config(cfg)
+    teacher = network_dir.save_network(str(root / "teacher"), _variables(net),
+                                       distill.network_config(net))
+    over = {"objective": "scm", "distill.teacher": teacher, "distill.steps": 2,
+            "distill.warmup_kimg": 0.016, "optim.ref_lr": 0.005, "optim.t_ref": 0}
+    full, half = root / "full", root / "half"
+    r_full = loop.train_and_evaluate(tiny_config(data, **over), str(full))
+    loop.train_and_evaluate(tiny_config(data, total_kimg=0.016, **over), str(half))
+    r_half = loop.train_and_evaluate(tiny_config(data, **over), str(half))
+    return dict(teacher=teacher, full=full, half=half, r_full=r_full, r_half=r_half)
+
+
+# Slow (~50 s on 2 busy cores): the two tiny runs, built once for these tests.
+@pytest.mark.slow
+@pytest.mark.ci
+def test_a_tiny_scd_run_trains_and_resumes_bitwise(scm_runs):
+    """The run stopped after 2 steps and resumed ends on the arrays of the run that never
+    stopped, bit for bit (the warmup counter 'iters' included: 4); the teacher rides
+    along unchanged, the student moved; the loss is finite and the tangent warmed up."""
+    from edm2_jax.run import network_dir
+    from tests.test_train import _restore
+    r = scm_runs["r_full"]
+    assert r["finished"] and scm_runs["r_half"]["finished"]
+    assert np.isfinite(r["loss/loss"]) and r["loss/tangent_warmup"] == 1.0
+    (sa, a), (sb, b) = _restore(scm_runs["full"]), _restore(scm_runs["half"])
+    assert sa == sb == 4 and int(a["iters"]) == 4
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.array_equal(x, y)
+    _, teacher, _ = network_dir.load_network(scm_runs["teacher"])
+    for x, y in zip(jax.tree.leaves(a["teacher"]), jax.tree.leaves(teacher["params"]),
+                    strict=True):
+        assert np.array_equal(x, y)
+    moved = [np.max(np.abs(x - y)) for x, y in zip(jax.tree.leaves(a["params"]),
+                                                   jax.tree.leaves(a["teacher"]))]
+    assert max(moved) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_a_student_is_sampled_with_its_own_sampler_and_images_follow_seeds(scm_runs):
+    """`nets.net_sampler` of the run is its 2-step sCM sampler (no flag needed), and an
+    image depends on its seed alone."""
+    from edm2_jax import nets
+    run = str(scm_runs["full"])
+    sampler = nets.net_sampler(run)
+    assert sampler == scm.ScmSampler(2, sigma_max=80.0, t_mid=1.1, sigma_data=0.5)
+    assert nets.net_sampler(scm_runs["teacher"]) == solvers.Heun(32)
+    net, variables, _ = nets.load_net(run)
+    a = np.asarray(sampling.sample_images(net, variables, np.arange(5), sampler=sampler))
+    b = np.asarray(sampling.sample_images(net, variables, np.array([4, 1]), sampler=sampler))
+    np.testing.assert_array_equal(a[[4, 1]], b)
+    assert a.std() > 0
