@@ -1,8 +1,9 @@
 """The outputs of post-hoc EMA: network checkpoints named as the release names them
-(`output_name`), each written as `<name>.unfinished` and renamed when complete
-(`save_output`; on object storage in place, network.json last), and which of them a
-re-run writes again (`outputs_to_write`: what an interrupted run left is deleted, a
-complete output from the same snapshots kept)."""
+(`output_name`), each complete or absent (`save_output`: `network_dir.save_network`
+writes it under a temporary name of its own and renames it whole; on object storage in
+place, network.json last), and which of them a re-run writes again (`outputs_to_write`:
+what an interrupted run left is deleted, a complete output from the same snapshots kept;
+one that another process completed meanwhile likewise, `save_output`)."""
 from __future__ import annotations
 
 import hashlib
@@ -12,9 +13,6 @@ from typing import Any, Sequence
 
 from edm2_jax import paths as paths_lib
 from edm2_jax.run import network_dir as ckpt_lib
-
-# Suffix of an output being written (`save_output`); a re-run deletes it and writes again.
-UNFINISHED = ".unfinished"
 
 
 def output_name(nimg: float, sigma_rel: float, per_tensor: Sequence = ()) -> str:
@@ -27,39 +25,55 @@ def output_name(nimg: float, sigma_rel: float, per_tensor: Sequence = ()) -> str
     return name
 
 
-def unfinished_path(path: str) -> str:
-    """Where output `path` is written until complete (a local disk: then renamed)."""
-    return path + UNFINISHED
-
-
 def remove_unfinished(path: str) -> None:
-    """Delete what an interrupted run left of output `path` (saying so): its
-    `unfinished_path`, or `path` itself without network.json (written last; on object
-    storage outputs are written in place). Raises FileExistsError when `path` holds
-    anything else."""
-    for p in (unfinished_path(path), path):
-        if not paths_lib.exists(p):
-            continue
-        names = set(paths_lib.listdir(p))
-        if p == path and not names <= {ckpt_lib.VARIABLES, ckpt_lib.NETWORK_JSON + ".tmp"}:
-            raise FileExistsError(f"{path} exists and is not a network checkpoint (it holds "
-                                  f"{sorted(names)[:4]}); remove it or choose another "
-                                  f"out_dir (--outdir)")
-        print(f"Removing {p}: the unfinished output of an interrupted run (it is written "
-              f"again)")
-        paths_lib.Path(p).rmtree()
+    """Delete what interrupted runs left of output `path` (saying so): the temporary
+    directories of writers that are gone (`network_dir.stale_temporaries`; a live
+    writer's is left alone), or `path` itself without network.json (written last; on
+    object storage outputs are written in place). Raises FileExistsError when `path`
+    holds anything else."""
+    ckpt_lib.remove_stale_temporaries(path)
+    if not paths_lib.exists(path):
+        return
+    names = set(paths_lib.listdir(path))
+    if not names <= {ckpt_lib.VARIABLES, ckpt_lib.NETWORK_JSON + ".tmp"}:
+        raise FileExistsError(f"{path} exists and is not a network checkpoint (it holds "
+                              f"{sorted(names)[:4]}); remove it or choose another "
+                              f"out_dir (--outdir)")
+    print(f"Removing {path}: the unfinished output of an interrupted run (it is written "
+          f"again)")
+    paths_lib.Path(path).rmtree()
 
 
 def save_output(path: str, variables: dict, net_config: dict, meta: dict) -> None:
-    """Write output `path` so that it exists only once complete: on a local disk under
-    `unfinished_path`, renamed when written; on object storage (no renaming of
-    directories) in place, with network.json written last (`remove_unfinished`)."""
-    if paths_lib.is_url(path):
+    """Write output `path` so that it exists only once complete (`network_dir.
+    save_network`, one tensor at a time). When another process completed `path` while
+    this one computed it (two runs on one `--outdir`), its output is kept if it was made
+    from the same snapshots (`meta['inputs']`, saying so) and what this one wrote is
+    deleted. Raises FileExistsError naming `path` and the fix when it holds anything
+    else."""
+    try:
         ckpt_lib.save_network(path, variables, net_config, meta, low_memory=True)
-        return
-    tmp = unfinished_path(path)
-    ckpt_lib.save_network(tmp, variables, net_config, meta, low_memory=True)
-    os.replace(tmp, path)
+    except FileExistsError:
+        if not _same_output(path, meta):
+            raise FileExistsError(f"{path} was written by another process meanwhile, from "
+                                  f"other snapshots (or is not a complete network "
+                                  f"checkpoint); remove it or choose another out_dir "
+                                  f"(--outdir)") from None
+        print(f"Kept {path}: complete, from the same snapshots (written meanwhile by "
+              f"another process)")
+
+
+def _same_output(path: str, meta: dict) -> bool:
+    """Whether `path` is a complete network checkpoint made from `meta['inputs']` with
+    the same weights (what `meta` would write)."""
+    if not ckpt_lib.is_network_checkpoint(path):
+        return False
+    try:
+        theirs = ckpt_lib.read_network_json(path)[1]
+    except ValueError:  # IntegrityError: unreadable or edited
+        return False
+    return all(theirs.get(k) == json.loads(json.dumps(meta.get(k)))
+               for k in ("inputs", "weights", "sigma_rel", "nimg"))
 
 
 def output_paths(out_dir: str, out_nimg: float, sigma_rels: list[float],

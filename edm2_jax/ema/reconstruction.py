@@ -16,8 +16,10 @@ Outputs: network checkpoints `OUT_DIR/phema-<kimg:07d>-<sigma_rel:.3f>/` (defaul
 `OUT_DIR = WORKDIR/phema`) loadable with `network_dir.load_network`; their meta records
 `sigma_rel`, `nimg`, the input snapshots and their weights, and `profile_error` (the
 relative L2 distance between the reconstructed and the wanted profile). Each is written
-as `<name>.unfinished` and renamed when complete; a re-run of an interrupted
-reconstruction deletes the unfinished one and keeps the complete ones.
+under a temporary name of its writer's own and renamed whole when complete
+(`network_dir.save_network`); a re-run of an interrupted reconstruction deletes what it
+left unfinished and keeps the complete ones, and of two runs on one `--outdir` the
+second to finish keeps the first one's output (`outputs.save_output`).
 
 Per-tensor post-hoc EMA: `per_tensor=[(regex, sigma_rel), ...]` gives the parameters
 whose '/'-joined path (e.g. `'unet/enc_8x8_block0/conv_res0/weight'`,

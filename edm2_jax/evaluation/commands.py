@@ -50,10 +50,12 @@ reconstructions, not the original pixels; for the paper's figures give `--ref`
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 
 from edm2_jax import data as data_lib
 from edm2_jax import nets, paths
@@ -83,7 +85,33 @@ def _vae_for_data(vae_path: str | None, data_config: Any) -> Any:
     return vae_lib.load_vae(vae_path)
 
 
-def _append_result(out_json: str, line: str) -> None:
+def _nonfinite_fields(tree: Any, prefix: str = "") -> list[str]:
+    """`'name=value'` of every float of the results `tree` (nested dicts and lists) that
+    is NaN or infinite."""
+    if isinstance(tree, dict):
+        return [f for k, v in tree.items() for f in _nonfinite_fields(v, f"{prefix}{k}.")]
+    if isinstance(tree, (list, tuple)):
+        return [f for i, v in enumerate(tree) for f in _nonfinite_fields(v, f"{prefix}{i}.")]
+    if isinstance(tree, (float, np.floating)) and not math.isfinite(tree):
+        return [f"{prefix[:-1]}={float(tree)}"]
+    return []
+
+
+def check_results(res: dict, out_json: str | None, inputs: str) -> None:
+    """Raise ValueError, before any figure is printed or written, when a figure of the
+    results `res` is NaN or infinite (a row of `out_json` must be a true figure, and
+    JSON): naming the figures and `inputs`, what to check."""
+    bad = _nonfinite_fields(res)
+    if bad:
+        where = f"no row is appended to {out_json}" if out_json else "nothing is reported"
+        raise ValueError(f"the figures {', '.join(bad[:4])} are not finite, so {where}: "
+                         f"check {inputs}")
+
+
+def _append_result(out_json: str, res: dict) -> None:
+    """Append the results `res` to `out_json` as one JSON line (strict JSON: a NaN or
+    infinite figure is refused, `check_results`)."""
+    line = json.dumps(res, allow_nan=False) + "\n"
     if paths.is_url(out_json):  # object storage cannot append: rewrite the object
         before = paths.read_text(out_json) if paths.exists(out_json) else ""
         paths.write_text_atomic(out_json, before + line)
@@ -180,10 +208,16 @@ def main_eval(*, images_dir: str | None, net_path: str | None, num_images: int |
                    guide=gen_kw.get("guide_path"), guidance=gen_kw.get("guidance", 1.0))
     state_path = res.pop("_partial_state", None)
     out_json = res.pop("_out_json", out_json)
+    inputs = " and ".join(x for x in (
+        f"--ref={ref}" if ref else None, f"--net={net_path}" if net_path else None,
+        f"--images={images_dir}" if images_dir else None,
+        f"--data_split_images={data_split_images}" if data_split_images else None,
+        f"--dinov2={dinov2}" if dinov2 and "fd_dinov2" in names else None) if x)
+    check_results(res, out_json, inputs)  # the partial state stays: nothing is lost
     if jax.process_index() == 0:
         print(json.dumps(res, indent=2))
         if out_json:
-            _append_result(out_json, json.dumps(dict(res, ref_split=ref_split)) + "\n")
+            _append_result(out_json, dict(res, ref_split=ref_split))
             print(f"Results appended to {out_json}")
     if state_path:
         stream.sync_processes("edm2_eval_written")  # every figure out before any state goes
@@ -273,7 +307,8 @@ def main_ref(*, dest: str, images_dir: str | None, data_config: Any, split: str,
       uses all); dinov2: the DINOv2 weights file.
     Returns `{'num_images': N, 'time_s': seconds}`.
     Raises ValueError for another metric, a missing source or too few images;
-    FileNotFoundError for missing weights.
+    FileNotFoundError for missing weights; FileExistsError when `dest` exists (before any
+    work: statistics are never replaced).
     """
     names = [m.strip() for m in metrics.split(",") if m.strip()]
     bad = sorted(set(names) - set(metrics_lib.FD_METRICS))
@@ -283,6 +318,9 @@ def main_ref(*, dest: str, images_dir: str | None, data_config: Any, split: str,
     if not dest.lower().endswith((".pkl", ".npz")):
         raise ValueError(f"--ref={dest}: the statistics are written to a .pkl (the release's "
                          f"format) or an .npz (fid only)")
+    if paths.exists(dest):  # a command never replaces a file: the statistics of a data set
+        raise FileExistsError(f"--ref={dest} exists; give a new file name (or delete it "
+                              f"first): --mode=ref never replaces statistics")
     t = time.time()
     # The source is checked (missing, latent) before any weights load, so that its error
     # is the one the user sees; the extractors then load before any image is read.

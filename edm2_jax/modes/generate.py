@@ -29,6 +29,7 @@ the schedule, `--preset`, `--models`, `--guidance_interval`), as does `--mode=ph
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 
@@ -288,6 +289,45 @@ SAMPLER_FLAGS = ("teacher_steps", "sigma_min", "sigma_max", "rho", "S_churn", "S
 SHOWN_FLAGS = ("steps", "sigma_min", "sigma_max", "rho", "teacher_steps")  # in its errors
 
 
+def check_output_name(path: str | None, flag: str) -> None:
+    """Raise `paths.OutputLocationError` naming `flag` when a name in the local `path` is
+    longer than its file system allows (255 bytes on most), before any work: it would
+    fail only when the first image is written."""
+    if not path or paths.is_url(path):
+        return
+    path = paths.normalize(path)
+    ancestor = path
+    while not os.path.isdir(ancestor) and os.path.dirname(ancestor) != ancestor:
+        ancestor = os.path.dirname(ancestor)
+    try:
+        limit = os.pathconf(ancestor, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    for name in path.split(os.sep):
+        if len(os.fsencode(name)) > limit:
+            raise paths.OutputLocationError(
+                f"{flag}={path}: the name {name[:24]}... is {len(os.fsencode(name))} bytes "
+                f"long, more than the {limit} its file system allows; give a shorter one")
+
+
+def check_outputs(outdir: str | None, grid: str | None) -> None:
+    """`--outdir` and `--grid`, before any weights are read or any image sampled: each
+    writable (`paths.check_output_dir` / `check_output_file`: not a file or a directory,
+    a reachable bucket) with names the file system takes (`check_output_name`), and a
+    `--grid` that does not exist yet: a command never replaces a file it did not write
+    (a run's own sample grid, `RUN/samples/*.png`, say). Raises OutputLocationError,
+    FileExistsError."""
+    if outdir:
+        paths.check_output_dir(outdir, "--outdir")
+        check_output_name(outdir, "--outdir")
+    if grid:
+        paths.check_output_file(grid, "--grid")
+        check_output_name(grid, "--grid")
+        if paths.exists(grid):
+            raise FileExistsError(f"--grid={grid} exists; give a new file name (or delete it "
+                                  f"first): generate never replaces a file")
+
+
 def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | None = None,
                   batch_size: int = 64, class_idx: int | None = None, subdirs: bool = False,
                   guide_path: str | None = None, guide_ema: str | None = None,
@@ -302,10 +342,7 @@ def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | N
     seed_list = seed_images.parse_seeds(seeds)
     if not outdir and not grid:
         raise ValueError("--mode=generate needs --outdir=DIR and/or --grid=FILE.png")
-    if outdir:
-        paths.check_output_dir(outdir, "--outdir")
-    if grid:
-        paths.check_output_file(grid, "--grid")
+    check_outputs(outdir, grid)
     vae = nets.check_vae(net_path, vae_path, guide_path)
     net, variables, desc = nets.load_net(net_path, ema)
     sampler_kw = dict(sampler_kw)
@@ -343,8 +380,7 @@ def run() -> None:
         seed_images.parse_seeds(FLAGS.seeds)
         if not FLAGS.outdir and not FLAGS.grid:
             raise ValueError("--mode=generate needs --outdir=DIR and/or --grid=FILE.png")
-        common.check_output_dir(FLAGS.outdir, "--outdir")
-        common.check_output_file(FLAGS.grid, "--grid")
+    check_outputs(FLAGS.outdir, FLAGS.grid)  # before the net's metadata is read
     resolved = resolve_preset(preset)
     main_generate(
         seeds=FLAGS.seeds, outdir=FLAGS.outdir, batch_size=FLAGS.batch,

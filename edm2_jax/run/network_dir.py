@@ -13,14 +13,22 @@ Owns:
                               "integrity": {digests of the arrays and of the sections}}
         DIR/variables/       Orbax PyTree checkpoint {'params', 'buffers'}
 
+    written complete or not at all: under a temporary name of its writer's own
+    (`temporary_path`) and renamed whole (`save_network`);
+
 A training run's directory (config.json, checkpoints/, snapshots/, ...) is `layout.py`'s
 (and its siblings', one per file).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
+import secrets
+import shutil
+import socket
 from typing import Any, Sequence
 
 import jax
@@ -129,31 +137,131 @@ def save_network(path: str, variables: dict, net_config: dict, meta: dict | None
     until it commits: the save then needs about one tensor of extra memory instead of
     about one parameter copy (what post-hoc EMA uses for its outputs).
 
-    Refuses to overwrite an existing network checkpoint (raises FileExistsError).
-    Returns the absolute path (or the URL: `path` may be `gs://...`, `paths.py`).
+    Complete or absent: on a local disk the checkpoint is written into a directory of
+    its own beside `path` (`temporary_path`: unique to this writer, so that two writers
+    never share one) and renamed to `path` whole; a kill leaves nothing under `path`,
+    and what it left beside it is deleted by the next save of `path` on this host
+    (`remove_stale_temporaries`). Where `path` is a folder that already holds other
+    files, the variables are renamed into it whole, network.json last. On object storage
+    (no rename of directories) it is written in place, network.json last: a directory
+    without network.json is no network checkpoint.
+
+    Refuses to overwrite a network checkpoint: raises FileExistsError when `path`
+    holds one, also one that another writer renamed into place while this one wrote
+    (the loser of a race deletes what it wrote). Raises IntegrityError, before anything
+    is written, when an array holds NaN/inf. Returns the absolute path (or the URL:
+    `path` may be `gs://...`, `paths.py`).
     """
     path = paths.normalize(path)
     if paths.exists(os.path.join(path, VARIABLES)):
         raise FileExistsError(f"{path} already holds a network checkpoint; choose another "
                               f"--workdir or delete it first")
-    paths.makedirs(path)
     variables = jax.tree_util.tree_map(np.asarray, dict(variables))
+    record = integrity.digest_tree_numpy(variables)
+    if record["nonfinite"]:
+        raise integrity.IntegrityError(
+            f"not saving {path}: non-finite values (NaN/inf) in "
+            f"{', '.join(record['nonfinite'][:4])}; check the network or snapshots it was "
+            f"made from")
+    info = {"network": _to_jsonable(dict(net_config)), "meta": _to_jsonable(meta or {})}
+    record[FIELDS_DIGEST] = _fields_digest(info)
+    if paths.is_url(path):
+        _write_network(path, variables, dict(info, integrity=record), low_memory)
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    remove_stale_temporaries(path)
+    in_place = os.path.isdir(path) and bool(os.listdir(path))
+    tmp = temporary_path(path)
+    try:
+        if in_place:  # a folder of other files: the variables renamed in whole, then the json
+            _write_network(path, variables, dict(info, integrity=record), low_memory,
+                           variables_tmp=tmp)
+        else:
+            _write_network(tmp, variables, dict(info, integrity=record), low_memory)
+            _rename_whole(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _write_network(path: str, variables: dict, info: dict, low_memory: bool,
+                   variables_tmp: str | None = None) -> None:
+    """The variables (Orbax) then network.json (atomically: written last, it marks the
+    checkpoint complete) into the directory `path`; with `variables_tmp`, the variables
+    are saved there first and renamed to `path/variables` whole (`_rename_whole`)."""
     registry = ocp.type_handlers.create_type_handler_registry(
         (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
         (jax.Array, ocp.type_handlers.get_type_handler(jax.Array)))
     ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
         use_ocdbt=not low_memory, type_handler_registry=registry))
-    record = integrity.digest_tree_numpy(variables)
-    if record["nonfinite"]:
-        raise integrity.IntegrityError(f"not saving {path}: non-finite values (NaN/inf) in "
-                                       f"{', '.join(record['nonfinite'][:4])}")
-    ckptr.save(os.path.join(path, VARIABLES), args=ocp.args.PyTreeSave(variables))
-    info = {"network": _to_jsonable(dict(net_config)), "meta": _to_jsonable(meta or {})}
-    record[FIELDS_DIGEST] = _fields_digest(info)
-    # network.json last and atomically: a directory without it is no network checkpoint.
-    paths.write_text_atomic(os.path.join(path, NETWORK_JSON),
-                            json.dumps(dict(info, integrity=record), indent=2))
-    return path
+    paths.makedirs(path)
+    target = os.path.join(path, VARIABLES)
+    ckptr.save(variables_tmp or target, args=ocp.args.PyTreeSave(variables))
+    if variables_tmp:
+        _rename_whole(variables_tmp, target)
+    paths.write_text_atomic(os.path.join(path, NETWORK_JSON), json.dumps(info, indent=2))
+
+
+def _rename_whole(src: str, dst: str) -> None:
+    """Rename the local directory `src` to `dst` in one step (`rename(2)`: atomic, and
+    refused when `dst` is a directory that is not empty). Raises FileExistsError naming
+    `dst` when it is there already: another writer completed it first."""
+    try:
+        os.rename(src, dst)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise
+        raise FileExistsError(f"{dst} was written by another process while this one wrote "
+                              f"it; remove it or choose another --workdir/--outdir") from None
+
+
+# A writer's temporary directory beside its output: `<path>.unfinished-<host>-<pid>-<hex>`
+# (the bare `<path>.unfinished` of earlier versions is one too).
+UNFINISHED = ".unfinished"
+_TEMPORARY = re.compile(r"\.unfinished(?:-(?P<host>[A-Za-z0-9._]*)-(?P<pid>\d+)-[0-9a-f]+)?")
+
+
+def temporary_path(path: str) -> str:
+    """Where one writer writes output `path` (a local directory) until it is complete: a
+    name beside it no other writer uses, naming this host and process so that what a
+    killed writer left can be told from what a live one writes."""
+    host = re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname())[:32]
+    return f"{path}{UNFINISHED}-{host}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def stale_temporaries(path: str) -> list[str]:
+    """The temporary directories of output `path` (`temporary_path`) whose writers are
+    gone: a process of this host that no longer runs, or a name of earlier versions
+    (`<path>.unfinished`). Those of live writers, and of other hosts (which cannot be
+    asked), are not listed."""
+    parent, name = os.path.split(paths.normalize(path))
+    host = re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname())[:32]
+    out = []
+    for other in paths.listdir(parent):
+        m = _TEMPORARY.fullmatch(other[len(name):]) if other.startswith(name) else None
+        if m and (m["pid"] is None or m["host"] == host and not _pid_alive(int(m["pid"]))):
+            out.append(os.path.join(parent, other))
+    return out
+
+
+def remove_stale_temporaries(path: str) -> None:
+    """Delete what killed writers of output `path` left beside it (`stale_temporaries`),
+    saying so."""
+    for p in stale_temporaries(path):
+        print(f"Removing {p}: the unfinished output of an interrupted run (it is written "
+              f"again)")
+        paths.Path(p).rmtree()
 
 
 def _fields_digest(info: dict) -> str:
