@@ -496,15 +496,15 @@ def test_rescue_advice_names_the_config_files_rate_when_no_rate_of_the_run_train
     """Only 1e30 ever trained (and diverged): the advice names the config file's own
     rate, else the default of configs.py; a rate that trained still comes first."""
     from edm2_jax import configs
-    cfg = tiny_config("/nonexistent", **{"optim.ref_lr": 1e30})
+    diverged = dict(lr=1e30, grad_clip=0.0)  # optim.ref_lr and optim.grad_clip
     only = [{"step": 0, "ref_lr": 1e30, "grad_clip": 0.0}]
-    flags, why = rescue.rescue_flags(2, only, cfg, default_ref_lr=0.01)
+    flags, why = rescue.rescue_flags(2, only, **diverged, default_ref_lr=0.01)
     assert flags == ["--config.resume_step=2", "--config.optim.ref_lr=0.01"], flags
     assert "config file's own" in why, why
-    flags, _ = rescue.rescue_flags(2, only, cfg)
+    flags, _ = rescue.rescue_flags(2, only, **diverged)
     assert flags[1] == f"--config.optim.ref_lr={configs.base_config().optim.ref_lr:g}"
     trained = [{"step": 0, "ref_lr": 0.003, "grad_clip": 0.0}, {**only[0], "step": 2}]
-    flags, _ = rescue.rescue_flags(2, trained, cfg, default_ref_lr=0.01)
+    flags, _ = rescue.rescue_flags(2, trained, **diverged, default_ref_lr=0.01)
     assert flags[1] == "--config.optim.ref_lr=0.003"
 
 

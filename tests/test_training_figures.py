@@ -80,9 +80,8 @@ def test_logged_loss_does_not_depend_on_the_checkpoint_cadence(data, tmp_path):
 
 
 def _schedule(batch_size: int, total_kimg: float, status_kimg: float) -> Schedule:
-    return Schedule.from_config(ml_collections.ConfigDict(dict(
-        batch_size=batch_size, total_kimg=total_kimg, status_kimg=status_kimg,
-        snapshot_kimg=status_kimg, checkpoint_kimg=status_kimg)))
+    return Schedule.of_kimg(batch_size, total_kimg=total_kimg, status_kimg=status_kimg,
+                            snapshot_kimg=status_kimg, checkpoint_kimg=status_kimg)
 
 
 def test_status_lines_land_at_whole_multiples_of_status_kimg():
@@ -184,18 +183,16 @@ def test_following_the_rescue_advice_resumes_and_trains(data, tmp_path):
     assert all(np.isfinite(s["loss/loss"]) for s in _stats(run) if "loss/loss" in s)
 
 
-def test_rescue_advice_never_repeats_what_diverged(data):
+def test_rescue_advice_never_repeats_what_diverged():
     """`rescue_flags`: the most recent lower rate that trained before the healthy step;
     without one, a tenth of the rate; the clip only when none is set."""
     history = [{"step": 0, "ref_lr": 0.01, "grad_clip": 0.0},
                {"step": 12, "ref_lr": 1e30, "grad_clip": 1.0}]
-    cfg = tiny_config(data, **{"optim.ref_lr": 1e30, "optim.grad_clip": 1.0})
-    flags, why = rescue.rescue_flags(12, history, cfg)
+    flags, why = rescue.rescue_flags(12, history, lr=1e30, grad_clip=1.0)
     assert flags == ["--config.resume_step=12", "--config.optim.ref_lr=0.01"]
     assert "grad_clip" not in why
     # The rate itself trained to the healthy checkpoint, then diverged: a tenth of it.
-    cfg = tiny_config(data, **{"optim.ref_lr": 0.01})
-    flags, why = rescue.rescue_flags(16, history[:1], cfg)
+    flags, why = rescue.rescue_flags(16, history[:1], lr=0.01, grad_clip=0.0)
     assert flags == ["--config.resume_step=16", "--config.optim.ref_lr=0.001"]
     assert "--config.optim.grad_clip=1" in why
     # A history with a start after the healthy step: that start trained nothing kept.

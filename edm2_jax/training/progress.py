@@ -12,7 +12,6 @@ import time
 from typing import Callable, Iterator
 
 import jax
-import ml_collections
 import numpy as np
 from tqdm import tqdm
 
@@ -38,14 +37,16 @@ class Schedule:
     checkpoint_nimg: int
 
     @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict) -> "Schedule":
+    def of_kimg(cls, batch_size: int, *, total_kimg: float, status_kimg: float,
+                snapshot_kimg: float, checkpoint_kimg: float) -> "Schedule":
+        """The schedule of a run of `total_kimg` at batch `batch_size` that reports every
+        `status_kimg`, snapshots every `snapshot_kimg`, checkpoints every
+        `checkpoint_kimg` (the config's fields of those names)."""
         nimg = lambda kimg: max(1, int(round(float(kimg) * 1000)))  # noqa: E731
-        batch_size = int(config.batch_size)
         return cls(batch_size=batch_size,
-                   total_steps=math.ceil(int(round(config.total_kimg * 1000)) / batch_size),
-                   status_nimg=nimg(config.status_kimg),
-                   snapshot_nimg=nimg(config.snapshot_kimg),
-                   checkpoint_nimg=nimg(config.checkpoint_kimg))
+                   total_steps=math.ceil(int(round(total_kimg * 1000)) / batch_size),
+                   status_nimg=nimg(status_kimg), snapshot_nimg=nimg(snapshot_kimg),
+                   checkpoint_nimg=nimg(checkpoint_kimg))
 
     def due(self, interval_nimg: int, step: int) -> bool:
         """Whether step `step` (1-based: the image count is `step * batch_size` after it)

@@ -3,8 +3,6 @@ raises NonFiniteLossError with it), drawn from the learning rate of each start o
 (`optim_history`, recorded in config.json) and the run's newest healthy checkpoint."""
 from __future__ import annotations
 
-import ml_collections
-
 from edm2_jax import configs
 from edm2_jax.run import checkpoints, records
 
@@ -37,13 +35,13 @@ def default_rate(lr: float, default_ref_lr: float | None) -> tuple[float, str]:
     return lr / 10, f"a tenth of {lr:g}, which diverged"
 
 
-def rescue_flags(step: int, history: list[dict], config: ml_collections.ConfigDict,
+def rescue_flags(step: int, history: list[dict], lr: float, grad_clip: float,
                  default_ref_lr: float | None = None) -> tuple[list[str], str]:
-    """`(flags, why)`: how to resume a diverged run from its healthy checkpoint `step`:
-    the most recent learning rate in `history` (`optim_history`) that trained steps
-    before `step` and is lower than the one that diverged, else `default_rate`'s; a
+    """`(flags, why)`: how to resume a run that diverged at learning rate `lr` (its
+    `optim.ref_lr`) and clip `grad_clip` (`optim.grad_clip`, 0 = none) from its healthy
+    checkpoint `step`: the most recent learning rate in `history` (`optim_history`) that
+    trained steps before `step` and is lower than `lr`, else `default_rate`'s; a
     gradient clip only where none is set (as a second resort, in `why`)."""
-    lr = float(config.optim.ref_lr)
     trained = [h for h in history if h["step"] < step and h["ref_lr"] < lr]
     if trained:
         rate = trained[-1]["ref_lr"]
@@ -51,28 +49,29 @@ def rescue_flags(step: int, history: list[dict], config: ml_collections.ConfigDi
     else:
         rate, why = default_rate(lr, default_ref_lr)
     flags = [f"--config.resume_step={step}", f"--config.optim.ref_lr={rate:g}"]
-    if not float(config.optim.grad_clip):
+    if not grad_clip:
         why += "; should it diverge again, also add --config.optim.grad_clip=1"
     return flags, why
 
 
-def rescue_hint(managers: checkpoints.TrainCheckpoints, config: ml_collections.ConfigDict,
+def rescue_hint(managers: checkpoints.TrainCheckpoints, lr: float, grad_clip: float,
                 history: list[dict], default_ref_lr: float | None = None) -> str:
-    """How to resume a diverged run: the newest checkpoint that is finite with a
-    healthy parameter RMS (`records.is_healthy`), and the flags (`rescue_flags`); with
-    none, a new run at `default_rate`'s learning rate."""
+    """How to resume a run that diverged at learning rate `lr` and clip `grad_clip`: the
+    newest checkpoint that is finite with a healthy parameter RMS (`records.is_healthy`),
+    and the flags (`rescue_flags`); with none, a new run at `default_rate`'s learning
+    rate."""
     try:
         managers.close()  # the saves in flight complete (or fail) first
     except checkpoints.CheckpointSaveError:
         pass
     found = managers.newest_healthy()
     if found is None:
-        rate, why = default_rate(float(config.optim.ref_lr), default_ref_lr)
+        rate, why = default_rate(lr, default_ref_lr)
         return (" No checkpoint of this run is healthy (finite, parameter RMS within "
                 f"{records.HEALTHY_RMS_FACTOR:g}x of the start): start a new run in a new "
                 f"--workdir with --config.optim.ref_lr={rate:g} ({why}).")
     step, record = found
-    flags, why = rescue_flags(step, history, config, default_ref_lr)
+    flags, why = rescue_flags(step, history, lr, grad_clip, default_ref_lr)
     return (f" The newest healthy checkpoint is step {step} (finite; parameter RMS "
             f"{record['rms']['params']:.3g}). Resume from it with a lower learning rate: "
             f"re-run the same command with {' '.join(flags)} ({why}); the optim.* fields "

@@ -1,4 +1,4 @@
-"""The training loop's set-up steps, in the order `loop.train_and_evaluate` takes them,
+"""The training loop's set-up steps, in the order `loop.training_loop` takes them,
 each failing before anything costly when its part of the config is wrong:
 
     start = setup_objective(config, workdir)     # the objective, chosen once; its network
@@ -6,7 +6,10 @@ each failing before anything costly when its part of the config is wrong:
     config = run_config(config, workdir, start, source)   # the config, built once
     eval_key, evaluator = setup_eval(config, start.objective, is_main)
     model = setup_model(config, start, num_devices)   # mesh, network, optimiser, shapes
+    resume_step = effective_resume_step(int(config.resume_step), workdir)
     state, resumed, managers = restore_or_init(config, model, managers, resume_step)
+
+and the lines the loop prints of them (`network_line`, `restore_line`).
 """
 from __future__ import annotations
 
@@ -228,11 +231,10 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Model,
     return state, False, managers
 
 
-def effective_resume_step(config: ml_collections.ConfigDict, workdir: str) -> int:
-    """`config.resume_step`, or 0 when config.json records that an earlier run of this
-    workdir applied it already (then the checkpoints after it are that run's progress,
-    not the diverged ones it set aside)."""
-    step = int(config.resume_step)
+def effective_resume_step(step: int, workdir: str) -> int:
+    """`step` (`config.resume_step`), or 0 when config.json records that an earlier run
+    of this workdir applied it already (then the checkpoints after it are that run's
+    progress, not the diverged ones it set aside)."""
     saved = layout.read_config(workdir) or {}
     newest = layout.step_dirs(os.path.join(workdir, layout.CHECKPOINTS))
     if step and saved.get("resume_step") == step and newest and int(
@@ -241,3 +243,21 @@ def effective_resume_step(config: ml_collections.ConfigDict, workdir: str) -> in
               f"resuming from the newest checkpoint, {os.path.basename(newest[0])}", flush=True)
         return 0
     return step
+
+
+def restore_line(workdir: str, resume_step: int) -> str:
+    """The line that starts the train state's restore (`restore_or_init`)."""
+    if layout.step_dirs(os.path.join(workdir, layout.CHECKPOINTS)):
+        which = f"checkpoint {resume_step}" if resume_step else "the newest checkpoint"
+        return f"Train state: restoring {which}..."
+    return "Train state: initialising the network (compiles its initialisation first)..."
+
+
+def network_line(model: Model, *, dtype: str, batch_size: int, sigma_rels: list) -> str:
+    """The start-up line of the network: parameters, precision, batch, mesh and EMAs."""
+    n_params = sum(int(np.prod(x.shape)) for x in
+                   jax.tree.leaves(model.abstract_state["params"]))
+    return (f"Network: {n_params:,} parameters, {precision(dtype)}; batch {batch_size} on "
+            f"{model.mesh.size} device(s) of {jax.process_count()} process(es), mesh "
+            f"{dict(model.mesh.shape)}, {model.num_accum} micro-batch(es) per step; EMAs "
+            f"sigma_rel={sigma_rels}")

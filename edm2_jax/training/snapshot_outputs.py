@@ -1,13 +1,13 @@
 """What a training run makes at each snapshot besides the EMAs: the sample grid of its
-largest EMA (`samples/<nimg>.png`) and the evaluation during training, both sampled with
-the run's objective's sampler; `loop.StepLoop.snapshot` calls `grid_and_eval`."""
+largest EMA (`samples/<nimg>.png`, `SampleGrid`) and the evaluation during training, both
+sampled with the run's objective's sampler; the loop's snapshot calls `grid_and_eval`."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 from tqdm import tqdm
 
@@ -29,21 +29,34 @@ def emas_on_host(state: dict, keys: list[str]) -> dict:
             for k in dict.fromkeys(keys)}
 
 
-def save_sample_grid(config: ml_collections.ConfigDict, net: Precond, variables: dict,
-                     path: str, sampler: solvers.Sampler) -> None:
-    """A `config.sample` grid of images of `variables` (one class per column) at `path`,
-    sampled with `sampler` (the objective's, `Objective.sampler`)."""
-    rows, cols = int(config.sample.grid_rows), int(config.sample.grid_cols)
-    seeds = np.arange(rows * cols) + int(config.sample.seed)
+@dataclasses.dataclass(frozen=True)
+class SampleGrid:
+    """The sample grid of a run (`config.sample`): `rows` x `cols` images of the seeds
+    from `seed` (one class per column), noise drawn by `rng` ('jax', or 'release': the
+    release's per-seed draws), sampled from EMA `ema_key` with `sampler` (the
+    objective's, `Objective.sampler`)."""
+    rows: int
+    cols: int
+    seed: int
+    rng: str
+    ema_key: str
+    sampler: solvers.Sampler
+
+
+def save_sample_grid(grid: SampleGrid, net: Precond, variables: dict, path: str) -> None:
+    """The sample grid `grid` of the network `variables` at `path` (a PNG)."""
+    seeds = np.arange(grid.rows * grid.cols) + grid.seed
     labels = None
     if net.label_dim:
-        labels = jax.nn.one_hot(np.arange(rows * cols) % net.label_dim, net.label_dim)
-    imgs = sampling.sample_images(net, variables, split_seeds(seeds), labels,
-                                  rng=str(config.sample.get("rng", "jax")), sampler=sampler)
+        labels = jax.nn.one_hot(np.arange(grid.rows * grid.cols) % net.label_dim,
+                                net.label_dim)
+    imgs = sampling.sample_images(net, variables, split_seeds(seeds), labels, rng=grid.rng,
+                                  sampler=grid.sampler)
     while not imgs.is_ready():  # waits in Python: a signal is acknowledged at once
         time.sleep(0.05)
     paths.write_through_local(  # PIL writes local files
-        path, lambda local: sampling.save_image_grid(np.asarray(imgs), local, rows, cols))
+        path, lambda local: sampling.save_image_grid(np.asarray(imgs), local, grid.rows,
+                                                     grid.cols))
 
 
 def eval_line(nimg: int, ema_key: str, res: dict) -> str:
@@ -54,25 +67,24 @@ def eval_line(nimg: int, ema_key: str, res: dict) -> str:
         + f"  [{res['eval/time_s']:.1f} s]")
 
 
-def grid_and_eval(config: ml_collections.ConfigDict, net: Precond, state: dict, workdir: str,
-                  nimg: int, step: int, stop: preemption.StopRequest, sample_key: str,
-                  snapshot_keys: list[str], evaluator: Any, logger: Any, is_main: bool,
-                  sampler: solvers.Sampler) -> None:
-    """At a snapshot: the sample grid of EMA `sample_key` (process 0; `sampler`, the
-    objective's) and the evaluation (`evaluator`, process 0, when configured), each
-    announced as it starts, through the bar. A signal meanwhile is acknowledged at once
-    (`stop.doing`): the grid or the evaluation in progress finishes, the evaluation not
-    yet begun is skipped."""
-    host = emas_on_host(state, snapshot_keys)  # every process
+def grid_and_eval(grid: SampleGrid, net: Precond, state: dict, workdir: str, nimg: int,
+                  step: int, stop: preemption.StopRequest, eval_key: str | None,
+                  evaluator: Any, logger: Any, is_main: bool) -> None:
+    """At a snapshot: the sample grid `grid` (process 0) and the evaluation of EMA
+    `eval_key` (`evaluator`, process 0, when configured; `eval_key` None: none), each
+    announced as it starts, through the bar; the EMAs are gathered on every process.
+    A signal meanwhile is acknowledged at once (`stop.doing`): the grid or the
+    evaluation in progress finishes, the evaluation not yet begun is skipped. `logger`
+    (a `StatsLogger`, or None) gets the evaluation's row."""
+    host = emas_on_host(state, [grid.ema_key] + ([eval_key] if eval_key else []))
     if is_main:
-        t, n = time.time(), int(config.sample.grid_rows) * int(config.sample.grid_cols)
-        steps = sampler.num_steps
-        tqdm.write(f"Sample grid: {n} images of EMA sigma_rel={sample_key}, "
-                   f"{steps} steps...")
+        t, steps = time.time(), grid.sampler.num_steps
+        tqdm.write(f"Sample grid: {grid.rows * grid.cols} images of EMA "
+                   f"sigma_rel={grid.ema_key}, {steps} steps...")
         path = layout.samples_path_at(workdir, nimg)
         with stop.doing("the sample grid"):
-            save_sample_grid(config, net, host[sample_key], path, sampler)
-        tqdm.write(f"Sample grid (EMA sigma_rel={sample_key}, {steps} "
+            save_sample_grid(grid, net, host[grid.ema_key], path)
+        tqdm.write(f"Sample grid (EMA sigma_rel={grid.ema_key}, {steps} "
                    f"steps, one class per column): {path} [{time.time() - t:.1f} s]")
     if evaluator is not None:
         if stop.signal is not None:
