@@ -475,7 +475,11 @@ def test_mode_train_continues_a_converted_release_state(tmp_path, capsys):
     from edm2_jax.training import loop
     from edm2_jax.training import setup
     from tests.test_train import make_image_folder, tiny_config
-    _, config = setup.setup_data(tiny_config(make_image_folder(tmp_path / "data")))
+    from edm2_jax import objectives
+    config = tiny_config(make_image_folder(tmp_path / "data"))
+    config = setup.run_config(config, str(tmp_path / "run"),
+                              setup.Start(objectives.from_config(config)),
+                              setup.setup_data(config))
     n = config.network.to_dict()
     theirs = _json("export_facts.json")["net_kwargs"]["TRAIN_NET"]
     assert {k: list(n[k]) if isinstance(n[k], tuple) else n[k] for k in theirs} == theirs
