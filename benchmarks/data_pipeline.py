@@ -22,8 +22,9 @@ For `raw`, stored decoded, `make_iterator` gathers in the training process whate
 `num_workers` (`in-process`); `workers:W` there forces the worker processes to show what
 they would cost.
 
-Per row: img/s over `--batches` global batches of `--batch` after a warm-up batch (median of
-`--repeats` consecutive windows of one iterator; the workers start in the warm-up), the CPU
+Per row: img/s over `--batches` global batches of `--batch` after a warm-up (median of
+`--repeats` consecutive windows of one iterator; the warm-up takes 2 batches per worker, by
+when every worker runs, else 1), the CPU
 seconds the loader's processes spent per image in those windows (the training process and
 its workers, user + system), hence img/s per core (= images per CPU second), and the
 loader's memory (the proportional set size of its processes together, MiB, at the end).
@@ -207,14 +208,16 @@ def _pss_mib(procs: list[psutil.Process]) -> float:
     return total / 2**20
 
 
-def measure(make, batch: int, batches: int, repeats: int) -> dict:
-    """img/s, CPU seconds per image and memory of the iterator `make()` (module doc)."""
+def measure(make, batch: int, batches: int, repeats: int, warmup: int = 1) -> dict:
+    """img/s, CPU seconds per image and memory of the iterator `make()` (module doc),
+    after `warmup` batches."""
     it = make()
     try:
-        assert next(it)["image"].shape[0] == batch  # the warm-up: workers start here
-        procs = _family()
+        for _ in range(warmup):  # the workers start here, one after the other
+            assert next(it)["image"].shape[0] == batch
         rates, cpu = [], []
         for _ in range(repeats):
+            procs = _family()
             c, t = _cpu_s(procs), time.perf_counter()
             for _ in range(batches):
                 next(it)
@@ -237,8 +240,8 @@ def _loaders(kind: str, source, args) -> list[tuple[str, object]]:
             for t in args.threads]
     if kind == "raw":
         rows.append(("in-process", lambda: pipeline.make_iterator(source, num_workers=1, **kw)))
-        source = _Undecoded(source)
-    rows += [(f"workers:{w}", lambda w=w: pipeline.make_iterator(source, num_workers=w, **kw))
+    forked = _Undecoded(source) if kind == "raw" else source
+    rows += [(f"workers:{w}", lambda w=w: pipeline.make_iterator(forked, num_workers=w, **kw))
              for w in args.workers]
     return rows
 
@@ -325,8 +328,9 @@ def main(argv=None) -> dict:
               f"{source.num_channels}, {source.label_dim} classes, {size / 1024:.1f} KiB per "
               f"item", flush=True)
         for name, make in _loaders(kind, source, args):
+            warmup = 2 * int(name.split(":")[1]) if name.startswith("workers:") else 1
             row = dict(kind=kind, loader=name, item_bytes=size,
-                       **measure(make, args.batch, args.batches, args.repeats))
+                       **measure(make, args.batch, args.batches, args.repeats, warmup))
             row["meets_target"] = row["img_per_s"] >= args.target
             rows.append(row)
             print(f"  {name:>11}: {row['img_per_s']:8,.0f} img/s (windows "

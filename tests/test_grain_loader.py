@@ -184,7 +184,7 @@ def test_a_file_that_fails_to_decode_in_a_worker_is_one_error_line_naming_it(tmp
 def test_a_worker_that_dies_is_one_error_naming_the_data_set_never_a_hang(pngs):
     src = data.ImageFolder(pngs)
     it = data.make_iterator(src, global_batch=G, seed=SEED, num_workers=2)
-    call_within(lambda: next(it))
+    call_within(lambda: [next(it) for _ in range(2)])  # one from each: both run
     workers = loader_workers()
     assert len(workers) == 2
     workers[1].kill()  # SIGKILL, as the kernel's out-of-memory killer does

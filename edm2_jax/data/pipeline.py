@@ -122,48 +122,93 @@ def _empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     return np.empty(shape, dtype)
 
 
-def build_batch(source: Source, indices: np.ndarray, positions: np.ndarray, seed: int,
-                shape: tuple[int, ...]) -> dict[str, np.ndarray]:
-    """The batch of `source[i]` for `indices` (int64 [n]) at stream `positions`:
-    `{'image': float32 shape [n, H, W, C] (x = u8 / 127.5 - 1; for a latent source one draw
-    of its latents per position, module doc), 'label': float32 one-hot [n, L]}`.
+def load_batch(source: Source, indices: np.ndarray, positions: np.ndarray, seed: int,
+               shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """The items of `source` for `indices` (int64 [n]) at stream `positions`, as compact as
+    they travel from a worker: `{'image': uint8 [n, H, W, C] pixels as stored, or for a
+    latent source float32 `shape` [n, H, W, 4], one draw of its latents per position
+    (module doc), 'label': int64 [n]}` (`finish_batch` makes the training batch of it). A
+    source stored decoded is read in one gather (`read_batch`), any other item by item.
     ValueError naming the item for a source that breaks its contract or a label out of
     range, plus the source's own errors (a file that does not decode, named)."""
     n, latent = len(indices), getattr(source, "encoder", "none") == "sd-vae"
     item_shape = shape[1:-1] + (vae.RAW_CHANNELS,) if latent else shape[1:]
     want = np.dtype(np.float32 if latent else np.uint8)
-    read = getattr(source, "read_batch", None) or functools.partial(Source.read_batch, source)
-    items, labels = read(indices)
-    if items.shape != (n,) + item_shape or items.dtype != want:
-        raise ValueError(f"{source.name}[{indices[0]}] is {items.dtype} {items.shape[1:]}, "
-                         f"expected {want} {item_shape}"
-                         f"{' raw latents' if latent else ''}; the source breaks the Source "
-                         f"contract")
     label_dim = int(source.label_dim)
+    if getattr(source, "decoded", False):  # one gather
+        items, labels = source.read_batch(indices)
+        if items.shape != (n,) + item_shape or items.dtype != want:
+            _broken(source, indices[0], items.dtype, items.shape[1:], want, item_shape, latent)
+        image = _empty(shape, np.float32) if latent else items
+        for j in range(n if latent else 0):
+            image[j] = vae.encode_latents(items[j], latent_noise(seed, int(positions[j]),
+                                                                 shape[1:]))
+    else:  # item by item, each straight into the batch (no stacked copy)
+        image = _empty(shape if latent else (n,) + item_shape, np.float32 if latent else want)
+        labels = np.empty(n, np.int64)
+        try:
+            for j, i in enumerate(indices):
+                item, labels[j] = source[int(i)]
+                if np.shape(item) != item_shape or np.asarray(item).dtype != want:
+                    _broken(source, i, np.asarray(item).dtype, np.shape(item), want,
+                            item_shape, latent)
+                image[j] = (vae.encode_latents(item, latent_noise(seed, int(positions[j]),
+                                                                  shape[1:]))
+                            if latent else item)
+        except BaseException:
+            _discard(image)
+            raise
     bad = ((labels < 0) | (labels >= label_dim)) if label_dim else np.zeros(n, bool)
     if bad.any():
         j = int(np.argmax(bad))
+        _discard(image)
         raise ValueError(f"{source.name}[{indices[j]}] has label {labels[j]}, outside [0, "
                          f"{label_dim}); fix the data set's labels")
-    image = _empty(shape, np.float32)
-    if latent:
-        noise = np.stack([latent_noise(seed, int(k), shape[1:]) for k in positions])
-        image[...] = vae.encode_latents(items, noise)
-    else:  # in place, in float32: the same bits as u8.astype(f32) / f32(127.5) - f32(1)
-        np.divide(items, np.float32(127.5), out=image, dtype=np.float32)
+    return {"image": image, "label": np.asarray(labels, np.int64), "label_dim": label_dim}
+
+
+def _discard(array: np.ndarray) -> None:
+    """Unlink the shared memory of a batch that will not be sent (a worker's failed batch)."""
+    if isinstance(array, grain.multiprocessing.SharedMemoryArray):
+        array.shm.unlink()
+
+
+def _broken(source, i, dtype, shape, want, item_shape, latent) -> None:
+    raise ValueError(f"{source.name}[{i}] is {dtype} {tuple(shape)}, expected {want} "
+                     f"{item_shape}{' raw latents' if latent else ''}; the source breaks the "
+                     f"Source contract")
+
+
+def finish_batch(batch: dict) -> dict[str, np.ndarray]:
+    """`load_batch`'s items as the training batch: `{'image': float32 [n, H, W, C]
+    (pixels x = u8 / 127.5 - 1; latents as drawn), 'label': float32 one-hot [n, L]}`, in
+    memory of this process (the pixels' float32 is 4x their bytes: made here, not shipped
+    from a worker through shared memory)."""
+    image, labels, label_dim = batch["image"], batch["label"], int(batch["label_dim"])
+    if image.dtype == np.uint8:  # the same bits as u8.astype(f32) / f32(127.5) - f32(1)
+        pixels, image = image, np.empty(image.shape, np.float32)
+        np.copyto(image, pixels, casting="unsafe")
+        np.divide(image, np.float32(127.5), out=image)
         np.subtract(image, np.float32(1), out=image)
-    label = _empty((n, label_dim), np.float32)
-    label[...] = 0
+    label = np.zeros((len(labels), label_dim), np.float32)
     if label_dim:
-        label[np.arange(n), labels] = 1
+        label[np.arange(len(labels)), labels] = 1
     return {"image": image, "label": label}
+
+
+def build_batch(source: Source, indices: np.ndarray, positions: np.ndarray, seed: int,
+                shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """The training batch of `source[i]` for `indices` at stream `positions`:
+    `finish_batch(load_batch(...))` in one process."""
+    return finish_batch(load_batch(source, indices, positions, seed, shape))
 
 
 class StreamBatches:
     """This process's batches of the stream as a random-access data source (grain's
     `RandomAccessDataSource`): item `j` is its slice of global batch `j` of an iterator
-    started at `start_nimg` (module docstring), built by `build_batch`. Endless: its length
-    is `sys.maxsize`.
+    started at `start_nimg` (module docstring), loaded by `load_batch` (where the workers
+    are) and finished by `finish_batch` (in the training process). Endless: its length is
+    `sys.maxsize`.
 
     Pickled for the workers, it carries its source as a file (`parcel`, in the temporary
     directory; `drop_parcel` deletes it once every worker has read it): the message that
@@ -209,9 +254,10 @@ class StreamBatches:
         return np.arange(first, first + self.local, dtype=np.int64)
 
     def __getitem__(self, j: int) -> dict[str, np.ndarray]:
+        """`load_batch` of this process's slice of batch `j` (`finish_batch` completes it)."""
         positions = self.positions(int(j))
         indices = self.order.indices(int(positions[0]), self.local)
-        return build_batch(self.source, indices, positions, self.seed, self.shape)
+        return load_batch(self.source, indices, positions, self.seed, self.shape)
 
 
 def _drop(parcel: str) -> None:
@@ -377,19 +423,21 @@ def make_iterator(source: Source, *, global_batch: int, seed: int, start_nimg: i
     batches = StreamBatches(source, global_batch=global_batch, seed=seed, start_nimg=start_nimg,
                             process_index=process_index, process_count=process_count)
     prefetch = max(1, int(prefetch))
-    ds = grain.MapDataset.source(batches)
     workers = num_workers > 0 and not getattr(source, "decoded", False)
     if workers:
         _absl_flags_readable()
-        ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+        ds = grain.MapDataset.source(batches).to_iter_dataset(
+            grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(
             num_workers=num_workers, per_worker_buffer_size=prefetch),
             worker_init_fn=functools.partial(_worker_init, os.getpid()))
-        ds = ds.map(_received)
+        # The float32 conversion and one-hot labels, `prefetch` batches ahead in a thread.
+        ds = grain.experimental.ThreadPrefetchIterDataset(ds.map(_received).map(finish_batch),
+                                                          prefetch_buffer_size=prefetch)
     else:
         threads = min(num_workers, 1)  # 0: the calling thread; else one prefetch thread
-        ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads,
-                                                  prefetch_buffer_size=threads * prefetch))
+        ds = grain.MapDataset.source(batches).map(finish_batch).to_iter_dataset(
+            grain.ReadOptions(num_threads=threads, prefetch_buffer_size=threads * prefetch))
     if put is not None:
         ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=1)
         ds = grain.experimental.ThreadPrefetchIterDataset(ds.map(put),
