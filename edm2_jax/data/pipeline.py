@@ -27,20 +27,23 @@ Loading (google/grain). This process's batches are a random-access data source
 through a `grain.MapDataset`:
   * `num_workers > 0`, a source that decodes (PNG/JPEG zips and folders, latents, tfds):
     grain's `mp_prefetch`, `num_workers` worker processes (started with `spawn`); worker
-    `w` builds batches `w, w + W, ...` into shared memory and the training process takes
-    them in stream order, each worker `prefetch` batches ahead. The Python work of each
-    image (decode, the latents' draws) runs outside the training process's interpreter
-    lock, so a host's cores add up.
+    `w` loads batches `w, w + W, ...` (`load_batch`: decode, the latents' draws) into
+    shared memory, `prefetch` batches ahead, and the training process takes them in stream
+    order; a thread of it makes each the training batch (`finish_batch`: pixels to float32,
+    one-hot labels), `prefetch` batches ahead. Pixels travel as uint8, a quarter of their
+    float32 bytes. The Python work of each image runs outside the training process's
+    interpreter lock, so a host's cores add up.
   * `num_workers > 0`, a source stored decoded (`source.decoded`: Fashion-MNIST in memory,
     `raw_array.RawImages`): one grain prefetch thread in the training process, `prefetch`
     batches ahead. A batch is a gather and a conversion (NumPy, outside the lock), cheaper
-    than the shared-memory copy of its float32 result (benchmarks/README.md).
+    than shipping it from a worker (benchmarks/README.md).
   * `num_workers == 0`: every batch built in the calling thread when asked (debugging).
 The batches are the same bit for bit in every case. Workers ignore SIGINT and SIGTERM (the
 training process decides when to stop: `close()`), and exit within a second of the
 training process's end however it ends (SIGKILL included), so none outlives the run. A
 batch that fails to build (a corrupt file) raises the source's error, naming the file,
-from `next()`; a worker that dies raises `LoaderWorkerError` naming the data set.
+from `next()` and stops the workers; a worker that dies raises `LoaderWorkerError` naming
+the data set.
 """
 from __future__ import annotations
 
