@@ -140,6 +140,32 @@ def test_sources_stored_decoded_are_gathered_in_this_process(tmp_path):
     assert_same(batches, definition(src, 0, 4 * G))
 
 
+@pytest.mark.skipif(not os.path.isfile("/usr/share/datasets/fashion-mnist/"
+                                        "train-images-idx3-ubyte.gz"),
+                    reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+def test_the_quick_start_sees_the_batches_the_thread_pool_gave(monkeypatch):
+    """All 1,000 batches of the quick start (configs/fashion_mnist.py: 64 kimg at batch 64)
+    equal, bit for bit, those of the thread pool that loaded them before grain (kept in
+    benchmarks/data_pipeline.py), so its losses are those the README quotes."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("fmnist", REPO / "configs/fashion_mnist.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config()
+    src = data.make_source(cfg.data)
+    steps = round(cfg.total_kimg * 1000) // cfg.batch_size
+    assert (steps, cfg.data.num_workers, src.decoded) == (1000, 2, True)
+    old = data_pipeline.threaded_reference(src, global_batch=cfg.batch_size, seed=cfg.seed,
+                                           workers=2)
+    with data.make_iterator(src, global_batch=cfg.batch_size, seed=cfg.seed,
+                            num_workers=cfg.data.num_workers) as it:
+        for _ in range(steps):
+            a, b = next(it), next(old)
+            np.testing.assert_array_equal(a["image"], b["image"])
+            np.testing.assert_array_equal(a["label"], b["label"])
+    old.close()
+
+
 def test_put_yields_the_batches_on_the_devices():
     """`put` (the training loop's `sharding.global_batch`, here `jax.device_put`): the
     same batches as device arrays, put ahead by a thread."""
