@@ -130,8 +130,9 @@ def load_batch(source: Source, indices: np.ndarray, positions: np.ndarray, seed:
     """The items of `source` for `indices` (int64 [n]) at stream `positions`, as compact as
     they travel from a worker: `{'image': uint8 [n, H, W, C] pixels as stored, or for a
     latent source float32 `shape` [n, H, W, 4], one draw of its latents per position
-    (module doc), 'label': int64 [n]}` (`finish_batch` makes the training batch of it). A
-    source stored decoded is read in one gather (`read_batch`), any other item by item.
+    (module doc), 'label': int64 [n], 'label_dim': L}` (`finish_batch` makes the training
+    batch of it). A source stored decoded is read in one gather (`read_batch`), any other
+    item by item.
     ValueError naming the item for a source that breaks its contract or a label out of
     range, plus the source's own errors (a file that does not decode, named)."""
     n, latent = len(indices), getattr(source, "encoder", "none") == "sd-vae"
