@@ -1,8 +1,8 @@
 """Throughput of the training data pipeline on the host: can it feed the accelerators?
 
-    python benchmarks/data_pipeline.py                  # PNGs, raw, latents: threads vs workers
-    python benchmarks/data_pipeline.py --kinds=png,raw --workers=1,2,4,8,16 --threads=
-    python benchmarks/data_pipeline.py --path=PATH/img64.zip --out=d.json
+    python benchmarks/data_pipeline.py --kinds=png,raw,latents --threads=1,2 --workers=1,2
+    python benchmarks/data_pipeline.py --workers=1,2,4,8,16     # PNGs on a host before renting
+    python benchmarks/data_pipeline.py --path=PATH/img64.zip --kinds=png,raw --out=d.json
 
 What is timed is `edm2_jax.data.pipeline.make_iterator` over the sources training reads
 (`data.source='folder'`): decode or gather, the uint8 -> [-1, 1] float32 conversion, the
@@ -15,9 +15,11 @@ the consumer; nothing trains, so a figure is what the host can deliver. Three ki
     (`dataset_tool convert --dest=NAME.npy`, `RawImages`), bit for bit the same batches;
   * `latents`: the img512 presets' data, `[8, 64, 64]` float32 .npy raw SD-VAE latents
     per item in a zip (`LatentFolder`, 128 KiB each).
-Loaders per kind: `threads:T` for each T of `--threads`, the pool of T Python threads that
-loaded batches before grain (`threaded_reference`, kept here as the baseline), and
-`workers:W` for each W of `--workers`, grain's W worker processes (`data.num_workers=W`).
+Loaders per kind: `threads:T` for each T of `--threads` (none by default), the pool of T
+Python threads that loaded batches before grain (`threaded_reference`, kept here as the
+baseline), and `workers:W` for each W of `--workers`, grain's W worker processes
+(`data.num_workers=W`). The defaults (PNGs, workers 1 and 2) are what
+benchmarks/gpu_table.py asks for.
 For `raw`, stored decoded, `make_iterator` gathers in the training process whatever
 `num_workers` (`in-process`); `workers:W` there forces the worker processes to show what
 they would cost.
@@ -295,7 +297,7 @@ def _counts(text: str, flag: str, least: int) -> list[int]:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kinds", default=",".join(KINDS), help="of png, raw, latents")
+    ap.add_argument("--kinds", default="png", help="of png, raw, latents, comma-separated")
     ap.add_argument("--path", default="", help="a PNG zip (default: the stand-in); raw is "
                                                "converted from it")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "edm2_jax_data_bench"),
@@ -307,7 +309,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batches", type=int, default=16, help="timed batches per window")
     ap.add_argument("--repeats", type=int, default=3, help="timed windows")
     ap.add_argument("--workers", default="1,2", help="worker process counts, comma-separated")
-    ap.add_argument("--threads", default="1,2", help="baseline thread counts ('' for none)")
+    ap.add_argument("--threads", default="", help="baseline thread counts, e.g. 1,2 ('': none)")
     ap.add_argument("--target", type=float, default=600.0, help="img/s the step consumes")
     ap.add_argument("--out", default="", help="write the figures as JSON here")
     args = ap.parse_args(argv)
@@ -330,6 +332,7 @@ def main(argv=None) -> dict:
         for name, make in _loaders(kind, source, args):
             warmup = 2 * int(name.split(":")[1]) if name.startswith("workers:") else 1
             row = dict(kind=kind, loader=name, item_bytes=size,
+                       workers=int(name.split(":")[1]) if name.startswith("workers:") else None,
                        **measure(make, args.batch, args.batches, args.repeats, warmup))
             row["meets_target"] = row["img_per_s"] >= args.target
             rows.append(row)

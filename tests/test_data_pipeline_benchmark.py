@@ -57,6 +57,7 @@ def test_command_measures_each_loader_of_each_kind(tmp_path, capsys):
         assert len(r["all"]) == 2 and r["img_per_s"] == pytest.approx(np.median(r["all"]))
         assert r["img_per_s"] > 0 and r["meets_target"] is False and r["memory_mib"] > 10
         assert r["cpu_s_per_img"] >= 0
+        assert r["workers"] == (1 if r["loader"] == "workers:1" else None)
     assert all(r["processes"] >= 2 for r in res["rows"] if r["loader"] == "workers:1")
     assert set(res["floors"]["meets"]) == {"png_2_over_1_workers >= 1.8",
                                            "raw_over_png_per_core >= 5"}
