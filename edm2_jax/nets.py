@@ -11,7 +11,8 @@ directory of a run (`RUN/snapshots/<step>`). Reading those is `run/network_dir.p
 `run/snapshots.py`'s and `run/checkpoints.py`'s; this module picks which.
 
 Owns `load_net` (the network and its variables), `net_config`, `net_encoder` and
-`net_sampler` (from the metadata only: network.json or the run's config.json),
+`net_sampler` (from the metadata only: network.json or the run's config.json, checked
+against the copy the run's checkpoints and snapshots keep: `run_config`),
 `check_vae` (the decoder a net's samples need) and `load_guide` (the guide network of
 `--guide`). `net_sampler` is the one place that decides how a network is sampled: by
 the objective it was trained with (`objectives.from_metadata`). Used by
@@ -74,42 +75,54 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
 
 def _metadata(path: str) -> tuple[dict | None, dict, dict | None]:
     """`(network config, network.json meta, the run's config.json)` of the network at
-    `path`, from its metadata only (the run's config.json for a run or its snapshot;
-    None where there is none)."""
+    `path`, from its metadata only (the run's config.json for a run or its snapshot,
+    checked: `run_config`; None where there is none)."""
     path = paths.normalize(path)
     if ckpt_lib.is_network_checkpoint(path):
         cfg, meta = ckpt_lib.read_network_json(path)
         return cfg, meta, None
     snap = layout.snapshot_of(path)
-    run_dir = snap[0] if snap else path
-    config = records.run_config(run_dir)
+    config = run_config(snap[0] if snap else path)
     if config is None or "network" not in config:
         return None, {}, None
-    _check_objective_unedited(run_dir, config)
     return config["network"], {}, config
+
+
+def run_config(run_dir: str) -> dict | None:
+    """The run's config.json (None when there is none), checked against the copy of it
+    that the run's newest checkpoint or EMA snapshot keeps (`records.kept_config`) in
+    every field that decides what its networks are and how they are sampled: the network
+    section and `data.encoder` (`records.run_config`), the objective and its section
+    (`_check_objective_unedited`). Raises IntegrityError naming the fields, both values
+    and the fix when config.json was edited."""
+    config = records.run_config(run_dir)
+    if config is not None:
+        _check_objective_unedited(run_dir, config)
+    return config
 
 
 def _check_objective_unedited(run_dir: str, config: dict) -> None:
     """Raise IntegrityError when the run's config.json names another objective, or other
-    settings of its objective's section, than the copy its newest checkpoint keeps
-    (`records.KEPT_CONFIG`): its networks would be sampled otherwise than trained.
+    settings of its objective's section, than the copy its newest checkpoint or snapshot
+    keeps (`records.kept_config`): its networks would be sampled otherwise than trained.
     (`records.run_config` checks the network section the same way.)"""
-    kept = records.kept_entry(run_dir, records.KEPT_CONFIG)
-    if kept is None or not isinstance(kept[1], dict):
+    kept = records.kept_config(run_dir)
+    if kept is None:
         return
-    was, now = kept[1], config
-    differ = [f"objective: checkpoint {objectives.name_of(was)!r} vs now "
+    (what, was), now = kept, config
+    kind = what.split()[0]
+    differ = [f"objective: {kind} {objectives.name_of(was)!r} vs now "
               f"{objectives.name_of(now)!r}"] if objectives.name_of(was) != objectives.name_of(
                   now) else []
     section = (objectives.REGISTRY.get(objectives.name_of(now)) or objectives.Objective).section
     if not differ and section:
         a, b = was.get(section) or {}, now.get(section) or {}
-        differ = [f"{section}.{k}: checkpoint {a.get(k)!r} vs now {b.get(k)!r}"
+        differ = [f"{section}.{k}: {kind} {a.get(k)!r} vs now {b.get(k)!r}"
                   for k in sorted(b) if k in a and a.get(k) != b.get(k)]
     if differ:
         raise integrity.IntegrityError(
             f"{layout.config_path(run_dir)} differs from the copy of the run's config that "
-            f"checkpoint {kept[0]} keeps ({'; '.join(differ)}): it was edited, and its "
+            f"{what} keeps ({'; '.join(differ)}): it was edited, and its "
             f"networks would be sampled otherwise than they were trained; put those "
             f"settings back")
 
@@ -154,7 +167,7 @@ def net_encoder(path: str) -> str:
         cfg, meta = ckpt_lib.read_network_json(path)
         return vae_lib.encoder_of(cfg, meta)
     snap = layout.snapshot_of(path)
-    config = records.run_config(snap[0] if snap else path)
+    config = run_config(snap[0] if snap else path)
     if config is None or "network" not in config:
         return "none"
     return vae_lib.encoder_of(config["network"], data_config=config.get("data"))

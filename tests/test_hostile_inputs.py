@@ -303,6 +303,77 @@ def test_an_edited_objective_of_a_run_is_refused_where_it_is_sampled(tiny_run, t
             nets.net_sampler(str(path))
 
 
+def _without_checkpoints(tiny_run, tmp_path: Path) -> Path:
+    """A copy of the tiny run without checkpoints/ (pruned, or copied without them) and
+    their records: only its snapshot keeps a copy of the config."""
+    run = _copy(tiny_run, tmp_path)
+    shutil.rmtree(run / "checkpoints")
+    shutil.rmtree(run / "records" / "checkpoints")
+    return run
+
+
+def _edit(path: Path, edit) -> None:
+    import json
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config, indent=2))
+
+
+@pytest.mark.parametrize("field,value,was", [("network.sigma_data", 0.25, 0.5),
+                                             ("data.encoder", "sd-vae", "none")])
+def test_a_run_without_checkpoints_refuses_an_edited_config_json(tiny_run, tmp_path, field,
+                                                                 value, was):
+    """config.json edited in a run whose checkpoints are gone: its snapshot keeps the
+    copy, so `--mode=generate` of the snapshot and post-hoc EMA refuse it in one line
+    naming the field and both values (an edited `data.encoder` is refused, not advised
+    to pass --vae); nothing is written."""
+    from edm2_jax.ema import reconstruction
+    from edm2_jax.run.integrity import IntegrityError
+    run = _without_checkpoints(tiny_run, tmp_path)
+    section, key = field.split(".")
+    _edit(run / "config.json", lambda c: c[section].__setitem__(key, value))
+    before = _sums(run)
+    message = (f"{run}/config.json differs from the copy of the run's config that snapshot "
+               f"4 keeps ({field}: snapshot {was!r} vs now {value!r}): it was edited, and "
+               f"the run's networks were not trained with it. Put those settings back in "
+               f"config.json.")
+    r = run_cli("--mode=generate", f"--net={run}/snapshots/4", "--seeds=0-1",
+                f"--outdir={tmp_path / 'gen'}")
+    assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
+    assert _error_lines(r.stderr) == [f"error: {message}"]
+    with pytest.raises(IntegrityError) as e:
+        reconstruction.reconstruct(str(run), [0.05], progress=False)
+    assert str(e.value) == message
+    assert not (tmp_path / "gen").exists() and _sums(run) == before
+
+
+def test_phema_never_launders_an_edited_objective_section(tiny_run, tmp_path):
+    """A distillation run (its snapshot's copy names the objective and its
+    `distill.sigma_max`) without checkpoints, config.json's `distill.sigma_max` edited:
+    the sampler of its snapshot and post-hoc EMA refuse it, naming the field and both
+    values, so no network checkpoint is written with the edit."""
+    import json
+    from edm2_jax import nets
+    from edm2_jax.ema import reconstruction
+    from edm2_jax.run.integrity import IntegrityError
+    run = _without_checkpoints(tiny_run, tmp_path)
+    def distill(config: dict, sigma_max: float) -> None:
+        config.update(objective="consistency", distill={"teacher": "t", "sigma_max": sigma_max})
+    metadata = run / "snapshots" / "4" / "_CHECKPOINT_METADATA"   # as a distillation saved it
+    kept = json.loads(metadata.read_text())
+    distill(kept["custom_metadata"]["config"], 80.0)
+    metadata.write_text(json.dumps(kept))
+    _edit(run / "config.json", lambda c: distill(c, 2.5))           # the edit
+    match = (rf"{run}/config.json differs from the copy of the run's config that snapshot 4 "
+             r"keeps \(distill\.sigma_max: snapshot 80\.0 vs now 2\.5\): it was edited.*put "
+             r"those settings back")
+    with pytest.raises(IntegrityError, match=match):
+        nets.net_sampler(str(run / "snapshots" / "4"))
+    with pytest.raises(IntegrityError, match=match):
+        reconstruction.reconstruct(str(run), [0.05], progress=False)
+    assert not (run / "phema").exists()
+
+
 @pytest.fixture(scope="module")
 def network(tiny_run, tmp_path_factory) -> Path:
     """A network checkpoint (network.json + variables/) of the tiny run's EMA."""

@@ -42,9 +42,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from edm2_jax import objectives
+from edm2_jax import nets, objectives
 from edm2_jax.run import network_dir as ckpt_lib
-from edm2_jax.run import records
 from edm2_jax.ema import power as ema_lib
 from edm2_jax import paths as paths_lib
 from edm2_jax.ema import streaming
@@ -195,7 +194,7 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
     files = _select_emas(files, in_sigma_rels)
     sol = _solve(files, sigma_rels, per_tensor, at_kimg, workdir, max_cond)
     net_config, buffers = input_network(kind, workdir, files)
-    objective = objectives.record(records.run_config(workdir) or {})
+    objective = objectives.record(nets.run_config(workdir) or {})  # an edited one refused
 
     # Name the outputs; keep those an earlier run completed.
     out_dir = paths_lib.normalize(out_dir or os.path.join(workdir, "phema"))
@@ -203,19 +202,26 @@ def reconstruct(workdir: str, sigma_rels: Sequence[float], at_kimg: float | None
     todo = outputs_to_write(paths, sol.labels, exist_ok)
 
     # Stream the snapshots into a batch of outputs at a time, then write them.
-    for b0 in range(0, len(todo), batch_outputs):
-        batch = todo[b0:b0 + batch_outputs]
-        desc = f"phema {b0 // batch_outputs + 1}/{math.ceil(len(todo) / batch_outputs)}"
-        acc, layout = _accumulate(kind, workdir, files, sol, batch, device, desc, progress)
-        # Write the outputs one at a time, each straight from its accumulator (views of
-        # it on the host), and drop each accumulator as soon as it is written: the first
-        # output costs no more than the accumulators themselves.
-        for j, k in enumerate(batch):
-            flat = acc.pop_host(j)
-            save_output(paths[k], {"params": layout.unflatten(flat), "buffers": buffers},
-                        net_config, output_meta(sol, k, workdir, objective))
-            del flat
-        del acc
+    try:
+        for b0 in range(0, len(todo), batch_outputs):
+            batch = todo[b0:b0 + batch_outputs]
+            desc = f"phema {b0 // batch_outputs + 1}/{math.ceil(len(todo) / batch_outputs)}"
+            acc, layout = _accumulate(kind, workdir, files, sol, batch, device, desc, progress)
+            # Write the outputs one at a time, each straight from its accumulator (views
+            # of it on the host), and drop each accumulator as soon as it is written: the
+            # first output costs no more than the accumulators themselves.
+            for j, k in enumerate(batch):
+                flat = acc.pop_host(j)
+                save_output(paths[k], {"params": layout.unflatten(flat), "buffers": buffers},
+                            net_config, output_meta(sol, k, workdir, objective))
+                del flat
+            del acc
+    except KeyboardInterrupt as e:  # SIGTERM or SIGINT (`modes.common.Interrupted`)
+        complete = sum(ckpt_lib.is_network_checkpoint(p) for p in paths)
+        e.kept = (f"{complete} of the {len(paths)} outputs are complete in {out_dir} and "
+                  f"kept (the output in progress is not there: outputs are renamed into "
+                  f"place whole), and the same command writes the others")
+        raise
     return paths
 
 

@@ -11,6 +11,11 @@ copy `WORKDIR/records/<kind>/<step>.json` (`save_record`, written just before th
 rename), so that losing one file does not lose the checksums. `step_record` reads
 both: when they disagree, or when both are missing (every step is saved with them), the
 step is not trusted (IntegrityError).
+
+A copy of the run's config is kept with its networks: in each state checkpoint's record
+(`KEPT_CONFIG`) and beside each EMA snapshot's record (`with_kept_config`); the readers
+of a run's networks compare config.json with the newest copy (`kept_config`,
+`run_config`), so that an edited config.json is refused even where `checkpoints/` is gone.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import contextlib
 import json
 import logging
 import os
-from typing import Callable
+from typing import Callable, Sequence
 
 from absl import logging as absl_logging
 
@@ -132,26 +137,90 @@ def step_record(step_dir: str) -> dict:
 
 
 # The entry of a state checkpoint's record that keeps the run's config (as config.json
-# holds it), so that a deleted or edited config.json is noticed.
+# holds it), so that a deleted or edited config.json is noticed; EMA snapshots keep it
+# too, in their Orbax step metadata beside the record (`with_kept_config`), so that a run
+# without checkpoints (pruned, or copied without them) still has it.
 KEPT_CONFIG = "config"
+# The fields of the copy compared with config.json by the readers of a run's networks
+# (`run_config`): what builds a network and the space its samples are in. (The objective
+# and its section: `nets.run_config`, which knows the objectives.)
+SAMPLING_FIELDS = ("network", "data.encoder")
+
+
+def with_kept_config(custom_metadata: dict | None, config: dict) -> dict:
+    """The Orbax `custom_metadata` of a step (`step_metadata`) with a copy of the run's
+    `config` beside its integrity record (what an EMA snapshot keeps)."""
+    return dict(custom_metadata or {}, **{KEPT_CONFIG: config})
+
+
+def _metadata_config(step_dir: str) -> dict | None:
+    """The copy of the run's config kept in the Orbax step metadata of `step_dir`
+    (`with_kept_config`), None when there is none or it is unreadable."""
+    path = os.path.join(step_dir, STEP_METADATA)
+    try:
+        config = (json.loads(paths.read_text(path)).get("custom_metadata") or {}).get(
+            KEPT_CONFIG) if paths.isfile(path) else None
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def kept_config(workdir: str) -> tuple[str, dict] | None:
+    """`(what, config)`: the copy of the run's config that its newest checkpoint keeps
+    (`KEPT_CONFIG` in its record), else its newest EMA snapshot (`with_kept_config`);
+    `what` names it ('checkpoint 4', 'snapshot 4'). None when none keeps one (a run
+    saved before they were kept)."""
+    kept = kept_entry(workdir, KEPT_CONFIG)
+    if kept is not None and isinstance(kept[1], dict):
+        return f"checkpoint {kept[0]}", kept[1]
+    for d in layout.step_dirs(os.path.join(workdir, layout.SNAPSHOTS)):
+        config = _metadata_config(d)
+        if config is not None:
+            return f"snapshot {os.path.basename(d)}", config
+    return None
+
+
+def _field(config: dict, dotted: str):
+    node = config
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def differences(was: dict, now: dict, fields: Sequence[str], kind: str) -> list[str]:
+    """`'field: <kind> A vs now B'` for each field of `fields` (dotted; a section is
+    compared field by field) whose value differs between the kept copy `was` and `now`.
+    `data.encoder` unset is 'none', as `vae.encoder_of` reads it."""
+    out = []
+    for f in fields:
+        a, b = _field(was, f), _field(now, f)
+        if f == "data.encoder":
+            a, b = a or "none", b or "none"
+        if isinstance(a, dict) or isinstance(b, dict):
+            a, b = a or {}, b or {}
+            out += [f"{f}.{k}: {kind} {a.get(k)!r} vs now {b.get(k)!r}"
+                    for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        elif a != b:
+            out.append(f"{f}: {kind} {a!r} vs now {b!r}")
+    return out
 
 
 def run_config(workdir: str) -> dict | None:
-    """The run's config.json (None when there is none), its `network` section checked
-    against the copy its newest checkpoint keeps (`KEPT_CONFIG`; none in a run saved
-    before it was kept). Raises IntegrityError naming the fields and the fix when they
-    differ: the networks of the run would be built otherwise than they were trained."""
+    """The run's config.json (None when there is none), its `SAMPLING_FIELDS` (the
+    network section, `data.encoder`) checked against the copy its newest checkpoint or
+    snapshot keeps (`kept_config`; none in a run saved before it was kept). Raises
+    IntegrityError naming the fields and the fix when they differ: the networks of the
+    run would be built, or their samples decoded, otherwise than they were trained."""
     config = layout.read_config(workdir)
-    kept = kept_entry(workdir, KEPT_CONFIG)
-    if config is None or kept is None or not isinstance(kept[1], dict):
+    kept = kept_config(workdir)
+    if config is None or kept is None:
         return config
-    was, now = kept[1].get("network") or {}, config.get("network") or {}
-    differ = [f"network.{k}: checkpoint {was.get(k)!r} vs now {now.get(k)!r}"
-              for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
+    what, was = kept
+    differ = differences(was, config, SAMPLING_FIELDS, what.split()[0])
     if differ:
         raise integrity.IntegrityError(
             f"{layout.config_path(workdir)} differs from the copy of the run's config that "
-            f"checkpoint {kept[0]} keeps ({'; '.join(differ[:4])}): it was edited, and the "
+            f"{what} keeps ({'; '.join(differ[:4])}): it was edited, and the "
             f"run's networks were not trained with it. Put those settings back in "
             f"config.json.")
     return config

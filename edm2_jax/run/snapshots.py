@@ -7,7 +7,9 @@ Each snapshot is an Orbax Composite checkpoint with the items
     buffers  the network's MPFourier buffers (when given; post-hoc EMA writes them into
              its network checkpoints)
 
-and the integrity record of `records.py`. `checkpoints.TrainCheckpoints.save_snapshot`
+and the integrity record of `records.py`, with a copy of the run's config.json beside it
+in the step metadata (`records.with_kept_config`), so that what the network of a
+snapshot is stays with it. `checkpoints.TrainCheckpoints.save_snapshot`
 saves what `save_args` builds through the manager `writer` makes; the readers here
 (`list_snapshots`, `restore_snapshot`, `snapshot_checker`, `run_buffers`) are the only
 ones of that format. Every snapshot is kept: they are the input of post-hoc EMA
@@ -23,21 +25,42 @@ import orbax.checkpoint as ocp
 from edm2_jax import paths
 from edm2_jax.run import integrity
 from edm2_jax.run import network_dir
+from edm2_jax.run import layout
 from edm2_jax.run.layout import CHECKPOINTS, SNAPSHOTS, STATE_ITEM, snapshot_item, step_dirs
-from edm2_jax.run.records import quiet_missing_step_metadata, read_checked, step_record
+from edm2_jax.run.records import (quiet_missing_step_metadata, read_checked, step_record,
+                                  with_kept_config)
 
 
 # --------------------------------------------------------------------------------------
 # Writing (through TrainCheckpoints)
 
 
+class _Writer(ocp.CheckpointManager):
+    """Orbax's manager, each snapshot saved with a copy of the run's config.json in its
+    step metadata beside the integrity record (`records.with_kept_config`): what the
+    network of the snapshot is, kept with it."""
+
+    def __init__(self, workdir: str, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._workdir = workdir
+
+    def save(self, step, *args, custom_metadata=None, **kwargs):
+        try:
+            config = layout.read_config(self._workdir)
+        except (OSError, ValueError):  # unreadable: the checkpoints keep their own copy
+            config = None
+        if config is not None:
+            custom_metadata = with_kept_config(custom_metadata, config)
+        return super().save(step, *args, custom_metadata=custom_metadata, **kwargs)
+
+
 def writer(workdir: str, on_saved: Callable[[], None] | None = None
            ) -> ocp.CheckpointManager:
-    """The Orbax manager that saves the snapshots of `workdir` (asynchronously, all kept);
-    `on_saved` is called on its saving thread once a snapshot is written, just before the
-    rename that completes it."""
-    return ocp.CheckpointManager(
-        os.path.join(workdir, SNAPSHOTS),
+    """The Orbax manager that saves the snapshots of `workdir` (asynchronously, all kept),
+    each with a copy of the run's config (`_Writer`); `on_saved` is called on its saving
+    thread once a snapshot is written, just before the rename that completes it."""
+    return _Writer(
+        workdir, os.path.join(workdir, SNAPSHOTS),
         options=ocp.CheckpointManagerOptions(
             max_to_keep=None, create=True, enable_async_checkpointing=True,
             cleanup_tmp_directories=True,
