@@ -10,7 +10,9 @@ split over the local devices. At the end the processes' statistics are summed
 (`gather_processes`); with one process nothing is exchanged.
 
 Partial state (resumable): every `SAVE_EVERY_IMAGES` images or `SAVE_EVERY_S` seconds,
-and when the stream stops on an exception (Ctrl-C included), each process writes what
+and when the stream stops on an exception (SIGTERM and Ctrl-C included: `--mode=eval`
+raises them there, `modes.common.Interrupted`; a signal waits for the update of the
+statistics or the save in progress, `signals_held`), each process writes what
 it has accumulated (the statistics per metric, the classifier features, the seeds done)
 with the eval's settings to its own file beside the results (`partial_path`):
 
@@ -26,12 +28,15 @@ the final figures are written.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import signal
+import threading
 import time
 import zipfile
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -167,20 +172,51 @@ def stream_features(gen: GeneratedFeatures, batches, state_path: str, settings: 
 
     try:
         for seeds, images in batches:
-            gen.add(images, seeds)
-            count += len(seeds)
+            with signals_held():  # a signal waits for the statistics to be whole
+                gen.add(images, seeds)
+                count += len(seeds)
             if (gen.num_items - last_n >= SAVE_EVERY_IMAGES
                     or time.time() - last_t >= SAVE_EVERY_S):
-                save()
-    except BaseException:
+                with signals_held():
+                    save()
+    except BaseException as e:
         if count and gen.num_items > last_n:
-            save()
+            with signals_held():  # a second signal: once the state is written
+                save()
             tqdm.write(f"Stopped after {gen.num_items} of {total} images; the same command "
                        f"resumes from {state_path}")
+        if isinstance(e, KeyboardInterrupt) and gen.num_items:  # a signal: say what is kept
+            e.kept = (f"{gen.num_items} of the {total} images are measured and kept in "
+                      f"{state_path}, from which the same command resumes")
         raise
     seconds = time.time() - t0
     save()  # the figures are still to be computed (and gathered): keep what was done
     return {"images": count, "seconds": seconds}
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Within: SIGTERM and SIGINT are held, then acted on at its end by the handlers in
+    place before (a command's `modes.common.Interrupted`, or Python's own), so that an
+    update of the statistics or a save of the partial state is never cut in half. Does
+    nothing outside the main thread (where signals are not handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    held = (signal.SIGTERM, signal.SIGINT)
+    before = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        if got:
+            handler = before[got[0]]
+            if callable(handler):
+                handler(got[0], None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(got[0])
 
 
 def _to_bytes(gen: GeneratedFeatures) -> np.ndarray:

@@ -11,6 +11,7 @@ import ast
 import math
 import os
 import pickle
+import signal
 import sys
 import traceback
 from types import ModuleType
@@ -198,10 +199,52 @@ def check_run_dir(workdir: str) -> None:
             f"space there, or move the run to a larger disk and pass that --workdir")
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT (`signum`) in a mode other than training (`report_errors`),
+    raised where the command runs so that what it holds is saved on the way out (an
+    eval's partial state, `evaluation.stream`) and what it writes stays whole (outputs
+    are renamed into place complete). Whoever saves something on the way out may set
+    `kept` (what was kept and how to go on): the one `error:` line says it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame) -> None:
+    raise Interrupted(signum)
+
+
+def _stop_on_signals() -> dict:
+    """SIGTERM and SIGINT raise `Interrupted` in the main thread from now on (SIGTERM
+    would end the process without a word, nothing saved). Returns the previous handlers
+    (nothing outside the main thread, where signals cannot be caught)."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _interrupted_line(e: KeyboardInterrupt) -> tuple[str, int]:
+    """The `error:` line and the exit status (128 + the signal: 130 for SIGINT, 143 for
+    SIGTERM, the shell's convention) of a command stopped by a signal."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    kept = getattr(e, "kept", None) or "what was complete is kept, nothing is left half-written"
+    return (f"error: stopped by {signal.Signals(signum).name}: {kept}; re-run the same "
+            f"command to finish", 128 + signum)
+
+
 def report_errors(run: Callable[[], object]) -> int:
     """Call `run()`; return the exit status: 0, or 1 after printing a `USER_ERRORS`
     error or an `app.UsageError` (a missing flag) as one `error:` line (no traceback,
-    no usage), or 1 (130 for Ctrl-C) after printing any other error's traceback."""
+    no usage), 128 + the signal (130 for Ctrl-C, 143 for SIGTERM) after one `error:`
+    line for a command stopped by a signal, or 1 after printing any other error's
+    traceback. In every mode but `train` (whose loop finishes its step and saves a
+    checkpoint, `training.preemption`), SIGTERM and SIGINT raise `Interrupted` where
+    the command is (`_stop_on_signals`): an eval saves its partial state, a post-hoc EMA
+    or a generate keeps its complete outputs, each says what it kept."""
+    mode = FLAGS["mode"].value if "mode" in FLAGS else "train"
+    previous = _stop_on_signals() if mode != "train" else {}
     try:
         run()
     except app.UsageError as e:
@@ -213,9 +256,16 @@ def report_errors(run: Callable[[], object]) -> int:
             msg = e.strerror  # without OSError's "[Errno N]" prefix: the message names it
         print(f"error: {msg}", file=sys.stderr, flush=True)
         return 1
-    except BaseException as e:  # noqa: BLE001 - printed, then the caller's bounded exit
+    except KeyboardInterrupt as e:  # a signal (Interrupted), or Ctrl-C before the handler
+        line, rc = _interrupted_line(e)
+        print(f"\n{line}", file=sys.stderr, flush=True)  # after a progress bar's line
+        return rc
+    except BaseException:  # noqa: BLE001 - printed, then the caller's bounded exit
         traceback.print_exc()
-        return 130 if isinstance(e, KeyboardInterrupt) else 1
+        return 1
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return 0
 
 

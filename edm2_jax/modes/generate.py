@@ -38,6 +38,7 @@ import numpy as np
 from absl import app, flags
 
 from edm2_jax import nets, paths
+from edm2_jax.evaluation import stream
 from edm2_jax.modes import common
 from edm2_jax.sampling import guidance, presets, seed_images, solvers
 from edm2_jax.sampling.sampler import save_image_grid
@@ -328,6 +329,25 @@ def check_outputs(outdir: str | None, grid: str | None) -> None:
                                   f"first): generate never replaces a file")
 
 
+def _remove_unfinished_pngs(outdir: str | None, subdirs: bool, seeds: set[int],
+                            since: float) -> None:
+    """After a stop by a signal: delete the PNGs of `seeds` (those of batches not done)
+    that this command wrote (modified after `since`): a batch stopped while its PNGs
+    were written may have left one cut short. Where `seed_images.generate_images` writes
+    them; local `outdir` only."""
+    if not outdir or paths.is_url(outdir):
+        return
+    per_dir = seed_images.MAX_SEEDS_PER_DIR
+    for seed in seeds:
+        d = os.path.join(outdir, f"{seed - seed % per_dir:06d}") if subdirs else outdir
+        png = os.path.join(d, f"{seed:06d}.png")
+        try:
+            if os.stat(png).st_mtime >= since - 1:
+                os.remove(png)
+        except OSError:
+            pass
+
+
 def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | None = None,
                   batch_size: int = 64, class_idx: int | None = None, subdirs: bool = False,
                   guide_path: str | None = None, guide_ema: str | None = None,
@@ -338,7 +358,9 @@ def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | N
     `sampler_kw`: `sampler` (a `solvers.Sampler` value; default `solvers.Heun()`), `rng`
     and `guidance_interval` of `seed_images.generate_images`. The outputs
     are checked first (`paths.check_output_dir`: writable, not a file, a reachable
-    bucket), before any weights are read or any image sampled."""
+    bucket), before any weights are read or any image sampled. Stopped by a signal
+    (`common.Interrupted`), it keeps the PNGs of the batches done (whole: those of the
+    batch in flight are deleted) and writes no grid."""
     seed_list = seed_images.parse_seeds(seeds)
     if not outdir and not grid:
         raise ValueError("--mode=generate needs --outdir=DIR and/or --grid=FILE.png")
@@ -352,13 +374,22 @@ def main_generate(net_path: str, seeds: str, outdir: str | None, *, ema: str | N
           + (f", decoded by the SD VAE {vae.path}" if vae else ""))
     guide = nets.load_guide(guide_path, guide_ema, guidance)
     t = time.time()
-    all_imgs = []
-    for _, imgs in seed_images.generate_images(net, variables, seed_list, outdir=outdir,
-                                            batch_size=batch_size, class_idx=class_idx,
-                                            subdirs=subdirs, guide=guide, guidance=guidance,
-                                            vae=vae, **sampler_kw):
-        if grid:
-            all_imgs.append(imgs)
+    all_imgs, done = [], []
+    try:
+        for seeds, imgs in seed_images.generate_images(
+                net, variables, seed_list, outdir=outdir, batch_size=batch_size,
+                class_idx=class_idx, subdirs=subdirs, guide=guide, guidance=guidance, vae=vae,
+                **sampler_kw):
+            done += list(seeds)
+            if grid:
+                all_imgs.append(imgs)
+    except KeyboardInterrupt as e:  # SIGTERM or SIGINT (`common.Interrupted`)
+        mine = set(stream.process_share(seed_list, batch_size))  # this process's seeds
+        _remove_unfinished_pngs(outdir, subdirs, mine - set(done), since=t)
+        e.kept = (f"the PNGs of the {len(done)} of {len(seed_list)} seeds done are kept in "
+                  f"{outdir}" if outdir else "nothing was written") + (
+                  f" (--grid={grid} is written only once every image is done)" if grid else "")
+        raise
     dt = time.time() - t
     print(f"{len(seed_list)} images in {dt:.1f} s ({len(seed_list) / dt:.2f} img/s)"
           + (f" -> {outdir}" if outdir else ""))
