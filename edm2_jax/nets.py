@@ -21,19 +21,54 @@ run's periodic evaluation and distillation (its teacher).
 """
 from __future__ import annotations
 
+import jax
+import numpy as np
+
 from edm2_jax import objectives, paths
 from edm2_jax.encoders import vae as vae_lib
-from edm2_jax.model.networks import Precond, precond_from_config
+from edm2_jax.model.networks import Precond, init_variables, precond_from_config
 from edm2_jax.run import checkpoints, integrity, layout, records, snapshots
 from edm2_jax.sampling import solvers
 from edm2_jax.run import network_dir as ckpt_lib
 
 
 def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
-    """Load `(net, variables, description)` from any checkpoint kind (see module doc).
+    """Load `(net, variables, description)` from any checkpoint kind (see module doc),
+    its arrays of the shapes its network config builds (`check_shapes`).
 
-    Raises FileNotFoundError naming what was looked for, KeyError for an unknown EMA.
+    Raises FileNotFoundError naming what was looked for, KeyError for an unknown EMA,
+    IntegrityError for arrays the network config does not build.
     """
+    net, variables, desc = _load_net(path, ema)
+    check_shapes(net, variables, desc)
+    return net, variables, desc
+
+
+def check_shapes(net: Precond, variables: dict, what: str) -> None:
+    """Raise IntegrityError naming `what`, the first arrays and both shapes when the
+    arrays of `variables` (`{'params', 'buffers'}`) are not those the network `net`
+    builds (`jax.eval_shape` of its initialisation, nothing allocated): a `.zarray`
+    whose shape was edited (transposed, say) reads bytes the checksums accept as the
+    wrong tensor."""
+    want = jax.eval_shape(lambda r: init_variables(net, r), jax.random.PRNGKey(0))
+
+    def shapes(tree) -> dict:
+        return {"/".join(str(getattr(k, "key", k)) for k in p): tuple(np.shape(x))
+                for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+    for col in ("params", "buffers"):
+        a, b = shapes(want.get(col, {})), shapes(variables.get(col, {}))
+        differ = [f"{col}/{k}: {'missing' if k not in b else b[k]} where its network config "
+                  f"builds {a[k] if k in a else 'none'}" for k in sorted(set(a) | set(b))
+                  if a.get(k) != b.get(k)]
+        if differ:
+            raise integrity.IntegrityError(
+                f"{what} is not the network its config describes ({'; '.join(differ[:3])}"
+                f"{'; ...' if len(differ) > 3 else ''}): its files were edited or damaged; "
+                f"write it again (--mode=convert, post-hoc EMA) or restore it")
+
+
+def _load_net(path: str, ema: str | None) -> tuple[Precond, dict, str]:
+    """`load_net` before its arrays' shapes are checked."""
     path = paths.normalize(path)  # local or gs://
     if ckpt_lib.is_network_checkpoint(path) and layout.is_run(path):
         raise ValueError(f"{path} is both a training run and a network checkpoint "

@@ -652,3 +652,124 @@ def test_images_over_the_largest_training_resolution_are_refused_when_opened(tmp
     with pytest.raises(ValueError, match="larger than"):
         loop.train_and_evaluate(config, str(workdir))
     assert not (workdir / "config.json").exists()
+
+
+# --------------------------------------------------------------------------------------
+# Sizes a file declares: bounded before any network is built or memory allocated
+
+
+@pytest.mark.parametrize("label", [10**12, 2**70])
+def test_a_label_beyond_what_a_network_embeds_is_refused_when_opened(tmp_path, label):
+    """A data set whose dataset.json gives one image the class 10**12 (a network of 32
+    trillion parameters, then a 128 TB allocation) or 2**70 (an OverflowError) is refused
+    when it is opened, naming the file, the image and the bound."""
+    import json
+    from edm2_jax import data as data_lib
+    from edm2_jax.data.image_folder import MAX_LABEL_DIM
+    data = make_image_folder(tmp_path / "data")
+    table = json.loads((data / "dataset.json").read_text())
+    table["labels"][3][1] = label
+    (data / "dataset.json").write_text(json.dumps(table))
+    with pytest.raises(ValueError, match=rf"{data}/dataset.json: label of img003.png is "
+                       rf"{label}, more classes than a network's label embedding takes "
+                       rf"\(indices below {MAX_LABEL_DIM:,}"):
+        data_lib.make_source(tiny_config(data).data)
+
+
+def test_cli_a_label_of_10_to_the_12_is_one_line_before_any_network_is_built(tmp_path):
+    import json
+    data = make_image_folder(tmp_path / "data")
+    table = json.loads((data / "dataset.json").read_text())
+    table["labels"][0][1] = 10**12
+    (data / "dataset.json").write_text(json.dumps(table))
+    flags = [f"--config={FMNIST_CONFIG}:tiny"] + [
+        f"--config.{k}={v}" for k, v in {**TINY_OVERRIDES, "data.path": data}.items()]
+    r = run_cli(*flags, f"--workdir={tmp_path / 'run'}")
+    assert_one_error(r, f"{data}/dataset.json: label of img000.png is 1000000000000")
+    assert "Traceback" not in r.stdout + r.stderr and not (tmp_path / "run").exists()
+
+
+def _npy_header_only(path: Path, shape: tuple, dtype: str = "<f4", tail: bytes = b"") -> Path:
+    """A `.npy` file whose header declares `shape` and whose data is only `tail`."""
+    import io
+    import numpy as np
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": dtype, "fortran_order": False,
+                                               "shape": shape})
+    path.write_bytes(buf.getvalue() + tail)
+    return path
+
+
+@pytest.mark.parametrize("shape,words", [
+    ((8, 1 << 20, 1 << 20), "larger than the 512 a side"),
+    ((8, 64, 64), "its header declares float32 (8, 64, 64) (131,200 bytes with the header), "
+                  "but the file holds 144 bytes")])
+def test_latents_whose_header_declares_too_much_are_refused_when_opened(tmp_path, shape,
+                                                                        words):
+    """A latent `.npy` declaring a side of 2**20 (the network would be built at that
+    size), or more bytes than the file holds (read only when its batch comes), is
+    refused when the data set is opened, naming the file."""
+    import numpy as np
+    from edm2_jax.data.latents import LatentFolder
+    folder = tmp_path / "latents"
+    folder.mkdir()
+    np.save(folder / "a.npy", np.zeros((8, 64, 64), np.float32))
+    _npy_header_only(folder / "0.npy", shape, tail=b"\0" * 16)   # the first in order
+    with pytest.raises(ValueError, match=re.escape(f"latent {folder}/0.npy")) as e:
+        LatentFolder(str(folder), use_labels=False)
+    assert words in str(e.value)
+
+
+def test_a_nan_latent_is_a_data_error_naming_the_file(tmp_path):
+    """A latent holding a NaN is refused as it is read, naming the file (it reached the
+    loss, and the run was advised to lower its learning rate)."""
+    import numpy as np
+    from edm2_jax.data.latents import LatentFolder
+    folder = tmp_path / "latents"
+    folder.mkdir()
+    np.save(folder / "a.npy", np.zeros((8, 8, 8), np.float32))
+    bad = np.zeros((8, 8, 8), np.float32)
+    bad[2, 3, 4] = np.nan
+    np.save(folder / "b.npy", bad)
+    source = LatentFolder(str(folder), use_labels=False)
+    assert np.isfinite(source[0][0]).all()
+    with pytest.raises(ValueError, match=rf"latent {folder}/b.npy holds 1 NaN or infinite "
+                       r"values \(of 512\); re-encode it"):
+        source[1]
+
+
+def test_cli_a_network_whose_zarray_shape_is_transposed_is_one_line(tiny_run, tmp_path):
+    """A post-hoc EMA output (one directory per array) whose `.zarray` of one weight
+    declares the transposed shape reads as bytes its checksums accept: `--mode=generate`
+    refuses it in one line naming the array and both shapes (it was 47 lines of
+    traceback after "Generating"), before anything is generated."""
+    import json
+    from edm2_jax import nets
+    from edm2_jax.run import network_dir
+    snapshot = str(tiny_run["run"] / "snapshots" / "4")
+    _, variables, _ = nets.load_net(snapshot)
+    net = tmp_path / "net"
+    network_dir.save_network(str(net), variables, nets.net_config(snapshot), {"nimg": 32},
+                             low_memory=True)
+    zarray = net / "variables" / "params.unet.dec_8x8_block0.conv_skip.weight" / ".zarray"
+    meta = json.loads(zarray.read_text())
+    meta["shape"], meta["chunks"] = meta["shape"][::-1], meta["chunks"][::-1]
+    zarray.write_text(json.dumps(meta))
+    r = run_cli("--mode=generate", f"--net={net}", "--seeds=0-1", f"--outdir={tmp_path / 'o'}")
+    assert_one_error(r, f"network checkpoint {net} is not the network its config describes "
+                        f"(params/unet/dec_8x8_block0/conv_skip/weight: (8, 16, 1, 1) where its "
+                        f"network config builds (1, 1, 16, 8))")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_path_name_too_long_for_its_file_system_is_one_line_in_every_mode(tmp_path,
+                                                                            capsys):
+    """A name of 300 characters where a command writes (`--outdir`, `--out_json`, ...)
+    found when it is made: one `error:` line naming it, exit status 1 (`report_errors`);
+    `--mode=generate` and `--mode=phema` refuse it before any work (test_outputs_atomic)."""
+    from edm2_jax.modes import common
+    long = tmp_path / ("z" * 300)
+    assert common.report_errors(lambda: os.makedirs(long / "out")) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"error: {long}: a name in this path is longer than its file "
+                                f"system allows; give a shorter one"], err

@@ -12,8 +12,10 @@ max(label) + 1. PNG and JPEG files are read (`.png`, `.jpg`, `.jpeg`, any case);
 are ignored.
 
 Everything that can be checked without decoding pixels is checked when the source is
-opened: every image header is read (size and mode must agree across the data set and be
-square), and with `use_labels=True` every image needs a label. Pixel decoding happens when
+opened, before any network is built or memory allocated: every image header is read
+(size and mode must agree across the data set and be square, at most `MAX_RESOLUTION` a
+side), and with `use_labels=True` every image needs a label, a class index below
+`MAX_LABEL_DIM`. Pixel decoding happens when
 an image is requested; a truncated or corrupt file raises an error naming it.
 """
 from __future__ import annotations
@@ -35,6 +37,10 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 # The largest side of a training image: larger ones are refused when the data set is
 # opened, before anything is written or compiled (a 30000x30000 PNG would need 107 GiB).
 MAX_RESOLUTION = 4096
+# The largest class index + 1 a data set may have: the label embedding is a
+# [label_dim, 4 x model_channels] weight, so 10**12 classes would make a network of
+# trillions of parameters. ImageNet has 1000 classes, ImageNet-21k 21,841.
+MAX_LABEL_DIM = 100_000
 # PIL mode -> channels of the uint8 array we return (P, 1 and CMYK are converted on decode).
 _MODE_CHANNELS = {"L": 1, "1": 1, "RGB": 3, "P": 3, "CMYK": 3, "RGBA": 4}
 _CONVERT = {"1": "L", "P": "RGB", "CMYK": "RGB"}
@@ -219,6 +225,11 @@ class ImageFolder(Source):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{where}: label of {fname} is {value!r}, expected a class "
                                  f"index >= 0 (vector labels are not supported); {fix}")
+            if value >= MAX_LABEL_DIM:
+                raise ValueError(f"{where}: label of {fname} is {value}, more classes than a "
+                                 f"network's label embedding takes (indices below "
+                                 f"{MAX_LABEL_DIM:,}; ImageNet has 1000): number the classes "
+                                 f"0, 1, 2, ... or set data.use_labels=False")
             out[k] = value
         return out
 

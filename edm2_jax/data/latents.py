@@ -18,26 +18,38 @@ release's scale and bias (`vae.encode_latents`, `pipeline.build_batch`). `num_ch
 therefore 4 (what the network sees) and `raw_channels` 8 (what is stored).
 
 Opening reads every file's `.npy` header (shape and dtype, ~100 bytes, no data), so a
-wrong-shaped file fails before training, naming the file and the expected shape. Headers
+wrong-shaped file, one larger than `MAX_LATENT_RESOLUTION` a side, or one whose header
+declares other than the bytes it holds fails before training, naming the file and the
+expected shape; a latent holding NaN or infinite values is refused as it is read,
+naming the file (not later as a loss that diverged). Headers
 and arrays are read by `encoders.safe_arrays` (`npy_header`, `read_npy`: a plain numeric
 dtype, exactly the bytes the header names).
 """
 from __future__ import annotations
 
+import math
+import os
+
 import numpy as np
 
 from edm2_jax.data.base import NO_LABEL
-from edm2_jax.data.image_folder import IMAGE_EXTENSIONS, ImageFolder
+from edm2_jax.data.image_folder import IMAGE_EXTENSIONS, MAX_RESOLUTION, ImageFolder
 from edm2_jax.encoders import safe_arrays, vae
 
 _HEADER_BYTES = 4096  # a .npy header is a multiple of 64 bytes, ~128 for these arrays
 
 
-def _npy_header(head: bytes) -> tuple[tuple[int, ...], np.dtype]:
-    """(shape, dtype) from the start of a `.npy` file (`safe_arrays.npy_header`).
-    Raises ValueError if it is not one of an array of plain numbers."""
-    shape, dtype, _layout, _offset = safe_arrays.npy_header(head)
-    return shape, dtype
+# The largest side of a latent array: that of the SD VAE's latents (1/8 of the pixels)
+# of the largest training image.
+MAX_LATENT_RESOLUTION = MAX_RESOLUTION // 8
+
+
+def _npy_header(head: bytes) -> tuple[tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, offset of the data) from the start of a `.npy` file
+    (`safe_arrays.npy_header`). Raises ValueError if it is not one of an array of plain
+    numbers."""
+    shape, dtype, _layout, offset = safe_arrays.npy_header(head)
+    return shape, dtype, offset
 
 
 class LatentFolder(ImageFolder):
@@ -78,9 +90,20 @@ class LatentFolder(ImageFolder):
             want = self._expected(side if side is not None else "R")
             raise ValueError(f"latent {self._where(fname)} is {dtype} {shape}, expected {want}; "
                              f"re-encode it or remove it")
+        if shape[-1] > MAX_LATENT_RESOLUTION:
+            raise ValueError(f"latent {self._where(fname)} is {dtype} {shape}: larger than the "
+                             f"{MAX_LATENT_RESOLUTION} a side of the latents of a "
+                             f"{MAX_RESOLUTION}x{MAX_RESOLUTION} image (img512's are 64); "
+                             f"re-encode it or remove it")
         return int(shape[-1])
 
-    def _header(self, fname: str) -> tuple[tuple[int, ...], np.dtype]:
+    def _size(self, fname: str) -> int:
+        """The size in bytes of `fname` (from the zip's directory, or the file system)."""
+        if self._zip_path is None:
+            return os.path.getsize(os.path.join(self.path, fname))
+        return self._zip().getinfo(fname).file_size
+
+    def _header(self, fname: str) -> tuple[tuple[int, ...], np.dtype, int]:
         try:
             try:
                 return _npy_header(self._read(fname, _HEADER_BYTES))
@@ -93,8 +116,13 @@ class LatentFolder(ImageFolder):
     def _check_headers(self) -> None:
         side = None
         for fname in self.fnames:
-            shape, dtype = self._header(fname)
+            shape, dtype, offset = self._header(fname)
             side = self._shape(fname, shape, dtype, side)
+            declared, size = offset + math.prod(shape) * dtype.itemsize, self._size(fname)
+            if declared != size:  # what the header claims is more (or less) than is there
+                raise ValueError(f"latent {self._where(fname)}: its header declares {dtype} "
+                                 f"{shape} ({declared:,} bytes with the header), but the file "
+                                 f"holds {size:,} bytes; re-encode it or remove it")
         self.resolution, self.num_channels = side, vae.LATENT_CHANNELS
 
     def _load(self, i: int) -> tuple[np.ndarray, int]:
@@ -107,6 +135,11 @@ class LatentFolder(ImageFolder):
             raise ValueError(f"cannot load {self._where(fname)} ({type(e).__name__}: {e}); "
                              f"the file is corrupt: delete or re-encode it") from e
         self._shape(fname, array.shape, array.dtype, self.resolution)
+        bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
+        if bad:  # a data problem, not one of training: named before it reaches a loss
+            raise ValueError(f"latent {self._where(fname)} holds {bad} NaN or infinite values "
+                             f"(of {array.size}); re-encode it (dataset_tool.py encode) or "
+                             f"remove it")
         array = array.reshape(self.raw_channels, self.resolution, self.resolution)
         latents = np.ascontiguousarray(array.transpose(1, 2, 0), np.float32)
         return latents, (int(self.labels[i]) if self.labels is not None else NO_LABEL)

@@ -8,6 +8,7 @@ help (`--help`: the modes; `--mode=MODE --help`: that mode's flags).
 from __future__ import annotations
 
 import ast
+import errno
 import math
 import os
 import pickle
@@ -237,8 +238,10 @@ def _interrupted_line(e: KeyboardInterrupt) -> tuple[str, int]:
 def report_errors(run: Callable[[], object]) -> int:
     """Call `run()`; return the exit status: 0, or 1 after printing a `USER_ERRORS`
     error or an `app.UsageError` (a missing flag) as one `error:` line (no traceback,
-    no usage), 128 + the signal (130 for Ctrl-C, 143 for SIGTERM) after one `error:`
-    line for a command stopped by a signal, or 1 after printing any other error's
+    no usage), also for a path whose names are longer than its file system allows
+    (found where it is written), 128 + the signal (130 for Ctrl-C, 143 for SIGTERM)
+    after one `error:` line for a command stopped by a signal, or 1 after printing any
+    other error's
     traceback. In every mode but `train` (whose loop finishes its step and saves a
     checkpoint, `training.preemption`), SIGTERM and SIGINT raise `Interrupted` where
     the command is (`_stop_on_signals`): an eval saves its partial state, a post-hoc EMA
@@ -255,6 +258,13 @@ def report_errors(run: Callable[[], object]) -> int:
         if isinstance(e, checkpoints.CheckpointSaveError) and e.strerror:
             msg = e.strerror  # without OSError's "[Errno N]" prefix: the message names it
         print(f"error: {msg}", file=sys.stderr, flush=True)
+        return 1
+    except OSError as e:
+        if e.errno != errno.ENAMETOOLONG:
+            traceback.print_exc()
+            return 1
+        print(f"error: {e.filename or e.strerror}: a name in this path is longer than its "
+              f"file system allows; give a shorter one", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt as e:  # a signal (Interrupted), or Ctrl-C before the handler
         line, rc = _interrupted_line(e)

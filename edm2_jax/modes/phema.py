@@ -20,7 +20,7 @@ from edm2_jax.ema import reconstruction, sweep
 from edm2_jax.ema import power as ema_power
 from edm2_jax.modes import common
 from edm2_jax.modes import evaluate as evaluate_mode  # noqa: F401 (--metrics, --num_images, --ref)
-from edm2_jax.modes import generate as generate_mode  # noqa: F401 (--batch, --steps, --vae, --outdir)
+from edm2_jax.modes import generate as generate_mode  # --batch, --steps, --vae, --outdir
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("sigma_rel", "0.05,0.10", "phema: comma list of EMA lengths sigma_rel.")
@@ -43,11 +43,13 @@ def sigma_rels() -> list[float]:
 
 def check_phema_dirs(workdir: str) -> None:
     """Before any snapshot is read: a `gs://` run's bucket reachable, and the outputs'
-    directory (`--outdir`, default `WORKDIR/phema`) writable."""
+    directory (`--outdir`, default `WORKDIR/phema`) writable, with names its file system
+    takes."""
     if paths.is_url(workdir):
         common.check_output_dir(workdir, "--workdir")
     if FLAGS.outdir:
         common.check_output_dir(FLAGS.outdir, "--outdir")
+        generate_mode.check_output_name(FLAGS.outdir, "--outdir")
     elif paths.isdir(workdir):  # a missing run is named by the reader
         try:
             common.check_output_dir(os.path.join(workdir, "phema"), "--outdir")
