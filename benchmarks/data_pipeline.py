@@ -30,6 +30,8 @@ when every worker runs, else 1), the CPU
 seconds the loader's processes spent per image in those windows (the training process and
 its workers, user + system), hence img/s per core (= images per CPU second), and the
 loader's memory (the proportional set size of its processes together, MiB, at the end).
+It prints first what writing fresh shared memory costs on the host (`fresh_shm_us_per_kib`):
+the price of every batch a worker hands over.
 The floors of issue 66 are checked at the end: PNGs at 2 workers >= 1.8x 1 worker (on 2
 cores), the raw format >= 5x PNGs per core. `--out` writes everything as JSON.
 """
@@ -235,6 +237,27 @@ def measure(make, batch: int, batches: int, repeats: int, warmup: int = 1) -> di
                 processes=len(procs), memory_mib=memory)
 
 
+def fresh_shm_us_per_kib(mib: int = 64, repeats: int = 3) -> float:
+    """What writing fresh shared memory costs here, in microseconds per KiB (median of
+    `repeats` segments of `mib` MiB): the price of each batch a worker hands over (its
+    pages are new every batch), which some virtual machines make 10-30x that of the same
+    write into memory already touched."""
+    from multiprocessing import shared_memory
+    times = []
+    for _ in range(repeats):
+        shm = shared_memory.SharedMemory(create=True, size=mib * 2**20)
+        try:
+            view = np.frombuffer(shm.buf, np.uint8)
+            t = time.perf_counter()
+            view[:] = 1
+            times.append(time.perf_counter() - t)
+            del view
+        finally:
+            shm.close()
+            shm.unlink()
+    return float(np.median(times)) * 1e6 / (mib * 1024)
+
+
 def _loaders(kind: str, source, args) -> list[tuple[str, object]]:
     """(row name, iterator factory) of each loader measured for `kind`."""
     kw = dict(global_batch=args.batch, seed=0)
@@ -318,9 +341,10 @@ def main(argv=None) -> dict:
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if not kinds or set(kinds) - set(KINDS):
         sys.exit(f"error: --kinds={args.kinds!r}: choose from {','.join(KINDS)}")
-    load = os.getloadavg()[0]
-    print(f"{os.cpu_count()} CPUs, load average {load:.2f} before the run; batch "
-          f"{args.batch}, {args.repeats} windows of {args.batches} batches", flush=True)
+    load, shm_cost = os.getloadavg()[0], fresh_shm_us_per_kib()
+    print(f"{os.cpu_count()} CPUs, load average {load:.2f} before the run; fresh shared "
+          f"memory {shm_cost:.2f} us per KiB written; batch {args.batch}, {args.repeats} "
+          f"windows of {args.batches} batches", flush=True)
     rows, data = [], {}
     for kind in kinds:
         path = data[kind] = _data(kind, args)
@@ -347,7 +371,8 @@ def main(argv=None) -> dict:
               f"{'met' if ok else 'NOT met'}")
     out = dict(data=data, images=args.images, resolution=args.resolution, batch=args.batch,
                batches=args.batches, repeats=args.repeats, target=args.target,
-               cpus=os.cpu_count(), load_average_before=load, rows=rows, floors=checks)
+               cpus=os.cpu_count(), load_average_before=load, fresh_shm_us_per_kib=shm_cost,
+               rows=rows, floors=checks)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -50,6 +50,7 @@ def test_command_measures_each_loader_of_each_kind(tmp_path, capsys):
                               "--repeats=2", "--threads=1", "--workers=1", "--target=1e12",
                               f"--out={out}"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(res))
+    assert res["fresh_shm_us_per_kib"] > 0
     assert [(r["kind"], r["loader"]) for r in res["rows"]] == [
         ("png", "threads:1"), ("png", "workers:1"),
         ("raw", "threads:1"), ("raw", "in-process"), ("raw", "workers:1")]
