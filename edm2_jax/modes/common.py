@@ -1,5 +1,6 @@
 """What every mode shares: the `--config` and `--workdir` flags, the errors a user can act
-on (`USER_ERRORS` and a missing flag, printed as one `error:` line: `report_errors`), the
+on (`USER_ERRORS` and a missing flag, printed as one `error:` line: `report_errors`, as
+is a stop by SIGTERM or SIGINT, `Interrupted`, saying what was kept), the
 checks of every mode's flags before any work (`check_flags`: finite numbers, no flag of
 another mode) and of every output location (`check_output_dir`, `check_run_dir`), flag
 parsing that names an unknown `--config.FIELD` or a config file's variant error, and the
