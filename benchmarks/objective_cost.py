@@ -1,5 +1,5 @@
 """What each training objective costs per training image: the EDM2 step, the multistep
-consistency student's and the distribution-matching generator's (edm2_jax/objectives/),
+consistency student's, the distribution-matching generator's and sCM's (edm2_jax/objectives/),
 in speed on this machine and in device memory from the compiled program.
 
     python benchmarks/objective_cost.py                       # img/s, configs/fashion_mnist.py, batch 64
@@ -16,10 +16,12 @@ matching the fake denoiser with its Adam moments). `--kernels=xla` (default) com
 the network a GPU or TPU runs; XLA:CPU's buffer assignment differs from XLA:GPU's, so
 compare the objectives with each other, on one backend.
 
-`--objectives` picks them: `edm2`, `consistency:K` (K sampling steps), `dmd:K`, and
+`--objectives` picks them: `edm2`, `consistency:K` (K sampling steps), `dmd:K`,
 `dmd:K:gan` (with DMD2's GAN head; its step trains the fake denoiser and the head on
 every step and computes the generator's gradient whatever the update ratio, so its cost
-per step does not depend on `distill.dfake_gen_update_ratio`).
+per step does not depend on `distill.dfake_gen_update_ratio`), and `scm` (sCD: the
+student's forward and backward pass, its jvp and the teacher's forward pass; its
+sampling steps change nothing of the step, so it takes no K).
 """
 from __future__ import annotations
 
@@ -129,8 +131,8 @@ def memory(config, spec: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="speed", choices=["speed", "memory"])
-    ap.add_argument("--objectives", default="edm2,consistency:1,consistency:4,dmd:1,dmd:4",
-                    help="comma list of edm2, consistency:K, dmd:K, dmd:K:gan")
+    ap.add_argument("--objectives", default="edm2,consistency:1,consistency:4,dmd:1,dmd:4,scm",
+                    help="comma list of edm2, consistency:K, dmd:K, dmd:K:gan, scm")
     ap.add_argument("--config", default="configs/fashion_mnist.py",
                     help="--work=speed: config file[:variant] (the quick start's by default)")
     ap.add_argument("--preset", default="img64-s", help="--work=memory: a release preset")
