@@ -133,10 +133,10 @@ def _pngs(folder: Path) -> list[int]:
     return seeds
 
 
-# Slow (~40 s each on 2 cores): a CLI generate on the tiny run.
+# Slow (~10-15 s each on 2 loaded cores): a CLI generate of the tiny run.
 @pytest.mark.slow
 @pytest.mark.ci
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_generate_stopped_by_a_signal_keeps_whole_pngs_and_says_so_in_one_line(
         tiny_run, driver, tmp_path, sig):
     out, grid = tmp_path / "out", tmp_path / "grid.png"
@@ -154,7 +154,7 @@ def test_generate_stopped_by_a_signal_keeps_whole_pngs_and_says_so_in_one_line(
     assert not grid.exists() and not list(tmp_path.glob(".grid*"))
 
 
-# Slow (~2.5 min on 2 cores): four CLI evals of the tiny run.
+# Slow (~45 s on 2 loaded cores): four CLI evals of the tiny run.
 @pytest.mark.slow
 @pytest.mark.ci
 def test_eval_stopped_by_sigterm_then_sigint_resumes_to_the_uninterrupted_figures(
@@ -194,7 +194,7 @@ def test_eval_stopped_by_sigterm_then_sigint_resumes_to_the_uninterrupted_figure
     assert not state.exists()
 
 
-# Slow (~1.5 min on 2 cores): two CLI post-hoc EMAs of the tiny run.
+# Slow (~15 s on 2 loaded cores): two CLI post-hoc EMAs of the tiny run.
 @pytest.mark.slow
 @pytest.mark.ci
 def test_phema_stopped_while_writing_keeps_the_complete_output_and_nothing_else(

@@ -19,7 +19,6 @@ The claims:
 from __future__ import annotations
 
 import hashlib
-import json
 import multiprocessing
 import os
 import shutil
@@ -171,7 +170,7 @@ def _racer(path: str, seed: int, barrier, results) -> None:
         results.put((seed, f"{type(e).__name__}: {e}"))
 
 
-# Slow (~20 s on 2 cores): two processes that import JAX, made to rename together.
+# Slow (~10 s on 2 loaded cores): two processes that import JAX, made to rename together.
 @pytest.mark.slow
 @pytest.mark.ci
 def test_two_writers_renaming_together_leave_one_complete_output(tmp_path):
@@ -208,7 +207,7 @@ runpy.run_module("edm2_jax.main", run_name="__main__")
 """
 
 
-# Slow (~60 s on 2 cores): two post-hoc EMA processes of the session's tiny run.
+# Slow (~20 s on 2 loaded cores, and the session's tiny run): two post-hoc EMA processes.
 @pytest.mark.slow
 @pytest.mark.ci
 def test_two_phema_processes_on_one_outdir_both_leave_complete_outputs(tiny_run, tmp_path):

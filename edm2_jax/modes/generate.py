@@ -39,7 +39,7 @@ from absl import app, flags
 
 from edm2_jax import nets, paths
 from edm2_jax.evaluation import stream
-from edm2_jax.modes import common
+from edm2_jax.modes import common  # noqa: F401 - every mode's flags (--config, --workdir)
 from edm2_jax.sampling import guidance, presets, seed_images, solvers
 from edm2_jax.sampling.sampler import save_image_grid
 from edm2_jax.sampling.schedule import RHO, SIGMA_MAX, SIGMA_MIN
