@@ -351,6 +351,29 @@ def test_mistyped_settings_of_a_config_json_are_refused_naming_the_flag(name, va
         objectives.check_config(c)
 
 
+def test_the_scm_configs_validate():
+    """configs/distill.py:scm, :scm-tiny, :sct and :scm-<preset> for every release
+    preset are valid 2-step sCM configs: sCT only for 'sct'; the presets with the paper's
+    proposal (img64: -1.0, 1.6; img512: -0.8, 1.6), c = 0.1, warmup 10k steps of 2048
+    images, the learning rate 1/100 of the teacher's."""
+    from edm2_jax.model import presets
+    from tests.test_train import _config_file
+    for variant in ["scm", "scm-tiny", "sct"] + [f"scm-{p}" for p in presets.NETWORK_PRESETS]:
+        c = _config_file("distill", variant)
+        c.distill.teacher = "teacher"
+        configs.validate(c)
+        obj = objectives.from_config(c)
+        assert obj.name == "scm" and c.distill.steps == 2, variant
+        assert obj.training == (variant == "sct"), variant
+        preset = variant[4:]
+        if preset in presets.NETWORK_PRESETS:
+            want = scm.PROPOSALS["img512" if preset.startswith("img512") else "img64"]
+            assert (c.distill.P_mean, c.distill.P_std) == want, variant
+            assert c.distill.warmup_kimg == 20480 and c.distill.tangent_c == 0.1
+            ref_lr = presets.TRAINING_PRESETS[preset]["ref_lr"]
+            assert c.optim.ref_lr == pytest.approx(ref_lr / 100, rel=1e-9), variant
+
+
 def test_guidance_needs_a_teacher_and_labels():
     with pytest.raises(ValueError, match="^--config.distill.guidance=.*sCT"):
         configs.validate(_config(training=True, guidance=2.0))
