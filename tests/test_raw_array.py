@@ -105,6 +105,11 @@ def test_a_header_claiming_more_than_its_file_holds_is_one_error_naming_it(tmp_p
     np.save(tmp_path / "ok.labels.npy", np.array([0, -3]))
     with pytest.raises(ValueError, match=r"ok\.labels\.npy: label -3 of image 1 is negative"):
         data.RawImages(ok)
+    np.save(tmp_path / "ok.labels.npy", np.array([10**12, 1]))  # a network of 10**12 classes
+    with pytest.raises(ValueError, match=r"ok\.labels\.npy: label 1000000000000 of image 0 is "
+                                         r"more classes than a network's label embedding"):
+        data.RawImages(ok)
+    assert data.RawImages(ok, use_labels=False).label_dim == 0
     np.save(tmp_path / "f.npy", np.zeros((2, 8, 8, 3), np.float32))
     with pytest.raises(ValueError, match=r"f\.npy holds float32 \(2, 8, 8, 3\); a raw data set"):
         data.RawImages(str(tmp_path / "f.npy"), use_labels=False)

@@ -11,7 +11,8 @@ converted to this format holds the same images bit for bit, in the same (sorted)
 
 Opening reads both headers and the labels and checks them against the files' sizes: a
 header that claims more (or less) than its file holds is one ValueError naming the file,
-before anything is allocated. Images are read when asked: locally from a memory map (a
+before anything is allocated; so is a label of `image_folder.MAX_LABEL_DIM` or more (the
+number of classes sizes the network's label embedding). Images are read when asked: locally from a memory map (a
 batch is one gather, `read_batch`); on `gs://` (etils epath, fsspec/gcsfs: the `gcs`
 extra) by one ranged read per image, the reads of a batch issued together (fsspec's
 `cat_ranges`). The data set is `decoded`: the pipeline gathers its batches in the
@@ -28,9 +29,9 @@ import numpy as np
 
 from edm2_jax import paths
 from edm2_jax.data.base import NO_LABEL, Source
+from edm2_jax.data.image_folder import MAX_LABEL_DIM, MAX_RESOLUTION
 
 LABELS_SUFFIX = ".labels.npy"
-MAX_RESOLUTION = 4096  # as image_folder.MAX_RESOLUTION: a side no training image exceeds
 _MAGIC = b"\x93NUMPY\x01\x00"  # format version 1.0
 _HEAD_BYTES = 65536            # a header's longest (version 1.0: 2-byte length)
 _MAX_COUNT = 10**12            # the writer reserves header room for this many images
@@ -154,6 +155,11 @@ class RawImages(Source):
         if labels.min() < 0:
             raise ValueError(f"{where}: label {labels.min()} of image "
                              f"{int(np.argmin(labels))} is negative; labels are classes >= 0")
+        if labels.max() >= MAX_LABEL_DIM:  # label_dim sizes the network's label embedding
+            raise ValueError(f"{where}: label {labels.max()} of image {int(np.argmax(labels))} "
+                             f"is more classes than a network's label embedding takes (indices "
+                             f"below {MAX_LABEL_DIM:,}; ImageNet has 1000): number the classes "
+                             f"0, 1, 2, ... or set data.use_labels=False")
         return labels
 
     def __getstate__(self):  # picklable: the memory map and file system are reopened
