@@ -230,7 +230,9 @@ def temporary_path(path: str) -> str:
     return f"{path}{UNFINISHED}-{host}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host is running (another user's counts as running):
+    an unfinished output of a dead writer may be removed, a live one's is kept."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -250,7 +252,7 @@ def stale_temporaries(path: str) -> list[str]:
     out = []
     for other in paths.listdir(parent):
         m = _TEMPORARY.fullmatch(other[len(name):]) if other.startswith(name) else None
-        if m and (m["pid"] is None or m["host"] == host and not _pid_alive(int(m["pid"]))):
+        if m and (m["pid"] is None or m["host"] == host and not pid_alive(int(m["pid"]))):
             out.append(os.path.join(parent, other))
     return out
 

@@ -266,16 +266,6 @@ def _complete(path: str) -> bool:
     return True
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def _remove_dead_partials(dest: str) -> None:
     """Delete the partial conversions into `dest` that a killed process of this host
     left behind (`.<name>.partial-<host>-<pid>`, the process gone)."""
@@ -283,7 +273,7 @@ def _remove_dead_partials(dest: str) -> None:
     prefix = f".{name}{_PARTIAL}{socket.gethostname()}-"
     for entry in os.listdir(folder):
         pid = entry[len(prefix):]
-        if entry.startswith(prefix) and pid.isdigit() and not _pid_alive(int(pid)):
+        if entry.startswith(prefix) and pid.isdigit() and not network_dir.pid_alive(int(pid)):
             shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
 
 
