@@ -32,7 +32,7 @@ its workers, user + system), hence img/s per core (= images per CPU second), and
 loader's memory (the proportional set size of its processes together, MiB, at the end).
 It prints first what writing fresh shared memory costs on the host (`fresh_shm_us_per_kib`):
 the price of every batch a worker hands over.
-The floors of issue 66 are checked at the end: PNGs at 2 workers >= 1.8x 1 worker (on 2
+The loader's floors are checked at the end: PNGs at 2 workers >= 1.8x 1 worker (on 2
 cores), the raw format >= 5x PNGs per core. `--out` writes everything as JSON.
 """
 from __future__ import annotations
@@ -294,7 +294,7 @@ def _open(kind: str, path: str):
 
 
 def floors(rows: list[dict]) -> dict:
-    """The floors of issue 66 from the rows measured (None where a row is missing)."""
+    """The loader's floors from the rows measured (None where a row is missing)."""
     by = {(r["kind"], r["loader"]): r for r in rows}
     png1, png2 = by.get(("png", "workers:1")), by.get(("png", "workers:2"))
     raw = by.get(("raw", "in-process"))

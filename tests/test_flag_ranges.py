@@ -62,7 +62,7 @@ def test_every_numeric_flag_is_accepted_exactly_in_its_range(name, value):
 
 
 def test_the_hostile_values_are_refused_in_one_line(tmp_path):
-    """The cases of the hostile user's report, through the command line: exit 1, one
+    """Hostile values through the command line: exit 1, one
     `error:` line, nothing written."""
     cases = [["--guidance=1e300"], ["--guidance=1e30"], ["--sigma_max=1e300"],
              ["--S_noise=1e300", "--S_churn=10"], ["--S_churn=-1"], ["--batch=0"],

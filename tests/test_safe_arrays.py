@@ -2,7 +2,7 @@
 file stores comes back as its values, or as one ValueError line naming the file, the
 problem and what to do; never bytes from outside the file, a crash, or a changed class.
 
-- The payloads of issue 68: a numpy dtype rebuilt by BUILD into a structured dtype whose
+- Hostile payloads: a numpy dtype rebuilt by BUILD into a structured dtype whose
   field sits at offset 4096, 2**30 or 2**40 (a release-shaped pickle through
   `--mode=convert`, a statistics pickle through `--ref`); BUILD on an allowlisted class;
   a torch zip whose `byteorder` record says big (read as torch.load reads it); a deflated
@@ -91,7 +91,7 @@ def np_array(dtype, shape, raw, fortran=False, core="numpy.core"):
 
 
 def structured(offset: int, n: int = 4):
-    """The issue's weights: n elements whose one field sits `offset` bytes in."""
+    """Weights of n elements whose one field sits `offset` bytes in."""
     return np_array(np_dtype("V4", field_at(offset)), (n,), b"\0" * 4 * n)
 
 
@@ -139,7 +139,7 @@ if HAS_TORCH:
 
 
 # ---------------------------------------------------------------------------------------
-# The issue's cases.
+# The hostile cases.
 
 ISSUE_STRUCTURED = r"""
 import contextlib, io, json, sys
