@@ -251,7 +251,7 @@ def make_probe(config):
         noise = jax.random.normal(k_noise, images.shape, jnp.float32)
         params = force_normalize(state["params"])
         tf, _ = loss_lib.edm2_loss(params, state["buffers"], net16, images, labels,
-                                   P_mean=lc.P_mean, P_std=lc.P_std, sigma_data=lc.sigma_data,
+                                   P_mean=lc.P_mean, P_std=lc.P_std, sigma_data=config.network.sigma_data,
                                    train=True, rnd_normal=rnd, noise_unit=noise,
                                    dropout_rng=k_drop)
         sigma = jnp.exp(rnd * lc.P_std + lc.P_mean)

@@ -27,8 +27,8 @@ import PIL.Image
 import pytest
 from jax import enable_x64
 
+from edm2_jax import configs, nets
 from edm2_jax.sampling import consistency
-from edm2_jax import nets
 from edm2_jax.sampling import sampler as sampling
 from edm2_jax.objectives import distill
 from edm2_jax.sampling import solvers
@@ -332,7 +332,7 @@ def test_student_images_depend_only_on_the_seed_and_generate_finds_its_sampler(
     np.testing.assert_array_equal(a[[4, 1]], b)
     assert a.std() > 0
     # The student's 2 steps are not the Heun sampler's.
-    heun = np.asarray(sampling.sample_images(net, variables, np.array([4, 1]), sampler=Heun(2)))
+    heun = np.asarray(sampling.sample_images(net, variables, np.array([4, 1]), sampler=solvers.Heun(2)))
     assert not np.array_equal(heun, b)
     # A copy of the run elsewhere is still a student.
     dst = tmp_path / "copy"
@@ -406,7 +406,6 @@ def test_teacher_errors_are_named_before_anything_is_built(distill_runs, tmp_pat
     assert not (tmp_path / "b" / "checkpoints").exists()
     with pytest.raises(ValueError, match="distill.steps"):
         config.distill.steps = 0
-        from edm2_jax import configs
         configs.validate(config)
 
 
@@ -504,7 +503,6 @@ def test_distill_configs_validate_for_every_preset():
     every img64/img512 preset; a preset student fine-tunes at the teacher's final
     learning rate `ref_lr / sqrt(total_steps / t_ref)` (img64-s: 0.010 / sqrt(2^30 /
     2048 / 35000) = 0.010 / sqrt(14.98)), constant; the Fashion-MNIST one decays."""
-    from edm2_jax import configs
     from edm2_jax.model import presets
     from tests.test_train import _config_file
     for variant in ["fashion_mnist", "tiny", *presets.NETWORK_PRESETS]:

@@ -29,7 +29,7 @@ import numpy as np
 import optax
 import pytest
 
-from edm2_jax import objectives
+from edm2_jax import configs, objectives
 from edm2_jax.model.networks import init_variables, precond_from_config
 from edm2_jax.objectives import dmd, gan
 from tests.test_dmd import MU, SIGMA, gaussian_denoiser
@@ -326,7 +326,6 @@ def test_the_gan_configs_validate():
     :dmd-gan-img64-s, :dmd-gan-img512-s (DMD2's recipe: its GAN weights, sigma 80, one
     learning rate, 5 fake updates per generator update) are valid DMD configs with the
     head; 'dmd' keeps it off."""
-    from edm2_jax import configs
     from tests.test_train import _config_file
     for variant in ("dmd-gan", "dmd-gan-tiny", "dmd-gan-img64-s", "dmd-gan-img512-s"):
         c = _config_file("distill", variant)
