@@ -190,8 +190,8 @@ def test_an_existing_zip_is_refused_and_kept_as_it_was(tmp_path):
 
 def test_fashion_mnist_source(tmp_path):
     from edm2_jax.data.fashion_mnist import DEFAULT_PATH
-    if not os.path.isdir(DEFAULT_PATH):
-        pytest.skip("Fashion-MNIST files not installed")
+    assert os.path.isdir(DEFAULT_PATH), (
+        f"{DEFAULT_PATH} missing: apt-get install dataset-fashion-mnist")
     DT.convert("fashion_mnist", str(tmp_path / "fm.zip"), resolution="16x16", max_images=5,
                quiet=True)
     f = ImageFolder(str(tmp_path / "fm.zip"))

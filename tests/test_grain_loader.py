@@ -140,9 +140,6 @@ def test_sources_stored_decoded_are_gathered_in_this_process(tmp_path):
     assert_same(batches, definition(src, 0, 4 * G))
 
 
-@pytest.mark.skipif(not os.path.isfile("/usr/share/datasets/fashion-mnist/"
-                                        "train-images-idx3-ubyte.gz"),
-                    reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
 def test_the_quick_start_sees_the_batches_the_thread_pool_gave():
     """All 1,000 batches of the quick start (configs/fashion_mnist.py: 64 kimg at batch 64)
     equal, bit for bit, those of the thread pool that loaded them before grain (kept in

@@ -17,6 +17,7 @@ Nothing here asks which objective runs.
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -134,7 +135,8 @@ def training_loop(config: ml_collections.ConfigDict, workdir: str, start: setup.
         it = data_lib.make_iterator(
             source, global_batch=batch_size, seed=seed, start_nimg=step * batch_size,
             process_index=jax.process_index(), process_count=jax.process_count(),
-            num_workers=num_workers)
+            num_workers=num_workers,
+            put=functools.partial(shard_lib.global_batch, model.mesh))  # prefetched onto the mesh
         logger = StatsLogger(workdir, step * batch_size) if is_main else None
         diag = probes.Diagnostics(config, model.net, model.tx, source) if diagnostics else None
         if diag is not None and step == 0:  # the fresh network (every process)
@@ -151,7 +153,7 @@ def training_loop(config: ml_collections.ConfigDict, workdir: str, start: setup.
 
         while step < sched.total_steps and not stopping:
             # Train a step. ------------------------------------------------------------
-            state, metrics = step_fn(state, shard_lib.global_batch(model.mesh, next(it)))
+            state, metrics = step_fn(state, next(it))
             step += 1
             stop.step, nimg, done = step, step * batch_size, step >= sched.total_steps
             stopping = consensus.after_step()
