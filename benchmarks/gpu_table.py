@@ -27,7 +27,8 @@ it measures:
 - compile time: our training step's lower + compile, and the sampler's first batch
   less a steady batch;
 - whether the host's data pipeline keeps up: img/s of the training iterator over 64x64
-  PNGs for each of `--data_workers` loader threads (`data_pipeline.py`), once at the end;
+  PNGs for each of `--data_workers` counts of grain worker processes (`data_pipeline.py`),
+  once at the end;
 - a `jax.profiler` trace of `--profile_steps` training steps, summed by kernel class:
   convolutions forward / input gradient / weight gradient with their precision, matmuls
   with theirs, reductions, elementwise fusions, transposes, copies, and the idle gaps
@@ -564,7 +565,7 @@ def render(results: dict, args) -> str:
                     for r in results["presets"].values()), default=0.0)
         lines += [f"Data pipeline (`benchmarks/data_pipeline.py`: the training iterator over "
                   f"{data['images']} 64x64 PNGs, batch {data['batch']}, {data['cpus']} CPUs), "
-                  f"img/s by loader threads: " + ", ".join(
+                  f"img/s by worker processes: " + ", ".join(
                       f"{r['workers']}: {r['img_per_s']:.0f}" for r in data["rows"])
                   + f"; our fastest training step above takes {best:.0f} img/s.", ""]
     return "\n".join(lines)
@@ -713,7 +714,7 @@ def main():
                          "limit); the table holds the presets measured by then")
     ap.add_argument("--data_workers", default="1,2,4",
                     help="after the presets, the data pipeline's img/s of 64x64 images with "
-                         "these loader-thread counts (benchmarks/data_pipeline.py); '' skips")
+                         "these counts of grain worker processes (benchmarks/data_pipeline.py); '' skips")
     ap.add_argument("--measure_timeout", type=float, default=240.0,
                     help="seconds a worker has for one measurement or profile; then it is "
                          "killed and its row says so (0: no limit)")
