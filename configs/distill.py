@@ -1,7 +1,8 @@
 """Few-step students: multistep consistency distillation of an EDM2 network
 (edm2_jax/objectives/distill.py, docs/distillation.md).
 
-    # the quick start's run as teacher, a 4-step student (24 kimg, ~8 min on 2 CPU cores)
+    # the quick start's run as teacher, a 4-step student (24 kimg; its figures: the
+    # results entry mcd-4 of docs/results.json)
     python -m edm2_jax.main --config=configs/distill.py --workdir=runs/fmnist-4step \
         --config.distill.teacher=runs/fmnist
     python -m edm2_jax.main --mode=generate --net=runs/fmnist-4step --seeds=0-99 --grid=grid.png
@@ -15,8 +16,8 @@
         --config.distill.teacher=runs/fmnist
     python -m edm2_jax.main --config=configs/distill.py:dmd-img64-s --workdir=runs/img64-s-dmd1 \
         --config.distill.teacher=nets/img64-s
-    # with DMD2's GAN head (objectives/gan.py): a 1-step generator (128 kimg, ~43 min on
-    # 2 CPU cores; fd_cls 4.84 (4.59-5.19) over three seeds at --ema=0.030, the teacher 5.18)
+    # with DMD2's GAN head (objectives/gan.py): a 1-step generator (128 kimg, read at
+    # --ema=0.030; its figures: the results entry dmd-gan-1 of docs/results.json)
     python -m edm2_jax.main --config=configs/distill.py:dmd-gan --workdir=runs/fmnist-dmd1-gan \
         --config.distill.teacher=runs/fmnist
     python -m edm2_jax.main --config=configs/distill.py:dmd-gan-img64-s \
@@ -69,7 +70,7 @@ def get_config(variant: str = "fashion_mnist"):
     if variant in ("dmd", "dmd-tiny"):
         c = _dmd(get_config("tiny" if variant == "dmd-tiny" else "fashion_mnist"))
         if variant == "dmd":
-            c.total_kimg = 32   # fd_cls 11.4 at 1 step (docs/distillation.md)
+            c.total_kimg = 32   # results entry dmd-1 (docs/results.json)
         return c
     if variant.startswith("dmd-") and variant[4:] in presets.NETWORK_PRESETS:
         return _dmd_preset(get_config(variant[4:]))
@@ -82,13 +83,13 @@ def get_config(variant: str = "fashion_mnist"):
         # Fine-tuning from a trained network: the teacher's final learning rate after a
         # short ramp-up, then decaying as 1/sqrt(t) from 6 kimg (t_ref = 94 batches of
         # 64) to half of it at 24 kimg. Held constant instead, the 1- and 2-step students
-        # learn far less (fd_cls 112 / 14.8 against 47.3 / 10.3; docs/distillation.md).
+        # learn far less (docs/distillation_measurements.md, "The learning rate").
         c.optim.update(ref_lr=0.005, t_ref=94, rampup_kimg=0.5)
         if variant == "tiny":
             c.optim.update(rampup_kimg=0.064, t_ref=0)
             return c
-        # The teacher's Heun sampler keeps its quality down to 8 steps (fd_cls 4.98 at 8,
-        # 5.25 at 32; docs/distillation.md): the coarsest such grid bootstraps least.
+        # The teacher's Heun sampler keeps its quality down to 8 steps
+        # (docs/distillation_measurements.md): the coarsest such grid bootstraps least.
         c.distill.teacher_steps = 8
         c.total_kimg = 24
         c.checkpoint_kimg = c.snapshot_kimg = 4
@@ -146,14 +147,14 @@ def _gan(c, variant: str):
     A preset's generator as DMD2's ImageNet-64 one: from noise at sigma 80, one learning
     rate (the teacher's final) for it, the fake denoiser and the head, 5 updates of the
     fake and the head per generator update. On Fashion-MNIST, the one-step generator
-    measured in docs/distillation.md ("One step at its teacher"): 'dmd''s time scales
+    measured in docs/distillation_measurements.md ("One step at its teacher"): 'dmd''s time scales
     (the fake at ten times the generator's rate, both updated on every step: 5 updates
     per generator update would leave it 100 in 32 kimg), the head at the generator's
     rate (a plain flax head at the fake's 0.02 moves by its weights' own scale per step)
     on the frozen teacher's bottleneck, the generator's GAN weight 0.3 (the best of 0.03,
-    0.3 and 1.0 at 16 kimg), batches of 32 (twice the updates of 64 in the same time:
-    fd_cls 4.02 against 5.46 at 128 kimg with the faster rates) for 128 kimg, about 43
-    minutes on 2 CPU cores; 'dmd-gan-tiny' keeps the ratio of 5, so a smoke run holds
+    0.3 and 1.0 at 16 kimg), batches of 32 (twice the updates of 64 in the same time)
+    for 128 kimg: the results entry dmd-gan-1 (docs/results.json); 'dmd-gan-tiny' keeps
+    the ratio of 5, so a smoke run holds
     the generator on 4 steps of 5."""
     c.distill.gan = True
     if variant == "dmd-gan":

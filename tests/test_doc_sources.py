@@ -4,7 +4,9 @@
   names exists.
 - README.md: every figure of a section (a measured value, a ratio, a time) is stated in
   a document that the section links to, the one place it comes from, so that a figure
-  measured again is changed there and the README cannot keep an older one.
+  measured again is changed there and the README cannot keep an older one. Figures in a
+  table or value written from docs/results.json (`<!-- table:... -->`, `<!--v ...-->`) come
+  from that file, which tests/test_results_tables.py holds to.
 """
 from __future__ import annotations
 
@@ -58,9 +60,15 @@ _NOT_FIGURES = (r"`[^`]*`", r"\]\([^)]*\)", r"\((?:Sec|Eq|Algorithm|Fig)\.?[^)]*
                 r"<[^>]*>")
 
 
+_FROM_RESULTS = (r"<!-- table:[\w-]+ -->.*?<!-- /table -->", r"<!--v [\w.-]+-->.*?<!--/v-->")
+
+
 def _sections(readme: str) -> list[tuple[str, str]]:
-    """`(heading, text)` of each `##`/`###` section of README.md, code blocks removed."""
+    """`(heading, text)` of each `##`/`###` section of README.md, code blocks and what is
+    written from docs/results.json removed."""
     text = re.sub(r"```.*?```", "\n", readme, flags=re.S)
+    for pattern in _FROM_RESULTS:
+        text = re.sub(pattern, "\n", text, flags=re.S)
     parts = re.split(r"\n(?=#{2,3} )", text)
     return [(p.splitlines()[0], p) for p in parts]
 
@@ -82,7 +90,7 @@ def readme_figures() -> list[tuple[str, str, list[Path]]]:
 
 def test_every_figure_of_the_readme_is_stated_where_the_section_links():
     figures = readme_figures()
-    assert len(figures) >= 60, len(figures)
+    assert len(figures) >= 5, len(figures)  # the rest are docs/results.json's
     def stated(figure: str, source: Path) -> bool:  # as a whole number, not inside one
         return re.search(rf"(?<![\d.,]){re.escape(figure)}(?![\d])", source.read_text())
 

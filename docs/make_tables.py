@@ -1,0 +1,157 @@
+"""Write the docs' tables and quoted figures from docs/results.json, the one source of
+every figure the README and the guides quote.
+
+    python docs/make_tables.py           # rewrite the marked tables and values in place
+    python docs/make_tables.py --check   # exit 1, naming each one that differs
+
+Two kinds of marks in README.md, docs/*.md and benchmarks/README.md:
+
+- a table: `<!-- table:NAME -->` ... `<!-- /table -->`, its lines written by `TABLES[NAME]`;
+- a value in prose or in a hand-written table: `<!--v ENTRY.FIELD-->5.2458<!--/v-->`,
+  the text between the marks being `values[FIELD]` of `ENTRY`.
+
+A figure measured again is one edit of results.json and one run of this script.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results.json"
+NO = "—"   # a cell never measured
+
+TABLE = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
+VALUE = re.compile(r"(<!--v ([\w-]+)\.(\w+)-->)(.*?)(<!--/v-->)")
+
+
+def load(path: Path = RESULTS) -> dict[str, dict]:
+    """The entries of results.json, each checked to hold values, a command and a commit."""
+    entries = json.loads(path.read_text())["entries"]
+    for name, e in entries.items():
+        missing = {"what", "values", "command", "commit"} - set(e)
+        if missing or not re.fullmatch(r"[0-9a-f]{7,40}", e["commit"]):
+            raise ValueError(f"{path.name}: entry {name!r} lacks {sorted(missing) or 'a commit'}")
+    return entries
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def readme_headline(r: dict) -> list[str]:
+    """README.md's results: parity, speed, quality, few-step, each with where it is measured."""
+    v = {k: e["values"] for k, e in r.items()}
+    return [
+        _row(["result", "figure", "measured in"]),
+        _row(["---"] * 3),
+        _row(["parity with the release (its outputs on random weights)",
+              f"forward pass within {v['parity-forward']['max_rel']} relative (float32); "
+              f"post-hoc EMA coefficients within {v['parity-phema']['max_abs']}",
+              "[`tests/test_convert.py`](tests/test_convert.py), "
+              "[`tests/test_phema.py`](tests/test_phema.py)"]),
+        _row(["speed against the release, 2 CPU cores",
+              f"training {v['speed-cpu']['train']}, sampling {v['speed-cpu']['sample']}",
+              "[`benchmarks/README.md`](benchmarks/README.md#against-the-release-on-cpu)"]),
+        _row(["speed against the release, one H200 (img64-s, bfloat16 against its fp16)",
+              f"training {v['speed-h200']['train']}, sampling {v['speed-h200']['sample']}",
+              "[`benchmarks/README.md`](benchmarks/README.md#gpu)"]),
+        _row([f"quality: the quick start's run ({v['quickstart-train']['kimg']} kimg, "
+              f"{v['quickstart-train']['wall']} on 2 CPU cores), 2,000 images",
+              f"fd_cls {v['teacher']['fd_cls']}, recall {v['teacher']['recall_cls']}, "
+              f"FID-2000 {v['teacher']['fid2000']} (floor: {v['floor']['fd_cls']}, "
+              f"{v['floor']['recall_cls']}, {v['floor']['fid2000']})",
+              "[`docs/evaluation.md`](docs/evaluation.md#classifier-metrics-for-small-data)"]),
+        _row(["few-step students of that run (fd_cls, recall)",
+              f"1 step (DMD with the GAN head): {v['dmd-gan-1']['fd_cls']}, "
+              f"{v['dmd-gan-1']['recall_cls']}; 2 steps (DMD): {v['dmd-2']['fd_cls']}, "
+              f"{v['dmd-2']['recall_cls']}; 4 steps (DMD): {v['dmd-4']['fd_cls']}, "
+              f"{v['dmd-4']['recall_cls']}",
+              "[`docs/distillation.md`](docs/distillation.md)"]),
+    ]
+
+
+def quality(r: dict) -> list[str]:
+    """The quick start's run and the floor in every `_cls` metric and FID-2000."""
+    rows = [_row(["images", "fd_cls", "kid_cls", "precision_cls", "recall_cls", "FID-2000"]),
+            _row(["---"] * 6)]
+    for name, label in (("teacher", "generated (64 kimg run)"),
+                        ("floor", "floor: 2,000 test images vs the train split")):
+        v = r[name]["values"]
+        rows.append(_row([label] + [v[k] for k in ("fd_cls", "kid_cls", "precision_cls",
+                                                   "recall_cls", "fid2000")]))
+    return rows
+
+
+CHOOSER = (("MCD (`configs/distill.py`)", "mcd"), ("DMD (`:dmd`)", "dmd"),
+           ("DMD with the GAN head (`:dmd-gan`)", "dmd-gan"),
+           ("sCM (`:scm`, not yet measured)", "scm"))
+
+
+def distill_chooser(r: dict) -> list[str]:
+    """docs/distillation.md's first table: each method at 1, 2 and 4 steps."""
+    rows = [_row(["method", "steps", "fd_cls", "recall", "FID-2000", "training (2 CPU cores)",
+                  "step cost (EDM2 step = 1)"]), _row(["---"] * 7)]
+    for label, key in CHOOSER:
+        for k in (1, 2, 4):
+            e = r.get(f"{key}-{k}")
+            if e is None:
+                continue
+            v = e["values"]
+            rows.append(_row([label, str(k)] + [v.get(f, NO) for f in (
+                "fd_cls", "recall_cls", "fid2000", "training", "step_cost")]))
+    t, q = r["teacher"]["values"], r["quickstart-train"]["values"]
+    rows.append(_row(["the teacher, Heun 32 steps", t["evaluations"], t["fd_cls"],
+                      t["recall_cls"], t["fid2000"], f"{q['kimg']} kimg, {q['wall']}", "1.00"]))
+    return rows
+
+
+TABLES = {"readme-headline": readme_headline, "quality": quality,
+          "distill-chooser": distill_chooser}
+
+
+def doc_files() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+            REPO / "benchmarks" / "README.md"]
+
+
+def render(text: str, r: dict) -> str:
+    """`text` with every marked table and value written from `r`."""
+    def table(m):
+        if m.group(2) not in TABLES:
+            raise KeyError(f"no table {m.group(2)!r}; tables: {sorted(TABLES)}")
+        return m.group(1) + "\n".join(TABLES[m.group(2)](r)) + "\n" + m.group(4)
+
+    def value(m):
+        return m.group(1) + r[m.group(2)]["values"][m.group(3)] + m.group(5)
+
+    return VALUE.sub(value, TABLE.sub(table, text))
+
+
+def differences(r: dict | None = None) -> list[str]:
+    """The files whose marked tables or values differ from results.json."""
+    r = load() if r is None else r
+    return [str(p.relative_to(REPO)) for p in doc_files()
+            if render(p.read_text(), r) != p.read_text()]
+
+
+def main(argv: list[str]) -> int:
+    r = load()
+    if "--check" in argv:
+        bad = differences(r)
+        for path in bad:
+            print(f"{path}: a table or value differs from docs/results.json "
+                  f"(python docs/make_tables.py writes it)")
+        return 1 if bad else 0
+    for p in doc_files():
+        new = render(p.read_text(), r)
+        if new != p.read_text():
+            p.write_text(new)
+            print(f"wrote {p.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
