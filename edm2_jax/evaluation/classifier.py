@@ -11,24 +11,37 @@ gives its normalised penultimate features.
     from edm2_jax.evaluation import classifier
     train = data.make_source({'source': 'fashion_mnist', 'split': 'train'})
     test = data.make_source({'source': 'fashion_mnist', 'split': 'test'})
-    clf, acc = classifier.get_classifier(train, test)  # trains once (~minutes on CPU), then cached
+    clf, acc = classifier.get_classifier(train, test)  # the shipped weights: no training
     feats = clf.features(images_uint8)                 # [N, 128] float32
 
-The cache lives in `~/.cache/edm2_jax/classifier-<source>-<hash>/` (override with the
-`cache_dir` argument or the EDM2_JAX_CACHE environment variable); the hash covers the
-architecture, the training settings and the bytes of both splits, so a different data set
-or setting trains a new classifier instead of silently reusing an old one.
+The Fashion-MNIST classifier of the default settings ships with the package
+(`weights/fashion_mnist_classifier.npz`, `FASHION_MNIST`): `get_classifier` of the
+Fashion-MNIST splits loads it without training, after checking the file's SHA-256, so that
+`_cls` figures of the same images are the same on every machine (a classifier trained
+locally follows the float32 summation order of the CPU that trains it). The command that
+trains it, on the default `TrainConfig`, rebuilds the file and prints its checksum:
+
+    python -m edm2_jax.evaluation.classifier --rebuild [--data-path DIR] [--out FILE]
+
+Any other data set or setting trains its own classifier once and caches it in
+`~/.cache/edm2_jax/classifier-<source>-<hash>/` (override with the `cache_dir` argument or
+the EDM2_JAX_CACHE environment variable); the hash covers the architecture, the training
+settings and the bytes of both splits, so a different data set or setting trains a new
+classifier instead of silently reusing an old one.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
+import io
 import json
 import math
 import os
 import re
 import tempfile
 import time
+import zipfile
 from typing import Any
 
 import flax.linen as nn
@@ -306,11 +319,131 @@ def train_classifier(train_images: np.ndarray, train_labels: np.ndarray, num_cla
     return module, params, time.time() - t0
 
 
+@dataclasses.dataclass(frozen=True)
+class ShippedWeights:
+    """A classifier whose weights ship with the package: `file` (a name under
+    `WEIGHTS_DIR`), its `sha256` (hex, checked on every load) and `key` (`cache_key` of
+    the data and settings it was trained on: `get_classifier` loads it for exactly those
+    splits and that `TrainConfig`)."""
+    file: str
+    sha256: str
+    key: str
+
+
+WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")
+REBUILD_COMMAND = "python -m edm2_jax.evaluation.classifier --rebuild"
+# Fashion-MNIST (edm2_jax/data/fashion_mnist.py, the data of configs/fashion_mnist.py)
+# with the default TrainConfig; written by `rebuild_fashion_mnist` (REBUILD_COMMAND).
+FASHION_MNIST = ShippedWeights(
+    file="fashion_mnist_classifier.npz",
+    sha256="e2ddfcddb9b5267c54192cf46380cf014a3c3b59cc523e97b5c7aa017120fd71",
+    key="59f74e9fb243539afb9732bde752eeb4f83221ed54cb188ca8e36b0ddc4bd9b9")
+SHIPPED = (FASHION_MNIST,)
+
+
+def cache_key(config: TrainConfig, num_classes: int, x_train, y_train, x_test, y_test) -> str:
+    """SHA-256 (hex) of what a trained classifier depends on: the architecture's version,
+    the training settings, the class count and the bytes of both splits' images and
+    labels (from `source_arrays`)."""
+    key = json.dumps({"version": CACHE_VERSION, "config": dataclasses.asdict(config),
+                      "num_classes": num_classes, "train": _fingerprint(x_train, y_train),
+                      "test": _fingerprint(x_test, y_test)}, sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _sha256_file(path: str) -> tuple[str, bytes]:
+    with open(path, "rb") as f:
+        data = f.read()
+    return hashlib.sha256(data).hexdigest(), data
+
+
+def save_weights(path: str, clf: "Classifier", meta: dict) -> str:
+    """Write `clf` (parameters, feature normalisation) and `meta` (a JSON-able dict) to
+    one `.npz` of plain arrays (no pickled objects; `meta` as a JSON string), with fixed
+    zip timestamps so that the same weights always give the same bytes. Written to a
+    temporary file and renamed. Returns the file's SHA-256 (hex)."""
+    arrays = {f"params/{k}": v for k, v in _flatten(jax.device_get(clf.params)).items()}
+    arrays.update(feature_shift=np.asarray(clf.feature_shift, np.float32),
+                  feature_scale=np.asarray(clf.feature_scale, np.float64),
+                  meta=np.asarray(json.dumps(meta, sort_keys=True)))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for name in sorted(arrays):
+            npy = io.BytesIO()
+            np.lib.format.write_array(npy, np.array(arrays[name], order="C"),
+                                      allow_pickle=False)
+            info = zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.create_system, info.external_attr = 3, 0o644 << 16
+            z.writestr(info, npy.getvalue())
+    data = buf.getvalue()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    return hashlib.sha256(data).hexdigest()
+
+
+def load_weights(path: str, sha256: str | None = None) -> "Classifier":
+    """The classifier of a `save_weights` file. With `sha256`, the file's checksum must
+    equal it: a ValueError names the file and how to rebuild it otherwise (a damaged,
+    truncated or replaced file is never used). Reads arrays only (no pickle).
+    `info` holds the file's `meta` with `cached=True`, `path`."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"classifier weights {path} are missing: reinstall edm2-jax, "
+                                f"or rebuild them with `{REBUILD_COMMAND}`")
+    digest, data = _sha256_file(path)
+    if sha256 is not None and digest != sha256:
+        raise ValueError(
+            f"classifier weights {path} have SHA-256 {digest}, not the expected {sha256}: "
+            f"the file is damaged or not the one this version of edm2_jax ships. Reinstall "
+            f"edm2-jax, or rebuild the file with `{REBUILD_COMMAND}` (minutes on a CPU) and "
+            f"write the checksum it prints into edm2_jax/evaluation/classifier.py")
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        meta = json.loads(arrays.pop("meta").item())
+        shift, scale = arrays.pop("feature_shift"), float(arrays.pop("feature_scale").item())
+        params = _unflatten({k[len("params/"):]: v for k, v in arrays.items()
+                             if k.startswith("params/")})
+        config = meta["config"]
+        module = SmallCNN(int(meta["num_classes"]), config["base_width"], config["max_width"],
+                          config["feature_dim"])
+    except (ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
+        raise ValueError(f"classifier weights {path} are not a classifier file "
+                         f"({type(e).__name__}: {e}); rebuild them with "
+                         f"`{REBUILD_COMMAND}`") from e
+    return Classifier(module, params, int(meta["resolution"]), int(meta["num_channels"]),
+                      float(meta["test_accuracy"]), dict(meta, cached=True, path=path),
+                      shift, scale)
+
+
+def _train_and_measure(x_train, y_train, x_test, y_test, num_classes: int,
+                       config: TrainConfig, log: bool) -> tuple["Classifier", dict]:
+    """Train on the train split, measure on the test split, fix the feature
+    normalisation. Returns `(classifier, meta)`; `meta['train_seconds']` is the wall
+    time."""
+    resolution, num_channels = x_train.shape[1], x_train.shape[3]
+    module, params, seconds = train_classifier(x_train, y_train, num_classes, config, log)
+    clf = Classifier(module, params, resolution, num_channels, 0.0, {})
+    clf.test_accuracy = clf.accuracy(x_test, y_test)
+    raw = clf.features(x_train[:config.num_norm])  # shift 0, scale 1 so far: raw features
+    clf.feature_shift = raw.mean(axis=0)
+    clf.feature_scale = float(np.sqrt(np.mean(raw.var(axis=0)))) or 1.0
+    meta = {"test_accuracy": clf.test_accuracy, "train_seconds": seconds,
+            "num_train": len(x_train), "num_test": len(x_test),
+            "resolution": resolution, "num_channels": num_channels,
+            "num_classes": num_classes, "config": dataclasses.asdict(config)}
+    return clf, meta
+
+
 def get_classifier(source_train, source_test, cache_dir: str | None = None,
                    config: TrainConfig = TrainConfig(), log: bool = True
                    ) -> tuple[Classifier, float]:
-    """The project's classifier for a labelled data set: loaded from the cache, or trained
-    on `source_train`, measured on `source_test` and cached.
+    """The project's classifier for a labelled data set: the shipped weights for the
+    Fashion-MNIST splits with the default `config` (`SHIPPED`; checksum checked), else
+    loaded from the cache, or trained on `source_train`, measured on `source_test` and
+    cached.
 
     Args:
       source_train, source_test: data `Source`s with labels (`label_dim > 0`) and equal
@@ -319,8 +452,9 @@ def get_classifier(source_train, source_test, cache_dir: str | None = None,
         or `~/.cache/edm2_jax`.
       config: `TrainConfig` (defaults: 3 epochs, batch 128, Adam 2e-3 with cosine decay).
     Returns: `(classifier, test_accuracy)`; `classifier.info['cached']` says whether it
-      was loaded.
-    Raises ValueError for unlabelled sources or mismatched image shapes.
+      was loaded, `info.get('shipped')` whether it is the package's own.
+    Raises ValueError for unlabelled sources, mismatched image shapes, or shipped weights
+    whose checksum is wrong.
     """
     if not source_train.label_dim:
         raise ValueError(f"{source_train.name} has no labels (label_dim 0); the classifier "
@@ -330,14 +464,19 @@ def get_classifier(source_train, source_test, cache_dir: str | None = None,
     if x_train.shape[1:] != x_test.shape[1:]:
         raise ValueError(f"train images {x_train.shape[1:]} and test images "
                          f"{x_test.shape[1:]} differ in shape; use two splits of one data set")
-    resolution, num_channels = x_train.shape[1], x_train.shape[3]
     num_classes = int(source_train.label_dim)
-    key = json.dumps({"version": CACHE_VERSION, "config": dataclasses.asdict(config),
-                      "num_classes": num_classes, "train": _fingerprint(x_train, y_train),
-                      "test": _fingerprint(x_test, y_test)}, sort_keys=True)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    key = cache_key(config, num_classes, x_train, y_train, x_test, y_test)
+    for shipped in SHIPPED:
+        if shipped.key == key:
+            clf = load_weights(os.path.join(WEIGHTS_DIR, shipped.file), shipped.sha256)
+            clf.info["shipped"] = True
+            if log:
+                print(f"classifier: the shipped {shipped.file} (test accuracy "
+                      f"{clf.test_accuracy:.4f})", flush=True)
+            return clf, clf.test_accuracy
+    resolution, num_channels = x_train.shape[1], x_train.shape[3]
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(source_train.name).split("[")[0])
-    path = os.path.join(cache_dir or default_cache_dir(), f"classifier-{name}-{digest}")
+    path = os.path.join(cache_dir or default_cache_dir(), f"classifier-{name}-{key[:16]}")
     module = SmallCNN(num_classes, config.base_width, config.max_width, config.feature_dim)
 
     if os.path.isfile(os.path.join(path, "meta.json")):
@@ -350,19 +489,12 @@ def get_classifier(source_train, source_test, cache_dir: str | None = None,
                          dict(meta, cached=True, path=path), shift, scale)
         return clf, clf.test_accuracy
 
-    module, params, seconds = train_classifier(x_train, y_train, num_classes, config, log)
-    clf = Classifier(module, params, resolution, num_channels, 0.0, {})
-    clf.test_accuracy = clf.accuracy(x_test, y_test)
-    raw = clf.features(x_train[:config.num_norm])  # shift 0, scale 1 so far: raw features
-    clf.feature_shift = raw.mean(axis=0)
-    clf.feature_scale = float(np.sqrt(np.mean(raw.var(axis=0)))) or 1.0
-    meta = {"test_accuracy": clf.test_accuracy, "train_seconds": seconds,
-            "num_train": len(x_train), "num_test": len(x_test), "source": source_train.name,
-            "resolution": resolution, "num_channels": num_channels,
-            "num_classes": num_classes, "config": dataclasses.asdict(config)}
+    clf, meta = _train_and_measure(x_train, y_train, x_test, y_test, num_classes, config, log)
+    meta["source"] = source_train.name
+    seconds = meta["train_seconds"]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp", dir=os.path.dirname(path))
-    np.savez(os.path.join(tmp, "params.npz"), **_flatten(jax.device_get(params)),
+    np.savez(os.path.join(tmp, "params.npz"), **_flatten(jax.device_get(clf.params)),
              feature_shift=clf.feature_shift, feature_scale=clf.feature_scale)
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -377,5 +509,61 @@ def get_classifier(source_train, source_test, cache_dir: str | None = None,
     return clf, clf.test_accuracy
 
 
-__all__ = ["Classifier", "SmallCNN", "TrainConfig", "default_cache_dir", "get_classifier",
-           "num_stages", "source_arrays", "source_batches", "train_classifier"]
+def rebuild_fashion_mnist(out: str | None = None, data_path: str = "",
+                          log: bool = True) -> tuple[str, str, dict]:
+    """Train the shipped Fashion-MNIST classifier as `get_classifier` does (default
+    `TrainConfig`, the splits of `edm2_jax.data.fashion_mnist` read from `data_path`, ''
+    = the Debian package's directory) and write it to `out` (None = the package's
+    `WEIGHTS_DIR/FASHION_MNIST.file`). The file holds no wall time, so one machine
+    rebuilds the same bytes. Returns `(sha256, key, meta)`: write `sha256` and `key` into
+    `FASHION_MNIST` when the file changes."""
+    from edm2_jax.data.fashion_mnist import FashionMNIST
+    config = TrainConfig()
+    train, test = FashionMNIST("train", data_path), FashionMNIST("test", data_path)
+    x_train, y_train = source_arrays(train, config.max_train)
+    x_test, y_test = source_arrays(test)
+    key = cache_key(config, int(train.label_dim), x_train, y_train, x_test, y_test)
+    clf, meta = _train_and_measure(x_train, y_train, x_test, y_test, int(train.label_dim),
+                                   config, log)
+    del meta["train_seconds"]
+    meta.update(source=train.name, key=key, cache_version=CACHE_VERSION)
+    out = out or os.path.join(WEIGHTS_DIR, FASHION_MNIST.file)
+    sha256 = save_weights(out, clf, meta)
+    return sha256, key, meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m edm2_jax.evaluation.classifier --rebuild`: see `rebuild_fashion_mnist`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m edm2_jax.evaluation.classifier",
+        description="Rebuild the shipped Fashion-MNIST classifier (default TrainConfig; "
+                    "minutes on a CPU) and print its checksum.")
+    parser.add_argument("--rebuild", action="store_true", required=True,
+                        help="train the classifier and write its weights file")
+    parser.add_argument("--data-path", default="",
+                        help="directory of the Fashion-MNIST IDX files (default: "
+                             "/usr/share/datasets/fashion-mnist)")
+    parser.add_argument("--out", default=None,
+                        help=f"weights file to write (default: the package's "
+                             f"{os.path.join(WEIGHTS_DIR, FASHION_MNIST.file)})")
+    args = parser.parse_args(argv)
+    sha256, key, meta = rebuild_fashion_mnist(args.out, args.data_path)
+    out = args.out or os.path.join(WEIGHTS_DIR, FASHION_MNIST.file)
+    print(f"wrote {out}: test accuracy {meta['test_accuracy']:.4f}\n"
+          f"sha256 {sha256}\nkey    {key}")
+    if (sha256, key) != (FASHION_MNIST.sha256, FASHION_MNIST.key):
+        print("These differ from FASHION_MNIST in edm2_jax/evaluation/classifier.py; write "
+              "them there to ship this file.")
+    return 0
+
+
+__all__ = ["Classifier", "FASHION_MNIST", "SHIPPED", "ShippedWeights", "SmallCNN",
+           "TrainConfig", "WEIGHTS_DIR", "cache_key", "default_cache_dir", "get_classifier",
+           "load_weights", "num_stages", "rebuild_fashion_mnist", "save_weights",
+           "source_arrays", "source_batches", "train_classifier"]
+
+
+if __name__ == "__main__":
+    from edm2_jax import process
+    process.setup_entry_point()  # as `python -m edm2_jax.main`: before JAX starts
+    raise SystemExit(main())
