@@ -46,15 +46,18 @@ from edm2_jax.sampling.schedule import RHO, SIGMA_MAX, SIGMA_MIN
 from edm2_jax.training import sharding
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("net", None, "generate: network checkpoint, training run dir or RUN/snapshots/<step>.")
-flags.DEFINE_string("ema", None, "generate: which EMA of a run ('0.100', 'online'); default largest sigma_rel.")
+flags.DEFINE_string("net", None, "generate/eval: network checkpoint, training run dir or "
+                    "RUN/snapshots/<step>.")
+flags.DEFINE_string("ema", None, "generate/eval: which EMA of a run ('0.100', 'online'); "
+                    "default largest sigma_rel.")
 flags.DEFINE_string("seeds", "0-63", "generate/eval: seeds, e.g. '0-49999' or '1,5,7-9' (eval "
                     "default: 0..num_images-1).")
 flags.DEFINE_string("outdir", None, "generate, eval: directory for PNGs.")
 flags.DEFINE_bool("subdirs", False, "generate: one subdirectory per 1000 seeds.")
 flags.DEFINE_string("grid", None, "generate: also write all images as one grid PNG here.")
-flags.DEFINE_integer("class_idx", None, "generate: class for every image (default random per seed).")
-flags.DEFINE_integer("batch", 64, "generate: images per batch (split over devices).")
+flags.DEFINE_integer("class_idx", None, "generate/eval: class for every image (default "
+                     "random per seed).")
+flags.DEFINE_integer("batch", 64, "generate/eval: images per batch (split over devices).")
 flags.DEFINE_integer("steps", 32, "generate/eval: sampler steps N (Heun: 2N-1 network "
                      "evaluations; a few-step student's sampler: N evaluations, by default "
                      "the steps it was distilled for).")
@@ -72,12 +75,12 @@ flags.DEFINE_integer("teacher_steps", None, "generate/eval: with --sampler=few_s
 flags.DEFINE_string("vae", None, "generate, eval, phema_sweep: the SD VAE that decodes a latent (img512) net's "
                     "samples: its diffusion_pytorch_model.safetensors / .bin or diffusers folder.")
 flags.DEFINE_string("guide", None, "generate/eval: guide network (unconditional for CFG, smaller/earlier for autoguidance).")
-flags.DEFINE_string("guide_ema", None, "generate: which EMA of the guide run.")
+flags.DEFINE_string("guide_ema", None, "generate/eval: which EMA of the guide run.")
 flags.DEFINE_float("guidance", 1.0, "generate/eval: guidance weight w in D_g + w (D - D_g).")
-flags.DEFINE_float("S_churn", 0.0, "generate: stochastic churn.")
-flags.DEFINE_float("S_min", 0.0, "generate: churn lower sigma.")
-flags.DEFINE_float("S_max", float("inf"), "generate: churn upper sigma.")
-flags.DEFINE_float("S_noise", 1.0, "generate: churn noise scale.")
+flags.DEFINE_float("S_churn", 0.0, "generate/eval: stochastic churn.")
+flags.DEFINE_float("S_min", 0.0, "generate/eval: churn lower sigma.")
+flags.DEFINE_float("S_max", float("inf"), "generate/eval: churn upper sigma.")
+flags.DEFINE_float("S_noise", 1.0, "generate/eval: churn noise scale.")
 flags.DEFINE_float("sigma_min", SIGMA_MIN, "generate/eval: lowest noise level of the sampler's schedule.")
 flags.DEFINE_float("sigma_max", SIGMA_MAX, "generate/eval: highest noise level of the sampler's schedule.")
 flags.DEFINE_enum("rng", "jax", ["jax", "release"], "generate/eval: per-seed noise and labels "
