@@ -5,6 +5,7 @@ machine (libtpu; `edm2_jax/planner/plan.py`).
     python benchmarks/tpu_scaling.py > table.md                      # array sizes only: a minute
     python benchmarks/tpu_scaling.py --compile=img512-xxl:v5p-64:1:8 # one compiled row
     python benchmarks/tpu_scaling.py --compile=dmd-img512-s:v5e-8:4:4
+    python benchmarks/tpu_scaling.py --compile=scm-img512-s:v5e-8:1:8
 
 Without `--compile`, for each preset (img64 xs-xl, img512 xxs-xxl) and chip (v5e, v6e, v4,
 v5p): the parameters, the model flops per training image (`Objective.flops_per_image`: 3
@@ -15,8 +16,10 @@ a chip's HBM (the rest is for activations, which only a compile tells), with tha
 flops-bound img/s at the chip's bf16 peak (a lower bound on the time, an upper bound on
 img/s). Then for each preset distilled (`DISTILLED`), on v5e and v5p: `consistency-PRESET`
 (`configs/distill.py:PRESET`, a 4-step consistency student: the state adds the frozen
-teacher) and `dmd-PRESET` (`configs/distill.py:dmd-PRESET`, a 1-step DMD generator: the
-teacher, the fake denoiser and its Adam moments). Every network of a state splits by fsdp
+teacher), `dmd-PRESET` (`configs/distill.py:dmd-PRESET`, a 1-step DMD generator: the
+teacher, the fake denoiser and its Adam moments) and `scm-PRESET`
+(`configs/distill.py:scm-PRESET`, a 2-step sCD student: the teacher and the step counter of
+the tangent warmup; 6 passes per image, the jvp's primal and tangent counted). Every network of a state splits by fsdp
 (`sharding.state_spec`), the teacher's and the fake's as the generator's.
 
 `--compile=CONFIG:SLICE:FSDP:BATCH_PER_DEVICE` (CONFIG a preset or a distilled one) compiles
@@ -41,7 +44,7 @@ from edm2_jax import process  # noqa: E402
 PRESETS = [f"img64-{v}" for v in ("xs", "s", "m", "l", "xl")] + [
     f"img512-{v}" for v in ("xxs", "xs", "s", "m", "l", "xl", "xxl")]
 # The distilled configs: `KIND-PRESET` is `configs/distill.py:VARIANT`.
-DISTILLED = {"consistency": "{preset}", "dmd": "dmd-{preset}"}
+DISTILLED = {"consistency": "{preset}", "dmd": "dmd-{preset}", "scm": "scm-{preset}"}
 SIZES = (8, 16, 32, 64, 128, 256)  # chips
 
 

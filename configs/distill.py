@@ -175,17 +175,17 @@ def _scm(c, variant: str):
     -1.0, P_std 1.4, NVlabs/FastGen's sCM default), the tangent warmed up over the first
     2 kimg (the paper's 10k of 200k-400k iterations is 2.5-5 % of its training; a short
     run takes more), the distillation's learning-rate schedule (`fashion_mnist` above)
-    at 1/5 of its rate (the paper's consistency models train at 1/100 of their
-    diffusion teacher's rate, for 200k iterations; these runs take a few hundred).
-    'sct': the same as sCT, started from the network `distill.teacher` names. Not
-    tuned: no quality is measured for these settings yet."""
+    at 1e-4, the paper's 1/100 of the teacher's rate (the teacher's 0.01): ten times it,
+    the student diverges, its tangent growing (results entries `scm-1`, `scm-2` and
+    `scm-lr-search`: docs/results.json). 'sct': the same as sCT, started from the network
+    `distill.teacher` names."""
     configs.with_objective(c, "scm")
     c.distill.update(steps=2, P_mean=-1.0, P_std=1.4, training=variant == "sct")
     if variant == "scm-tiny":
         c.distill.warmup_kimg = 0.064
         return c
     c.distill.warmup_kimg = 2.0
-    c.optim.ref_lr = 0.001
+    c.optim.ref_lr = 0.0001
     return c
 
 

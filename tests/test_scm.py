@@ -365,6 +365,9 @@ def test_the_scm_configs_validate():
         obj = objectives.from_config(c)
         assert obj.name == "scm" and c.distill.steps == 2, variant
         assert obj.training == (variant == "sct"), variant
+        if variant in ("scm", "sct"):  # the teacher's 0.01 / 100 (configs/fashion_mnist.py)
+            teacher = _config_file("fashion_mnist", "default").optim.ref_lr
+            assert c.optim.ref_lr == pytest.approx(teacher / 100, rel=1e-9), variant
         preset = variant[4:]
         if preset in presets.NETWORK_PRESETS:
             want = scm.PROPOSALS["img512" if preset.startswith("img512") else "img64"]

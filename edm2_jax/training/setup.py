@@ -68,7 +68,10 @@ def setup_objective(config: ml_collections.ConfigDict, workdir: str) -> Start:
     start from is not given or not there."""
     objective = objectives.check_config(config)
     network = objective.start()
-    if network is None:
+    if network is None:  # from a fresh network (e.g. sCT without one named): say so
+        line = objective.describe()
+        if line:
+            print(line, flush=True)
         return Start(objective)
     if not network.path:
         raise ValueError(f"{network.flag} is empty: the run starts from its {network.role}; "
