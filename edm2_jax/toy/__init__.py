@@ -9,9 +9,11 @@ where the exact density and ideal denoiser are known and a run takes minutes on 
     plot.py          the figure of `autoguidance.run`
     distill.py       the denoiser distilled into 1-8 step students (multistep consistency)
     dmd.py           few-step generators distilled by distribution matching
+    scm.py           a 1 and 2-step student by continuous-time consistency (sCD, sCT)
 
     python -m edm2_jax.toy.autoguidance --out=toy_out
     python -m edm2_jax.toy.distill --out=toy_distill_out
+    python -m edm2_jax.toy.scm --out=toy_scm_out
 
 This `__init__` imports nothing: import the module you need.
 """
