@@ -87,7 +87,7 @@ def quality(r: dict) -> list[str]:
 
 CHOOSER = (("MCD (`configs/distill.py`)", "mcd"), ("DMD (`:dmd`)", "dmd"),
            ("DMD with the GAN head (`:dmd-gan`)", "dmd-gan"),
-           ("sCM (`:scm`, 1 seed, diverging: [docs/scm.md](scm.md))", "scm"))
+           ("sCM (`:scm`, [docs/scm.md](scm.md))", "scm"))
 
 
 def distill_chooser(r: dict) -> list[str]:
