@@ -49,12 +49,24 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
+def _is_main_block(node: ast.stmt) -> bool:
+    """`if __name__ == "__main__":`, the code a module runs as a process's entry point
+    (`python -m MODULE`) and never on import: it stands at the top layer, with main."""
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__"
+                    for c in node.test.comparators))
+
+
 def _imports(mods: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the package modules it imports (at any depth of its code)."""
+    """Module -> the package modules it imports (at any depth of its code but its
+    `__main__` block)."""
     edges: dict[str, set[str]] = defaultdict(set)
     for name, path in mods.items():
         is_pkg = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        tree.body = [n for n in tree.body if not _is_main_block(n)]
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
