@@ -230,6 +230,8 @@ def test_encode_writes_release_latents_equal_to_vae_encode(tmp_path, batch):
     assert np.all(got[..., 4:] > 0)  # std
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_encode_unlabelled_and_bad_inputs(tmp_path):
     vae_dir = _save_tiny_vae(tmp_path / "vae")
     src = tmp_path / "src"

@@ -192,6 +192,8 @@ def _cli_popen(workdir: Path, overrides: dict, cache: str) -> subprocess.Popen:
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_sigterm_checkpoints_within_one_step_and_exits_0(full_run, tmp_path, xla_cache):
     """The CLI gets SIGTERM after its first step of a long run with no scheduled
     checkpoint: it saves one within one step of the signal, exits 0, and the rerun

@@ -61,6 +61,8 @@ def test_every_numeric_flag_is_accepted_exactly_in_its_range(name, value):
         assert error is not None and f"--{name}" in error, (name, value, error)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_the_hostile_values_are_refused_in_one_line(tmp_path):
     """Hostile values through the command line: exit 1, one
     `error:` line, nothing written."""

@@ -75,6 +75,8 @@ def test_profile_summary_sums_device_kernels_and_idle_gaps(tmp_path):
 
 # About 35 s of CPU time, 20 s on 2 quiet cores: the benchmark's two worker processes
 # each start JAX and compile a training step, or a sampler with and without a guide.
+@pytest.mark.slow
+@pytest.mark.ci
 def test_gpu_table_command_writes_its_table_on_cpu(tmp_path):
     out = tmp_path / "table.md"
     env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path),  # traces, data set

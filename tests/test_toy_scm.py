@@ -15,6 +15,8 @@ QUICK = toy_scm.ScmSettings(
     steps=256, t_ref=64, warmup_steps=64)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_a_1_step_scd_student_covers_the_data_where_the_teachers_ddim_does_not():
     # The teacher's 1-step DDIM lands on the class's mean; the sCD student's one step
     # lands near the teacher's Heun points and covers the class. Over seeds 0, 1, 2:

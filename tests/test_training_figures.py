@@ -164,6 +164,8 @@ def _apply(config: ml_collections.ConfigDict, flags: dict) -> ml_collections.Con
     return config
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_following_the_rescue_advice_resumes_and_trains(data, tmp_path):
     """Healthy to step 2 at ref_lr 0.01, then ref_lr=1e30: diverges; the advice names
     checkpoint 2 and the rate that trained it (0.01), and the clip (not set); the same
@@ -224,6 +226,8 @@ def _no_bar(text: str) -> list[str]:
             if x.strip() and not re.search(r"\d+%\||step/s|s/step", x)]
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_second_sigterm_stops_at_once_with_one_line_and_the_rerun_resumes(
         data, tmp_path, xla_cache):
     run = tmp_path / "run"
