@@ -304,12 +304,13 @@ def worker(args) -> None:
 
 
 class Worker:
-    """The orchestrator's handle on a worker process (`--worker=ours|release`)."""
+    """The orchestrator's handle on a worker process (`--worker=KIND` of `script`, this
+    file by default: 'ours' or 'release'; benchmarks/scm_side_by_side.py runs its own)."""
 
-    def __init__(self, kind: str, argv: list[str], env: dict):
+    def __init__(self, kind: str, argv: list[str], env: dict, script: str = __file__):
         import subprocess
         self.kind = kind
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv,
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(script), *argv,
                                       f"--worker={kind}"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
         self.info = self._read("READY")

@@ -231,32 +231,11 @@ def worker(args) -> None:
         print("RESULT " + json.dumps({"img_s": side.train(int(cmd[1]))}), flush=True)
 
 
-class Worker:
-    def __init__(self, kind: str, argv: list[str], env: dict):
-        self.kind = kind
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv,
-                                      f"--worker={kind}"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
-        self.info = self._read("READY")
-
-    def _read(self, tag: str) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith(tag + " "):
-                return json.loads(line[len(tag) + 1:])
-        raise SystemExit(f"error: the {self.kind} worker exited (code {self.proc.wait()}); "
-                         "its error is above")
-
-    def img_s(self, steps: int) -> float:
-        self.proc.stdin.write(f"train {steps}\n")
-        self.proc.stdin.flush()
-        out = self._read("RESULT")["img_s"]
-        time.sleep(0.5)  # let this side's thread pools go idle before the other side runs
-        return out
-
-    def close(self) -> None:
-        self.proc.stdin.write("quit\n")
-        self.proc.stdin.flush()
-        self.proc.wait()
+def Worker(kind: str, argv: list[str], env: dict):
+    """A worker process of this file (`--worker=ours|fork`), as compare_release.py runs its
+    own: `.img_s("train N")`, `.close()`."""
+    import compare_release
+    return compare_release.Worker(kind, argv, env, script=__file__)
 
 
 def machine() -> dict:
@@ -325,10 +304,10 @@ def main() -> None:
           f"{fork.info['malloc']}", flush=True)
     if args.warmup:
         for w in (fork, ours):
-            w.img_s(args.warmup)
+            w.img_s(f"train {args.warmup}")
     pairs = []
     for i in range(args.repeats):
-        f, o = fork.img_s(args.steps), ours.img_s(args.steps)
+        f, o = fork.img_s(f"train {args.steps}"), ours.img_s(f"train {args.steps}")
         pairs.append({"fork_img_s": f, "ours_img_s": o, "ratio": o / f})
         print(f"pair {i}: fork {f:.2f} img/s  ours {o:.2f} img/s  ratio {o / f:.2f}x",
               flush=True)
