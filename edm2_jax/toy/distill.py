@@ -207,6 +207,23 @@ def consistency_points(net: ToyDenoiser, variables: dict, n: int, cls: int = 0, 
                                           teacher_steps))
 
 
+def score_samples(mix: Mixture, samples: dict[str, np.ndarray], evaluations: dict[str, int],
+                  say=print, width: int = 11) -> tuple[dict, dict]:
+    """The toy students' table: `sample_metrics` of each set of points `[n, 2]` (class
+    0) and, for all but 'data' and 'heun', the mean distance of each point to the
+    teacher's Heun point of the same noise; one line each through `say`. Returns
+    `(metrics, to_heun)`."""
+    metrics = {name: sample_metrics(mix, x, 0) for name, x in samples.items()}
+    to_heun = {name: float(np.mean(np.linalg.norm(x - samples["heun"], axis=-1)))
+               for name, x in samples.items() if name not in ("data", "heun")}
+    for name, m in metrics.items():
+        say(f"{name:{width}s} ({evaluations[name]:2d} evaluations) on branches "
+            f"{m['on_branches']:.3f}  coverage {m['coverage']:.3f}  "
+            f"mean log p {m['mean_logp']:6.2f}"
+            + (f"  to Heun's point {to_heun[name]:.4f}" if name in to_heun else ""))
+    return metrics, to_heun
+
+
 def run(out: str | None = None, settings: DistillSettings = DistillSettings(),
         seed: int = 0, verbose: bool = True) -> dict:
     """Train the teacher, distil a student per `K` in `settings.students`, sample class 0
@@ -279,14 +296,7 @@ def run(out: str | None = None, settings: DistillSettings = DistillSettings(),
             samples[f"{prefix}_{K}"] = consistency_points(net, variables, n, 0, num_steps=K,
                                                           teacher_steps=N, seed=seed + 1)
             evaluations[f"{prefix}_{K}"] = K
-    metrics = {name: sample_metrics(mix, x, 0) for name, x in samples.items()}
-    to_heun = {name: float(np.mean(np.linalg.norm(x - samples["heun"], axis=-1)))
-               for name, x in samples.items() if name not in ("data", "heun")}
-    for name, m in metrics.items():
-        say(f"{name:11s} ({evaluations[name]:2d} evaluations) on branches "
-            f"{m['on_branches']:.3f}  coverage {m['coverage']:.3f}  "
-            f"mean log p {m['mean_logp']:6.2f}"
-            + (f"  to Heun's point {to_heun[name]:.4f}" if name in to_heun else ""))
+    metrics, to_heun = score_samples(mix, samples, evaluations, say, width=11)
     result = {"mix": mix, "teacher": (net, teacher), "students": students,
               "generators": generators, "gan_generators": gan_generators, "losses": losses,
               "samples": samples, "metrics": metrics, "to_heun": to_heun,

@@ -53,10 +53,10 @@ from edm2_jax.ema import power as ema_lib
 from edm2_jax.model import mp
 from edm2_jax.objectives import scm
 from edm2_jax.sampling import guidance as guidance_lib
-from edm2_jax.toy.autoguidance import ToySettings, sample_metrics, sample_points
+from edm2_jax.toy.autoguidance import ToySettings, sample_points
 from edm2_jax.toy.data import Mixture, sample_mixture, tree_mixture
 from edm2_jax.toy.denoiser import ToyDenoiser, optimizer, optimizer_steps
-from edm2_jax.toy.distill import SIGMA_MAX, consistency_points, train_teacher
+from edm2_jax.toy.distill import SIGMA_MAX, consistency_points, score_samples, train_teacher
 
 Array = jax.Array
 
@@ -232,14 +232,7 @@ def run(out: str | None = None, settings: ScmSettings = ScmSettings(), seed: int
                                        t_mid=settings.t_mid)
         for name in (f"ddim_{K}", f"teacher_scm_{K}", f"scm_{K}"):
             evaluations[name] = K
-    metrics = {name: sample_metrics(mix, x, 0) for name, x in samples.items()}
-    to_heun = {name: float(np.mean(np.linalg.norm(x - samples["heun"], axis=-1)))
-               for name, x in samples.items() if name not in ("data", "heun")}
-    for name, m in metrics.items():
-        say(f"{name:14s} ({evaluations[name]:2d} evaluations) on branches "
-            f"{m['on_branches']:.3f}  coverage {m['coverage']:.3f}  "
-            f"mean log p {m['mean_logp']:6.2f}"
-            + (f"  to Heun's point {to_heun[name]:.4f}" if name in to_heun else ""))
+    metrics, to_heun = score_samples(mix, samples, evaluations, say, width=14)
     result = {"mix": mix, "teacher": (net, teacher), "student": student,
               "losses": {"teacher": teacher_losses, "scm": losses}, "samples": samples,
               "metrics": metrics, "to_heun": to_heun, "evaluations": evaluations,
