@@ -339,6 +339,22 @@ class Worker:
         self.proc.wait()
 
 
+def worker_envs(env: dict, peer_malloc: str = "default") -> tuple[dict, dict]:
+    """The environments of the two workers: ours under the settings `python -m
+    edm2_jax.main` re-executes itself with (edm2_jax/process.py: host allocator, CPU
+    devices); the peer's (the release, or a fork of it) under the allocator it is started
+    with, unless `peer_malloc='ours'` gives it ours."""
+    from edm2_jax import process
+    env_ours = dict(env)
+    env_ours.update(process.default_xla_flags(env_ours))
+    env_ours.update(process.launch_env(env_ours), **{process.APPLIED: "1"})
+    env_peer = dict(env)
+    if peer_malloc == "ours":
+        env_peer.update({k: v for k, v in env_ours.items()
+                         if k in ("LD_PRELOAD", "GLIBC_TUNABLES") or k.startswith("TCMALLOC")})
+    return env_ours, env_peer
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--release", default="", help="path to a checkout of NVlabs/edm2")
@@ -376,18 +392,7 @@ def main():
     if args.release:
         # Two processes on one GPU: JAX must not take 75% of its memory up front.
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
-    # Ours runs under the settings `python -m edm2_jax.main` re-executes itself with
-    # (edm2_jax/process.py: host allocator, CPU devices); the release under the allocator
-    # it is started with, unless --release_malloc=ours gives it ours.
-    from edm2_jax import process
-    env_ours = dict(env)
-    env_ours.update(process.default_xla_flags(env_ours))
-    env_ours.update(process.launch_env(env_ours), **{process.APPLIED: "1"})
-    env_rel = dict(env)
-    if args.release_malloc == "ours":
-        env_rel.update({k: v for k, v in env_ours.items()
-                        if k in ("LD_PRELOAD", "GLIBC_TUNABLES")
-                        or k.startswith("TCMALLOC")})
+    env_ours, env_rel = worker_envs(env, args.release_malloc)
     ours = Worker("ours", argv, env_ours)
     rel = Worker("release", argv, env_rel) if args.release else None
     info = ours.info

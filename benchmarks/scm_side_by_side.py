@@ -280,17 +280,8 @@ def main() -> None:
 
     argv = [f"--fork={args.fork}", f"--config={args.config}", f"--batch={args.batch}",
             f"--threads={args.threads}"]
-    # Ours under the settings `python -m edm2_jax.main` re-executes itself with
-    # (edm2_jax/process.py: host allocator, CPU devices), as compare_release.py.
-    from edm2_jax import process
-    env = dict(os.environ)
-    env_ours = dict(env)
-    env_ours.update(process.default_xla_flags(env_ours))
-    env_ours.update(process.launch_env(env_ours), **{process.APPLIED: "1"})
-    env_fork = dict(env)
-    if args.fork_malloc == "ours":
-        env_fork.update({k: v for k, v in env_ours.items()
-                         if k in ("LD_PRELOAD", "GLIBC_TUNABLES") or k.startswith("TCMALLOC")})
+    import compare_release
+    env_ours, env_fork = compare_release.worker_envs(dict(os.environ), args.fork_malloc)
     ours = Worker("ours", argv, env_ours)  # first: it reads the config, the fork gets its spec
     spec = ours.info["spec"]
     fork = Worker("fork", [*argv, "--spec=" + json.dumps(spec)], env_fork)
