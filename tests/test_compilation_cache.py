@@ -17,14 +17,18 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The entry points' cache (`process.enable_compilation_cache`, entries of programs that
-# take 2 s or more to compile) around the training step of benchmarks/train_throughput.py.
+# The entry points' cache (`process.enable_compilation_cache`) around the training step of
+# benchmarks/train_throughput.py.
 SCRIPT = """
 import sys
 sys.path.insert(0, "benchmarks")
 from edm2_jax import process
 process.add_default_xla_flags()
 process.enable_compilation_cache()
+import jax
+# Every program enters, however fast its compile: which ones pass the entry points'
+# 2 s threshold depends on the machine's load, and the test is about their keys.
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 from train_throughput import compiled_step, load_config
 config = load_config("configs/fashion_mnist.py")
 config.batch_size = 16
@@ -45,6 +49,6 @@ def test_a_second_process_loads_the_training_step_from_the_cache(tmp_path):
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         entries.append(sorted(p.name for p in cache.iterdir()))
-    assert entries[0], "the training step (a compile of several seconds) entered the cache"
+    assert any(name.startswith("jit_train_step-") for name in entries[0]), entries[0]
     # The second process compiled no program that the first had not left in the cache.
     assert entries[1] == entries[0]
