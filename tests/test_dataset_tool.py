@@ -307,7 +307,7 @@ def test_eval_decodes_a_latent_net_and_latent_reference_data(tmp_path, monkeypat
 
 def test_training_eval_and_sweep_need_the_vae_for_latent_runs(tmp_path):
     import ml_collections
-    from edm2_jax.training.periodic_eval import TrainingEval
+    from edm2_jax.training.snapshot_outputs import TrainingEval
     from edm2_jax.ema import sweep as sigma_sweep
     from tests.test_vae import NET
     vae_dir = _save_tiny_vae(tmp_path / "vae")
@@ -333,7 +333,7 @@ def test_training_eval_decodes_a_latent_run(tmp_path, monkeypatch, standin_incep
     from edm2_jax import configs
     from edm2_jax.evaluation import metrics
     from edm2_jax import nets
-    from edm2_jax.training.periodic_eval import TrainingEval
+    from edm2_jax.training.snapshot_outputs import TrainingEval
     vae_dir, net_path, data = _latent_setup(tmp_path)
     seen = []
     monkeypatch.setattr(metrics, "feature_extractor",

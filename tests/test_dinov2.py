@@ -402,7 +402,7 @@ def test_eval_during_training_needs_vitl14_weights_before_any_step(tiny, monkeyp
     """`eval.metrics=fd_dinov2` fails when the evaluator is set up (before training),
     naming `eval.dinov2`; a DINOv2 file of another size is refused there too."""
     from edm2_jax import configs
-    from edm2_jax.training.periodic_eval import TrainingEval
+    from edm2_jax.training.snapshot_outputs import TrainingEval
     monkeypatch.delenv(dv.WEIGHTS_ENV, raising=False)
     cfg = configs.base_config()
     cfg.eval.metrics = "fd_dinov2"

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from edm2_jax.training import loop, rescue
+from edm2_jax.training import loop, resume
 from tests.test_cli_errors import assert_one_error, run_cli, tmpfs  # noqa: F401
 from tests.test_train import (FMNIST_CONFIG, REPO, TINY_OVERRIDES, _steps, make_image_folder,
                               tiny_config, xla_cache)  # noqa: F401
@@ -569,13 +569,13 @@ def test_rescue_advice_names_the_config_files_rate_when_no_rate_of_the_run_train
     from edm2_jax import configs
     diverged = dict(lr=1e30, grad_clip=0.0)  # optim.ref_lr and optim.grad_clip
     only = [{"step": 0, "ref_lr": 1e30, "grad_clip": 0.0}]
-    flags, why = rescue.rescue_flags(2, only, **diverged, default_ref_lr=0.01)
+    flags, why = resume.rescue_flags(2, only, **diverged, default_ref_lr=0.01)
     assert flags == ["--config.resume_step=2", "--config.optim.ref_lr=0.01"], flags
     assert "config file's own" in why, why
-    flags, _ = rescue.rescue_flags(2, only, **diverged)
+    flags, _ = resume.rescue_flags(2, only, **diverged)
     assert flags[1] == f"--config.optim.ref_lr={configs.base_config().optim.ref_lr:g}"
     trained = [{"step": 0, "ref_lr": 0.003, "grad_clip": 0.0}, {**only[0], "step": 2}]
-    flags, _ = rescue.rescue_flags(2, trained, **diverged, default_ref_lr=0.01)
+    flags, _ = resume.rescue_flags(2, trained, **diverged, default_ref_lr=0.01)
     assert flags[1] == "--config.optim.ref_lr=0.003"
 
 

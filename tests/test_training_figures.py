@@ -40,7 +40,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from edm2_jax.training import loop, preemption, rescue, snapshot_outputs
+from edm2_jax.training import loop, preemption, resume, snapshot_outputs
 from edm2_jax.training.progress import NonFiniteLossError, Schedule, StepMetrics, status_line
 from tests.test_train import (FMNIST_CONFIG, REPO, TINY_OVERRIDES, _steps, make_image_folder,
                               tiny_config, xla_cache)  # noqa: F401
@@ -190,18 +190,18 @@ def test_rescue_advice_never_repeats_what_diverged():
     without one, a tenth of the rate; the clip only when none is set."""
     history = [{"step": 0, "ref_lr": 0.01, "grad_clip": 0.0},
                {"step": 12, "ref_lr": 1e30, "grad_clip": 1.0}]
-    flags, why = rescue.rescue_flags(12, history, lr=1e30, grad_clip=1.0)
+    flags, why = resume.rescue_flags(12, history, lr=1e30, grad_clip=1.0)
     assert flags == ["--config.resume_step=12", "--config.optim.ref_lr=0.01"]
     assert "grad_clip" not in why
     # The rate itself trained to the healthy checkpoint, then diverged: a tenth of it.
-    flags, why = rescue.rescue_flags(16, history[:1], lr=0.01, grad_clip=0.0)
+    flags, why = resume.rescue_flags(16, history[:1], lr=0.01, grad_clip=0.0)
     assert flags == ["--config.resume_step=16", "--config.optim.ref_lr=0.001"]
     assert "--config.optim.grad_clip=1" in why
     # A history with a start after the healthy step: that start trained nothing kept.
-    assert rescue.optim_history({"optim_history": history}, {"optim": {"ref_lr": 0.02}}, 12) \
+    assert resume.optim_history({"optim_history": history}, {"optim": {"ref_lr": 0.02}}, 12) \
         == [history[0], {"step": 12, "ref_lr": 0.02, "grad_clip": 0.0}]
     # A config.json from before the history counts its rate from step 0.
-    assert rescue.optim_history({"optim": {"ref_lr": 0.01}}, {"optim": {"ref_lr": 1e30}}, 8) \
+    assert resume.optim_history({"optim": {"ref_lr": 0.01}}, {"optim": {"ref_lr": 1e30}}, 8) \
         == [{"step": 0, "ref_lr": 0.01, "grad_clip": 0.0},
             {"step": 8, "ref_lr": 1e30, "grad_clip": 0.0}]
 

@@ -6,10 +6,12 @@
     sharding.py       device mesh, shardings, multi-host set-up
     setup.py          the loop's set-up steps: data, evaluation, model, restore or init
     progress.py       the loop's schedule, its metrics and status lines
+    snapshot_outputs.py  what a snapshot makes besides the EMAs: the sample grid and the
+                      evaluation during training (`TrainingEval`)
     loop.py           `train_and_evaluate`
-    resume.py         which config fields may change when a run resumes
+    resume.py         which config fields may change when a run resumes; the rescue
+                      advice after a divergence
     preemption.py     stopping at the same step on every process after a signal
-    periodic_eval.py  the metrics evaluated at every snapshot (`TrainingEval`)
     probes.py         training-dynamics probes logged at every status line
     from_release.py   a release training state as our train state
 """

@@ -11,8 +11,9 @@ evaluation, the model), restore the train state (or initialise it), read the con
 once into the values the loop uses, then the loop over steps (the step of `step.py`,
 status line, EMA snapshot with its sample grid and evaluation, checkpoint, stop) and
 close. Its state is its own local variables; it calls libraries: when to report is
-`progress.py`'s, what a snapshot makes besides the EMAs `snapshot_outputs.py`'s, what is
-written `edm2_jax.run`'s, the resume check `resume.py`'s, preemption `preemption.py`'s.
+`progress.py`'s, what a snapshot makes besides the EMAs (the sample grid, the evaluation)
+`snapshot_outputs.py`'s, what is written `edm2_jax.run`'s, the resume check and the advice
+after a divergence `resume.py`'s, preemption `preemption.py`'s.
 Nothing here asks which objective runs.
 """
 from __future__ import annotations
@@ -23,7 +24,6 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 from tqdm import tqdm
 
 from edm2_jax import configs
@@ -40,7 +40,6 @@ from edm2_jax.training import sharding as shard_lib
 from edm2_jax.training import snapshot_outputs
 from edm2_jax.training import step as step_lib
 from edm2_jax.training.progress import NonFiniteLossError, Schedule, StepMetrics, status_line
-from edm2_jax.training.rescue import optim_history, rescue_hint
 
 # The checkpoint record's entry that keeps the running sums of the status interval.
 STATUS_INTERVAL = "status_interval"
@@ -90,8 +89,8 @@ def training_loop(config: ml_collections.ConfigDict, workdir: str, start: setup.
         # config.json records the run's config and the learning rate of each start
         # (`optim_history`), which a rescue from divergence suggests; written only now
         # that every check has passed.
-        current = dict(current, optim_history=optim_history(recorded, current,
-                                                            int(state["step"])))
+        current = dict(current, optim_history=resume.optim_history(recorded, current,
+                                                                   int(state["step"])))
         if is_main:
             resume.record_config(workdir, current)
     except BaseException:
@@ -206,8 +205,8 @@ def training_loop(config: ml_collections.ConfigDict, workdir: str, start: setup.
     except (NonFiniteLossError, checkpoints.NonFiniteStateError) as e:
         if is_main:  # the rescue's --config.resume_step is to be applied (again)
             layout.write_config(workdir, dict(current, resume_step=0))
-        hint = rescue_hint(managers, ref_lr, grad_clip, current["optim_history"],
-                           default_ref_lr)
+        hint = resume.rescue_hint(managers, ref_lr, grad_clip, current["optim_history"],
+                                  default_ref_lr)
         raise NonFiniteLossError(str(e) + hint) from None
 
     # Close: the bar, the iterator and the logs; the checkpoint managers closed (waiting
@@ -261,7 +260,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     `log_line()`, a line to print about the process (or None). None: all devices.
     `default_ref_lr`: the config file's own `optim.ref_lr`, before overrides (the CLI
     passes it), which the advice after a divergence names when no lower rate of the run
-    has trained (`rescue.default_rate`).
+    has trained (`resume.default_rate`).
 
     Faults: SIGTERM/SIGINT finish the current step (or sample grid; a snapshot's grid not
     yet begun is skipped), save a checkpoint and return (all processes stop at the same

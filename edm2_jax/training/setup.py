@@ -31,7 +31,7 @@ from edm2_jax import nets
 from edm2_jax.training import optim as optim_lib
 from edm2_jax.training import sharding as shard_lib
 from edm2_jax.training import step as step_lib
-from edm2_jax.training.periodic_eval import TrainingEval
+from edm2_jax.training.snapshot_outputs import TrainingEval
 from edm2_jax.training.state import init_train_state, make_network
 
 
