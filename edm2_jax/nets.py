@@ -10,7 +10,8 @@ training run directory (its latest checkpoint; `ema='0.100'` picks the power EMA
 directory of a run (`RUN/snapshots/<step>`). Reading those is `run/network_dir.py`'s,
 `run/snapshots.py`'s and `run/checkpoints.py`'s; this module picks which.
 
-Owns `load_net` (the network and its variables), `net_config`, `net_encoder` and
+Owns `load_net` (the network and its variables; `load_variables` the arrays alone, for a
+caller that builds the network itself), `net_config`, `net_encoder` and
 `net_sampler` (from the metadata only: network.json or the run's config.json, checked
 against the copy the run's checkpoints and snapshots keep: `run_config`),
 `check_vae` (the decoder a net's samples need) and `load_guide` (the guide network of
@@ -39,7 +40,9 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
     Raises FileNotFoundError naming what was looked for, KeyError for an unknown EMA,
     IntegrityError for arrays the network config does not build.
     """
-    net, variables, desc = _load_net(path, ema)
+    path = paths.normalize(path)  # local or gs://
+    variables, desc = load_variables(path, ema)
+    net = precond_from_config(_stored_net_config(path))
     check_shapes(net, variables, desc)
     return net, variables, desc
 
@@ -67,8 +70,11 @@ def check_shapes(net: Precond, variables: dict, what: str) -> None:
                 f"write it again (--mode=convert, post-hoc EMA) or restore it")
 
 
-def _load_net(path: str, ema: str | None) -> tuple[Precond, dict, str]:
-    """`load_net` before its arrays' shapes are checked."""
+def load_variables(path: str, ema: str | None = None) -> tuple[dict, str]:
+    """`(variables, description)` of any checkpoint kind (see module doc): its arrays
+    (`{'params', 'buffers'}`, checked against their checksums), without building its
+    network or checking their shapes (`load_net` does both; a caller that builds the
+    network itself checks them against it: `check_shapes`). Raises as `load_net` does."""
     path = paths.normalize(path)  # local or gs://
     if ckpt_lib.is_network_checkpoint(path) and layout.is_run(path):
         raise ValueError(f"{path} is both a training run and a network checkpoint "
@@ -76,8 +82,8 @@ def _load_net(path: str, ema: str | None) -> tuple[Precond, dict, str]:
                          f"move {ckpt_lib.NETWORK_JSON} and {ckpt_lib.VARIABLES}/ to a "
                          f"directory of their own and pass the one you mean")
     if ckpt_lib.is_network_checkpoint(path):
-        cfg, variables, meta = ckpt_lib.load_network(path)
-        return precond_from_config(cfg), variables, f"network checkpoint {path}"
+        _, variables, _ = ckpt_lib.load_network(path)
+        return variables, f"network checkpoint {path}"
 
     snap = layout.snapshot_of(path)
     if snap:
@@ -87,7 +93,7 @@ def _load_net(path: str, ema: str | None) -> tuple[Precond, dict, str]:
         if key not in tree["power"]:
             raise KeyError(f"snapshot {path} has EMAs {sorted(tree['power'])}, not {key!r}")
         variables = {"params": tree["power"][key], "buffers": snapshots.run_buffers(run_dir)}
-        return (precond_from_config(records.run_network_config(run_dir)), variables,
+        return (variables,
                 f"EMA {key} of snapshot {step} ({meta['nimg'] / 1000:.1f} kimg) in {run_dir}")
 
     if layout.is_run(path):
@@ -100,12 +106,21 @@ def _load_net(path: str, ema: str | None) -> tuple[Precond, dict, str]:
                 raise KeyError(f"run {path} tracks EMAs {sorted(state['ema']['power'])}, not "
                                f"{key!r} (or use --ema=online)")
             params, what = state["ema"]["power"][key], f"EMA sigma_rel={key}"
-        return (precond_from_config(records.run_network_config(path)),
-                {"params": params, "buffers": state["buffers"]},
+        return ({"params": params, "buffers": state["buffers"]},
                 f"{what} of run {path} at step {int(state['step'])}")
     raise FileNotFoundError(
         f"{path} is neither a network checkpoint (network.json + variables/), a training run "
         f"(config.json + checkpoints/), nor an EMA snapshot (RUN/snapshots/<step>)")
+
+
+def _stored_net_config(path: str) -> dict:
+    """The network config of the network at `path` (normalised; its arrays read by
+    `load_variables`): its network.json's, else its run's config.json's
+    (`records.run_network_config`)."""
+    if ckpt_lib.is_network_checkpoint(path):
+        return ckpt_lib.read_network_json(path)[0]
+    snap = layout.snapshot_of(path)
+    return records.run_network_config(snap[0] if snap else path)
 
 
 def _metadata(path: str) -> tuple[dict | None, dict, dict | None]:

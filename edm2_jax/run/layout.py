@@ -214,14 +214,3 @@ def read_config(workdir: str) -> dict | None:
     if not paths.isfile(path):
         return None
     return json.loads(paths.read_text(path))
-
-
-def network_config(workdir: str) -> dict:
-    """The `network` section of the run's config.json (the `Precond` kwargs). Raises
-    FileNotFoundError when the run has no config.json."""
-    config = read_config(workdir)
-    if config is None:
-        raise FileNotFoundError(f"{config_path(workdir)} is missing; a training run's network "
-                                f"is described by its config.json (written by "
-                                f"loop.train_and_evaluate)")
-    return config["network"]

@@ -342,7 +342,7 @@ def load_network(path: str) -> tuple[dict, dict, dict]:
     if not is_network_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a network checkpoint (expected network.json and "
                                 f"variables/ written by `--mode=convert` or post-hoc EMA)")
-    net_config, meta = read_network_json(path)
+    info = _network_json(path)  # read once: the network, its meta and their checksums
     try:
         variables = ocp.StandardCheckpointer().restore(variables_dir(path))
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
@@ -351,9 +351,9 @@ def load_network(path: str) -> tuple[dict, dict, dict]:
             f"Write it again (--mode=convert or post-hoc EMA).") from None
     variables = jax.tree_util.tree_map(np.asarray, variables)
     try:
-        integrity.check(_network_json(path)["integrity"],
+        integrity.check(info["integrity"],
                         integrity.digest_tree_numpy(variables), f"network checkpoint {path}")
     except integrity.IntegrityError as e:
         raise integrity.IntegrityError(f"{e}. Write it again (--mode=convert or post-hoc "
                                        f"EMA).") from None
-    return net_config, variables, meta
+    return info["network"], variables, info.get("meta", {}) or {}

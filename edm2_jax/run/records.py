@@ -232,7 +232,9 @@ def run_network_config(workdir: str) -> dict:
     IntegrityError when it was edited."""
     config = run_config(workdir)
     if config is None:
-        return layout.network_config(workdir)  # raises, naming the file
+        raise FileNotFoundError(f"{layout.config_path(workdir)} is missing; a training run's "
+                                f"network is described by its config.json (written by "
+                                f"loop.train_and_evaluate)")
     return config["network"]
 
 

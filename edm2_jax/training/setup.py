@@ -195,7 +195,9 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Model,
                     ) -> tuple[dict, bool, checkpoints.TrainCheckpoints]:
     """`(state, resumed, managers)`: the latest complete checkpoint (or checkpoint
     `resume_step`) on the model's shardings, checked against its integrity record
-    (`checkpoints.TrainCheckpoints.restore_latest`), else a fresh state from `config.seed`.
+    (`checkpoints.TrainCheckpoints.restore_latest`), else a fresh state from `config.seed`
+    (with the arrays of the network the run starts from, if any, checked against the
+    model's network: `nets.load_variables`, `nets.check_shapes`).
     When the run has checkpoints but none restores, or has lost them (snapshots and
     the records of its checkpoints left, `checkpoints/` empty), raises NoCheckpointError,
     unless
@@ -223,7 +225,8 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Model,
     if start.network is not None:  # the network the objective starts from
         role = start.network.role
         print(f"Loading the {role} {start.network.path}...", flush=True)
-        _, variables, desc = nets.load_net(start.network.path, start.network.ema or None)
+        variables, desc = nets.load_variables(start.network.path, start.network.ema or None)
+        nets.check_shapes(model.net, variables, desc)  # the network this run trains
         variables = jax.tree.map(np.asarray, dict(variables))
         print(f"{role.capitalize()}: {desc}", flush=True)
     init_fn = jax.jit(lambda r, v: init_train_state(config, model.net, model.tx, r, v,
