@@ -181,6 +181,21 @@ def test_tangent_normalisation_warmup_and_loss_by_hand():
     np.testing.assert_allclose(aux["mse"], mse, rtol=1e-5)
     np.testing.assert_allclose(loss, np.exp(-0.7) * mse + 0.7, rtol=1e-5)
     np.testing.assert_allclose(aux["sigma"], sigma, rtol=1e-6)
+    # The RMS norm and the prior weighting 1 / sigma: the same error otherwise.
+    loss, aux = scm.scm_loss_per_image(student, lambda x, s: 0.5 * x, None, x0, r=1.0,
+                                       P_mean=-1.0, P_std=1.6, sigma_data=SD,
+                                       tangent_norm="rms", prior_weighting=True, **draws)
+    gn = g / (np.sqrt((g**2).mean(axis=(1, 2, 3), keepdims=True)) + 0.1)
+    mse = (gn**2).mean(axis=(1, 2, 3))
+    np.testing.assert_allclose(aux["mse"], mse, rtol=1e-5)
+    np.testing.assert_allclose(loss, np.exp(-0.7) / sigma * mse + 0.7, rtol=1e-5)
+
+
+def test_rms_normalisation_is_the_l2_one_with_c_scaled_by_the_root_of_the_size():
+    """g / (||g|| / sqrt(D) + c) = sqrt(D) g / (||g|| + c sqrt(D)), D = 4 here."""
+    g = jnp.array([[[[1.0, 2.0], [2.0, 4.0]]]])
+    np.testing.assert_allclose(scm.normalize_tangent(g, 0.1, "rms"),
+                               2 * scm.normalize_tangent(g, 0.2, "l2"), rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------
@@ -333,7 +348,7 @@ def test_objective_is_registered_with_its_section_sampler_and_cost():
 @pytest.mark.parametrize("name, value", [
     ("steps", 0), ("P_std", 0.0), ("P_mean", float("nan")), ("tangent_c", 0.0),
     ("warmup_kimg", -1.0), ("t_mid", 1.6), ("t_mid", 0.0), ("sigma_max", 0.0),
-    ("guidance", 0.5)])
+    ("guidance", 0.5), ("tangent_norm", "l1")])
 def test_bad_settings_are_refused_naming_the_flag(name, value):
     """One ValueError whose message starts with the flag, from `configs.validate`
     (before anything is built or compiled)."""
@@ -342,7 +357,8 @@ def test_bad_settings_are_refused_naming_the_flag(name, value):
 
 
 @pytest.mark.parametrize("name, value", [("steps", 1.5), ("steps", True),
-                                         ("training", "yes"), ("teacher", 3)])
+                                         ("training", "yes"), ("teacher", 3),
+                                         ("prior_weighting", 1)])
 def test_mistyped_settings_of_a_config_json_are_refused_naming_the_flag(name, value):
     """A config.json's section (a dict: no ConfigDict type check) is checked too."""
     c = _config().to_dict()
