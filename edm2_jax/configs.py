@@ -125,7 +125,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.sample = ml_collections.ConfigDict(dict(num_steps=32, grid_rows=8, grid_cols=8, seed=0,
                                               rng="jax"))
 
-    # Evaluation during training (periodic_eval.TrainingEval): metrics '' = off, 'cls'
+    # Evaluation during training (snapshot_outputs.TrainingEval): metrics '' = off, 'cls'
     # (classifier FD/KID/precision/recall; labelled data), 'fid', 'fd_dinov2' (DINOv2
     # ViT-L/14 weights file in `dinov2`) or a comma list, of num_images images of the
     # sigma_rel EMA (0 = largest tracked) at every snapshot, logged to stats.jsonl /

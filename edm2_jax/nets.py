@@ -76,11 +76,7 @@ def load_variables(path: str, ema: str | None = None) -> tuple[dict, str]:
     network or checking their shapes (`load_net` does both; a caller that builds the
     network itself checks them against it: `check_shapes`). Raises as `load_net` does."""
     path = paths.normalize(path)  # local or gs://
-    if ckpt_lib.is_network_checkpoint(path) and layout.is_run(path):
-        raise ValueError(f"{path} is both a training run and a network checkpoint "
-                         f"(network.json + variables/, e.g. from --mode=convert into the run); "
-                         f"move {ckpt_lib.NETWORK_JSON} and {ckpt_lib.VARIABLES}/ to a "
-                         f"directory of their own and pass the one you mean")
+    check_one_kind(path)
     if ckpt_lib.is_network_checkpoint(path):
         _, variables, _ = ckpt_lib.load_network(path)
         return variables, f"network checkpoint {path}"
@@ -123,11 +119,22 @@ def _stored_net_config(path: str) -> dict:
     return records.run_network_config(snap[0] if snap else path)
 
 
+def check_one_kind(path: str) -> None:
+    """Raise ValueError when `path` (normalised) is both a training run and a network
+    checkpoint: which one is meant cannot be told."""
+    if ckpt_lib.is_network_checkpoint(path) and layout.is_run(path):
+        raise ValueError(f"{path} is both a training run and a network checkpoint "
+                         f"(network.json + variables/, e.g. from --mode=convert into the run); "
+                         f"move {ckpt_lib.NETWORK_JSON} and {ckpt_lib.VARIABLES}/ to a "
+                         f"directory of their own and pass the one you mean")
+
+
 def _metadata(path: str) -> tuple[dict | None, dict, dict | None]:
     """`(network config, network.json meta, the run's config.json)` of the network at
     `path`, from its metadata only (the run's config.json for a run or its snapshot,
-    checked: `run_config`; None where there is none)."""
+    checked: `run_config`; None where there is none). Raises as `check_one_kind`."""
     path = paths.normalize(path)
+    check_one_kind(path)
     if ckpt_lib.is_network_checkpoint(path):
         cfg, meta = ckpt_lib.read_network_json(path)
         return cfg, meta, None
