@@ -22,6 +22,8 @@ run's periodic evaluation and distillation (its teacher).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import numpy as np
 
@@ -40,9 +42,8 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
     Raises FileNotFoundError naming what was looked for, KeyError for an unknown EMA,
     IntegrityError for arrays the network config does not build.
     """
-    path = paths.normalize(path)  # local or gs://
-    variables, desc = load_variables(path, ema)
-    net = precond_from_config(_stored_net_config(path))
+    variables, desc, net_config = _read(path, ema)
+    net = precond_from_config(net_config())
     check_shapes(net, variables, desc)
     return net, variables, desc
 
@@ -75,11 +76,19 @@ def load_variables(path: str, ema: str | None = None) -> tuple[dict, str]:
     (`{'params', 'buffers'}`, checked against their checksums), without building its
     network or checking their shapes (`load_net` does both; a caller that builds the
     network itself checks them against it: `check_shapes`). Raises as `load_net` does."""
+    variables, desc, _ = _read(path, ema)
+    return variables, desc
+
+
+def _read(path: str, ema: str | None) -> tuple[dict, str, Callable[[], dict]]:
+    """`(variables, description, net_config)` of `load_variables`, `net_config()` the
+    network config of the same checkpoint (network.json's, already read; else its run's
+    config.json's, `records.run_network_config`, read when called)."""
     path = paths.normalize(path)  # local or gs://
     check_one_kind(path)
     if ckpt_lib.is_network_checkpoint(path):
-        _, variables, _ = ckpt_lib.load_network(path)
-        return variables, f"network checkpoint {path}"
+        cfg, variables, _ = ckpt_lib.load_network(path)
+        return variables, f"network checkpoint {path}", lambda: cfg
 
     snap = layout.snapshot_of(path)
     if snap:
@@ -90,7 +99,8 @@ def load_variables(path: str, ema: str | None = None) -> tuple[dict, str]:
             raise KeyError(f"snapshot {path} has EMAs {sorted(tree['power'])}, not {key!r}")
         variables = {"params": tree["power"][key], "buffers": snapshots.run_buffers(run_dir)}
         return (variables,
-                f"EMA {key} of snapshot {step} ({meta['nimg'] / 1000:.1f} kimg) in {run_dir}")
+                f"EMA {key} of snapshot {step} ({meta['nimg'] / 1000:.1f} kimg) in {run_dir}",
+                lambda: records.run_network_config(run_dir))
 
     if layout.is_run(path):
         state = checkpoints.restore_latest_state(path)
@@ -103,20 +113,11 @@ def load_variables(path: str, ema: str | None = None) -> tuple[dict, str]:
                                f"{key!r} (or use --ema=online)")
             params, what = state["ema"]["power"][key], f"EMA sigma_rel={key}"
         return ({"params": params, "buffers": state["buffers"]},
-                f"{what} of run {path} at step {int(state['step'])}")
+                f"{what} of run {path} at step {int(state['step'])}",
+                lambda: records.run_network_config(path))
     raise FileNotFoundError(
         f"{path} is neither a network checkpoint (network.json + variables/), a training run "
         f"(config.json + checkpoints/), nor an EMA snapshot (RUN/snapshots/<step>)")
-
-
-def _stored_net_config(path: str) -> dict:
-    """The network config of the network at `path` (normalised; its arrays read by
-    `load_variables`): its network.json's, else its run's config.json's
-    (`records.run_network_config`)."""
-    if ckpt_lib.is_network_checkpoint(path):
-        return ckpt_lib.read_network_json(path)[0]
-    snap = layout.snapshot_of(path)
-    return records.run_network_config(snap[0] if snap else path)
 
 
 def check_one_kind(path: str) -> None:

@@ -41,9 +41,8 @@ with `r = min(1, iters / H)` the tangent warmup (`iters` the steps taken, a coun
 train state keeps: `'iters'`), `D` the elements per image and `u` the network's own
 learned uncertainty (EDM2's logvar head) as the paper's adaptive weight `-w_phi(t)`,
 `w = 1` or, with `distill.prior_weighting=True`, the prior weighting `w = 1 / sigma`.
-On Fashion-MNIST at a constant learning rate of 3e-4 the RMS norm with the prior weighting
-keeps the tangent's RMS from growing (0.070 -> 0.081 over 24 kimg, where the plain
-objective's grows 0.074 -> 0.134): docs/results.json, entry `scm-weighting`. At
+What the two settings do to the tangent's growth on Fashion-MNIST: docs/results.json,
+entry `scm-weighting`. At
 `r = 1` and without normalisation, `g = cos t df-/dt` along the ODE: its gradient drives
 `f` to be constant along the teacher's trajectories (`tests/test_scm.py` checks `g`
 against the closed form on Gaussian data). The jvp goes through the network computed
