@@ -68,7 +68,8 @@ def readme_headline(r: dict) -> list[str]:
               f"1 step (DMD with the GAN head): {v['dmd-gan-1']['fd_cls']}, "
               f"{v['dmd-gan-1']['recall_cls']}; 2 steps (DMD): {v['dmd-2']['fd_cls']}, "
               f"{v['dmd-2']['recall_cls']}; 4 steps (DMD): {v['dmd-4']['fd_cls']}, "
-              f"{v['dmd-4']['recall_cls']}",
+              f"{v['dmd-4']['recall_cls']}; 2 steps (sCM, sCD): {v['scm-2']['fd_cls']}, "
+              f"{v['scm-2']['recall_cls']}",
               "[`docs/distillation.md`](docs/distillation.md)"]),
     ]
 
@@ -87,7 +88,8 @@ def quality(r: dict) -> list[str]:
 
 CHOOSER = (("MCD (`configs/distill.py`)", "mcd"), ("DMD (`:dmd`)", "dmd"),
            ("DMD with the GAN head (`:dmd-gan`)", "dmd-gan"),
-           ("sCM (`:scm`, [docs/scm.md](scm.md))", "scm"))
+           ("sCD (`:scm`, [docs/scm.md](scm.md))", "scm"),
+           ("sCT (`:sct`, [docs/scm.md](scm.md))", "sct"))
 
 
 def distill_chooser(r: dict) -> list[str]:
