@@ -418,3 +418,97 @@ def test_decode_writes_the_vae_decodes_as_pngs(tmp_path):
     a, b = ImageFolder(str(tmp_path / "d1"))[1][0], ImageFolder(str(tmp_path / "d2"))[1][0]
     np.testing.assert_array_equal(a, b)
     assert (a.reshape(16, 16, 3) != got[1]).any()
+
+
+def _tool(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edm2_jax.data.dataset_tool", *argv],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def _one_error_line(r: subprocess.CompletedProcess) -> str:
+    """The one `error:` line of a refused run (exit 1, no traceback); the progress bar may
+    stand beside it."""
+    lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+def _grey16(seed, n=8) -> PIL.Image.Image:
+    return PIL.Image.fromarray(np.random.default_rng(seed).integers(
+        0, 65536, (n, n), dtype=np.uint16))
+
+
+@pytest.mark.parametrize("first_8_bit", [False, True])
+@pytest.mark.parametrize("dest", ["out.zip", "out", "out.npy"])
+def test_images_of_more_than_8_bits_are_refused_as_training_refuses_them(tmp_path, dest,
+                                                                         first_8_bit):
+    """A folder of 16-bit grey PNGs ('I;16') given to `convert` was written with its
+    pixels clipped to 255 (exit 0); it is refused in one `error:` line naming the file, its
+    mode and the fix, as training's reader refuses the folder, and no destination is left
+    (also when an 8-bit image came first and was written under the temporary name)."""
+    src = tmp_path / "png16"
+    src.mkdir()
+    if first_8_bit:
+        PIL.Image.fromarray(_img(0)).save(src / "a.png")
+    for i in range(2):
+        _grey16(i).save(src / f"b{i}.png")
+    with PIL.Image.open(src / "b0.png") as im:
+        assert im.mode == "I;16"
+    if not first_8_bit:
+        with pytest.raises(ValueError, match=r"b0\.png has PIL mode 'I;16'"):
+            ImageFolder(str(src), use_labels=False)  # training's reader
+    out = tmp_path / dest
+    line = _one_error_line(_tool("convert", f"--source={src}", f"--dest={out}"))
+    assert "b0.png" in line and "'I;16'" in line and "8-bit" in line, line
+    assert not out.exists() and not list(tmp_path.glob("out*")), list(tmp_path.iterdir())
+
+
+def test_float_images_are_refused_and_other_8_bit_modes_still_convert(tmp_path):
+    """A float ('F') TIFF is refused like 16-bit images; an 8-bit mode training does not
+    read ('LA', grey with alpha) is still converted, to its grey repeated as RGB."""
+    src = tmp_path / "f"
+    src.mkdir()
+    PIL.Image.fromarray(np.full((8, 8), 1000.5, np.float32), "F").save(src / "x.tif")
+    with pytest.raises(DT.DatasetToolError, match=r"x\.tif has PIL mode 'F'"):
+        DT.convert(str(src), str(tmp_path / "f.zip"), quiet=True)
+    assert not list(tmp_path.glob("f.zip*"))
+    la = tmp_path / "la"
+    la.mkdir()
+    grey = _img(4)[..., 0]
+    PIL.Image.fromarray(np.stack([grey, np.full_like(grey, 7)], -1), "LA").save(la / "a.png")
+    DT.convert(str(la), str(tmp_path / "la.zip"), quiet=True)
+    img, _ = ImageFolder(str(tmp_path / "la.zip"), use_labels=False)[0]
+    np.testing.assert_array_equal(img, np.repeat(grey[..., None], 3, axis=-1))
+
+
+@pytest.mark.parametrize("command,name", [
+    ("convert", "Z" * 300 + ".zip"), ("convert", "Z" * 300), ("convert", "Z" * 300 + ".npy"),
+    ("convert", "Z" * 248 + ".zip"),  # 252 bytes: its temporary name, 263, is too long
+    ("encode", "Z" * 300 + ".zip"), ("decode", "Z" * 300)])
+def test_a_dest_name_longer_than_the_file_system_allows_is_one_line_before_any_work(
+        tmp_path, command, name):
+    """`--dest` with a 300-character name was a 17-line traceback (`OSError: [Errno 36]
+    File name too long`, once the first image was written); it is one `error:` line naming
+    the length and the limit before any work (the VAE, missing here, is not read), for
+    convert, encode and decode, and nothing is left behind."""
+    _source_folder(tmp_path / "src")
+    vae = [f"--vae={tmp_path / 'no_vae'}"] if command != "convert" else []
+    line = _one_error_line(_tool(command, f"--source={tmp_path / 'src'}",
+                                 f"--dest={tmp_path / name}", *vae))
+    assert "--dest=" in line and "bytes long, more than the 255" in line and \
+        "no_vae" not in line, line
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+@pytest.mark.parametrize("dest", ["out.zip", "out.npy"])
+def test_an_os_error_while_writing_is_one_line_naming_the_path(tmp_path, dest):
+    """A `--dest` below a file (its folder cannot be made: an OSError when the first image
+    is written, a traceback before) is one `error:` line naming the path, nothing left."""
+    _source_folder(tmp_path / "src")
+    (tmp_path / "file").write_text("x")
+    line = _one_error_line(_tool("convert", f"--source={tmp_path / 'src'}",
+                                 f"--dest={tmp_path / 'file' / dest}", "--resolution=8x8"))
+    assert str(tmp_path / "file") in line, line
+    assert sorted(os.listdir(tmp_path)) == ["file", "src"] and \
+        (tmp_path / "file").read_text() == "x"

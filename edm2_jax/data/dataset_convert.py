@@ -22,8 +22,10 @@ decoded by the VAE to uint8 RGB and written as `convert` writes PNGs, with the l
 
 Errors (`DatasetToolError`) name the file or flag at fault and the fix: a destination
 that exists (a file, or a folder that is not empty), an image of another size; a bad VAE file fails in `vae.load_vae`
-before anything is written. The destination is written under a temporary name and
-renamed when complete (`Dest`): after an error it is as it was.
+before anything is written; a `--dest` with a name longer than its file system allows
+(`check_dest_names`) before any work. The destination is written under a temporary name and
+renamed when complete (`Dest`): after an error it is as it was, and an OSError while
+writing (a full disk, a permission) is a `DatasetToolError` naming the path.
 """
 from __future__ import annotations
 
@@ -48,6 +50,41 @@ from edm2_jax.encoders import vae as vae_lib
 
 # --------------------------------------------------------------------------- destination
 
+# The longest name written inside a folder `--dest` ('/00000/img-mean-std-00000000.npy').
+_INNER = len("/00000/img-mean-std-00000000.npy")
+
+
+def check_dest_names(dest: str, paths: list[str]) -> None:
+    """Refuse (`DatasetToolError`, before any work) `--dest` when a name in one of the
+    `paths` written for it (the data set, its temporary names) is longer than the file
+    system of its nearest existing folder allows (`PC_NAME_MAX`, 255 bytes on most), or
+    the path itself than `PC_PATH_MAX`: it would fail only when the first item is written."""
+    probe = os.path.abspath(paths[0])
+    while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+
+    def limit(key: str, default: int) -> int:
+        try:
+            return os.pathconf(probe, key)
+        except (OSError, ValueError):
+            return default
+    name_max, path_max = limit("PC_NAME_MAX", 255), limit("PC_PATH_MAX", 4096)
+    for path in paths:
+        for name in os.path.abspath(path).split(os.sep):
+            if len(os.fsencode(name)) > name_max:
+                raise DatasetToolError(
+                    f"--dest={dest}: the name {name[:24]}... is {len(os.fsencode(name))} "
+                    f"bytes long, more than the {name_max} its file system allows (the "
+                    f"temporary name adds {len('.unfinished')}); give a shorter one")
+        if len(os.fsencode(path)) + _INNER >= path_max:
+            raise DatasetToolError(f"--dest={dest}: the path is longer than the {path_max} "
+                                   f"bytes its file system allows; give a shorter one")
+
+
+def _write_error(path: str, e: OSError) -> DatasetToolError:
+    return DatasetToolError(f"cannot write {path} ({e.strerror or e}); free disk space or fix "
+                            f"its permissions, or give another --dest")
+
 class Dest:
     """A new `.zip` (stored) or an empty folder (an existing file or non-empty folder is
     refused when the `Dest` is made, before the source is read), written under a temporary name
@@ -68,11 +105,18 @@ class Dest:
             raise DatasetToolError(f"--dest={dest} exists; give a new .zip or folder (or "
                                    f"delete {dest} first to replace it)")
         self.tmp = self.dest.rstrip("/") + ".unfinished"
+        check_dest_names(dest, [self.dest, self.tmp])
         self._zip = None
         self._started = False
 
     def _start(self) -> None:
         """Remove what an interrupted run left at the temporary name; create it."""
+        try:
+            self._create()
+        except OSError as e:
+            raise _write_error(self.tmp, e) from None
+
+    def _create(self) -> None:
         self._remove_tmp()
         parent = os.path.dirname(os.path.abspath(self.tmp))
         os.makedirs(parent, exist_ok=True)
@@ -93,13 +137,17 @@ class Dest:
             data = data.encode("utf8")
         if not self._started:
             self._start()
-        if self.is_zip:
-            self._zip.writestr(fname, data)
-        else:
-            full = os.path.join(self.tmp, fname)
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            with open(full, "wb") as f:
-                f.write(data)
+        try:
+            if self.is_zip:
+                self._zip.writestr(fname, data)
+            else:
+                full = os.path.join(self.tmp, fname)
+                os.makedirs(os.path.dirname(full), exist_ok=True)
+                with open(full, "wb") as f:
+                    f.write(data)
+        except OSError as e:
+            raise _write_error(f"{self.tmp}:{fname}" if self.is_zip
+                               else os.path.join(self.tmp, fname), e) from None
 
     def close(self) -> None:
         if self._zip is not None:
@@ -108,19 +156,30 @@ class Dest:
 
     def commit(self) -> None:
         """Close and rename the complete data set into place (an empty `dest` folder is
-        replaced)."""
-        self.close()
-        if not self._started:
-            return
-        if not self.is_zip and os.path.isdir(self.dest):
-            os.rmdir(self.dest)  # empty (checked in __init__)
-        os.replace(self.tmp, self.dest)
+        replaced); on an OSError, `abort` and a `DatasetToolError` naming the path."""
+        try:
+            self.close()
+            if not self._started:
+                return
+            if not self.is_zip and os.path.isdir(self.dest):
+                os.rmdir(self.dest)  # empty (checked in __init__)
+            os.replace(self.tmp, self.dest)
+        except OSError as e:
+            self.abort()
+            raise _write_error(self.dest, e) from None
 
     def abort(self) -> None:
-        """Close and delete the unfinished data set; `dest` is left as it was."""
-        self.close()
+        """Close and delete the unfinished data set; `dest` is left as it was. (What
+        cannot be deleted stays at the temporary name, which the next run deletes.)"""
+        try:
+            self.close()
+        except OSError:
+            pass
         if self._started:
-            self._remove_tmp()
+            try:
+                self._remove_tmp()
+            except OSError:
+                pass
 
     def __enter__(self) -> "Dest":
         return self
@@ -131,6 +190,36 @@ class Dest:
             self.commit()
         else:
             self.abort()
+
+
+class _RawDest(raw_array.RawWriter):
+    """`raw_array.RawWriter` with `Dest`'s checks: names the file system takes (before any
+    work), an OSError while writing a `DatasetToolError` naming the path (and the
+    temporary files deleted)."""
+
+    def __init__(self, dest: str):
+        super().__init__(dest)
+        check_dest_names(dest, [self.dest, self.tmp, self.labels_dest,
+                                self.labels_dest + ".unfinished"])
+
+    def add(self, image: np.ndarray, label: int | None) -> None:
+        try:
+            super().add(image, label)
+        except OSError as e:
+            raise _write_error(self.tmp, e) from None
+
+    def commit(self) -> None:
+        try:
+            super().commit()
+        except OSError as e:
+            self.abort()
+            raise _write_error(self.dest, e) from None
+
+    def abort(self) -> None:
+        try:
+            super().abort()
+        except OSError:
+            pass
 
 
 def archive_name(i: int, kind: str = "png") -> str:
@@ -171,7 +260,7 @@ def convert(source: str, dest: str, resolution: str | tuple[int, int] | None = N
     tf = make_transform(transform, res)
     raw = raw_array.is_raw(dest)
     # an existing destination is refused before the source is read
-    out = raw_array.RawWriter(dest) if raw else Dest(dest)
+    out = _RawDest(dest) if raw else Dest(dest)
     n, entries = open_source(source, max_images, tfds_dir)
     labels, size, idx = [], None, 0
     with out, _progress(n, quiet) as bar:

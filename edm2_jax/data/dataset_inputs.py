@@ -1,7 +1,10 @@
 """What the dataset tool reads: `--source` as a stream of images, and `--transform`.
 
 Sources: a folder searched recursively, or a `.zip`, of images (any extension Pillow
-reads; converted to RGB), taken in sorted path order. Labels come from the source's
+reads; converted to RGB), taken in sorted path order. An image of more than 8 bits a
+channel (PIL modes 'I;16', 'I', 'F': 16-bit grey PNGs, float TIFFs) is refused naming it
+(`check_mode`), as training's reader refuses it, since converting it to RGB would clip
+its values to 255. Labels come from the source's
 `dataset.json` when it has labels, else from the top-level subfolder names (sorted, index
 = label) when there are at least two; otherwise there are none. `fashion_mnist` (or
 `fashion_mnist:test`) reads the offline Fashion-MNIST files (`data.FashionMNIST`: 28x28
@@ -33,9 +36,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 import PIL.Image
+import PIL.ImageMode
 
 from edm2_jax.data.base import center_crop_dhariwal
 from edm2_jax.data.fashion_mnist import FashionMNIST
+from edm2_jax.data.image_folder import _MODE_CHANNELS as TRAINING_MODES
 from edm2_jax.data.tfds_source import PIP_HINT
 
 FASHION_MNIST = "fashion_mnist"
@@ -70,11 +75,33 @@ def _is_image(fname: str) -> bool:
     return os.path.splitext(fname)[1].lower() in PIL.Image.EXTENSION
 
 
+def check_mode(mode: str, name: str) -> None:
+    """Refuse an image whose PIL `mode` has more than 8 bits a channel ('I;16', 'I', 'F'):
+    `convert("RGB")` would clip its values to 255 and write wrong pixels. Taken: the modes
+    training's reader takes (`image_folder`'s, shared), and the other 8-bit modes ('LA',
+    'YCbCr', 'RGBX', ...), which convert to RGB as they are."""
+    if mode in TRAINING_MODES:
+        return
+    try:
+        eight_bit = PIL.ImageMode.getmode(mode).typestr == "|u1"
+    except KeyError:
+        eight_bit = False
+    if not eight_bit:
+        raise DatasetToolError(
+            f"image {name} has PIL mode {mode!r} (not 8 bits a channel), whose values "
+            f"converting to RGB would clip to 0..255; supported modes are "
+            f"{sorted(TRAINING_MODES)} and other 8-bit ones: convert the images to 8-bit "
+            f"first (e.g. 16-bit: (x >> 8).astype(np.uint8); ImageMagick: -depth 8)")
+
+
 def _decode(data: bytes | str, name: str) -> np.ndarray:
     try:
         with PIL.Image.open(io.BytesIO(data) if isinstance(data, bytes) else data) as im:
+            check_mode(im.mode, name)
             return np.array(im.convert("RGB"))
     except (OSError, ValueError, SyntaxError, PIL.Image.DecompressionBombError) as e:
+        if isinstance(e, DatasetToolError):
+            raise
         raise DatasetToolError(f"cannot read image {name} ({e}); remove or replace it") from None
 
 
@@ -130,7 +157,11 @@ def open_source(source: str, max_images: int | None = None,
         def tfds_iter():
             for i in range(n):
                 ex = ds[i]
-                img = np.asarray(ex["image"], np.uint8)
+                img = np.asarray(ex["image"])
+                if img.dtype != np.uint8:  # a cast would wrap 16-bit values around
+                    raise DatasetToolError(
+                        f"{source}[{i}]: a {img.dtype} image, not 8-bit (uint8); convert "
+                        f"the data set's images to 8-bit first")
                 if img.ndim == 2 or img.shape[-1] == 1:
                     img = np.repeat(img.reshape(img.shape[:2] + (1,)), 3, axis=-1)
                 label = ex.get("label") if hasattr(ex, "get") else None

@@ -14,10 +14,12 @@ What `--source` and `--transform` accept: `dataset_inputs`; the formats written 
 `convert`, `encode` and `decode` do: `dataset_convert`. Both are re-exported here, so
 `dataset_tool.convert(...)` etc. can be called from Python.
 
-Errors (`DatasetToolError`, and the ValueError / FileNotFoundError / ImportError /
-RuntimeError of the readers) are printed as one `error:` line with exit status 1; each
-names the file or flag at fault and the fix: a missing source, an unreadable image, a bad
-`--resolution`, a destination that exists (a file, or a folder that is not empty), an
+Errors (`DatasetToolError`, and the ValueError / OSError / ImportError / RuntimeError of
+the readers) are printed as one `error:` line with exit status 1; each names the file or
+flag at fault and the fix: a missing source, an unreadable image, an image of more than 8
+bits a channel (a 16-bit grey PNG, which RGB would clip), a bad `--resolution`, a
+destination that exists (a file, or a folder that is not empty) or whose name is longer
+than its file system allows (before any work), a write that fails (a full disk), an
 image of another size; a bad VAE file fails in `vae.load_vae` before anything is written.
 """
 from __future__ import annotations
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             n = encode(a.source, a.dest, a.vae, a.batch, a.max_images, a.quiet)
         else:
             n = decode(a.source, a.dest, a.vae, a.batch, a.max_images, a.seed, a.mean, a.quiet)
-    except (ValueError, FileNotFoundError, ImportError, RuntimeError) as err:
+    except (ValueError, OSError, ImportError, RuntimeError) as err:
         print(f"error: {err} (nothing was written to {a.dest})", file=sys.stderr)
         return 1
     print(f"wrote {n} {'latents' if a.command == 'encode' else 'images'} to {a.dest}")
