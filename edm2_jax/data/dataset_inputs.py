@@ -40,7 +40,7 @@ import PIL.ImageMode
 
 from edm2_jax.data.base import center_crop_dhariwal
 from edm2_jax.data.fashion_mnist import FashionMNIST
-from edm2_jax.data.image_folder import _MODE_CHANNELS as TRAINING_MODES
+from edm2_jax.data.image_folder import MODE_CHANNELS as TRAINING_MODES
 from edm2_jax.data.tfds_source import PIP_HINT
 
 FASHION_MNIST = "fashion_mnist"

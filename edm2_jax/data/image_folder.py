@@ -42,7 +42,7 @@ MAX_RESOLUTION = 4096
 # trillions of parameters. ImageNet has 1000 classes, ImageNet-21k 21,841.
 MAX_LABEL_DIM = 100_000
 # PIL mode -> channels of the uint8 array we return (P, 1 and CMYK are converted on decode).
-_MODE_CHANNELS = {"L": 1, "1": 1, "RGB": 3, "P": 3, "CMYK": 3, "RGBA": 4}
+MODE_CHANNELS = {"L": 1, "1": 1, "RGB": 3, "P": 3, "CMYK": 3, "RGBA": 4}
 _CONVERT = {"1": "L", "P": "RGB", "CMYK": "RGB"}
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _PNG_MODES = {(8, 0): "L", (8, 2): "RGB", (8, 3): "P", (8, 6): "RGBA"}  # (bit depth, colour type)
@@ -181,9 +181,9 @@ class ImageFolder(Source):
         headers = [self._header(f) for f in self.fnames]
         w0, h0, mode0 = headers[0]
         first = self._where(self.fnames[0])
-        if mode0 not in _MODE_CHANNELS:
+        if mode0 not in MODE_CHANNELS:
             raise ValueError(f"image {first} has PIL mode {mode0!r}; supported modes are "
-                             f"{sorted(_MODE_CHANNELS)} (8-bit grey-scale, RGB or RGBA); "
+                             f"{sorted(MODE_CHANNELS)} (8-bit grey-scale, RGB or RGBA); "
                              f"convert the data set")
         if w0 != h0:
             raise ValueError(f"image {first} is {w0}x{h0} (WxH); images must be square: "
@@ -194,12 +194,12 @@ class ImageFolder(Source):
                              f"largest nets train at 512, on latents 64); resize the data set "
                              f"(dataset_tool.py convert --resolution=512x512)")
         for fname, (w, h, mode) in zip(self.fnames, headers):
-            if (w, h) != (w0, h0) or _MODE_CHANNELS.get(mode) != _MODE_CHANNELS[mode0]:
+            if (w, h) != (w0, h0) or MODE_CHANNELS.get(mode) != MODE_CHANNELS[mode0]:
                 raise ValueError(
                     f"image {self._where(fname)} is {w}x{h} mode {mode!r}, but {first} is "
                     f"{w0}x{h0} mode {mode0!r}; all images of a data set must have the same size "
                     f"and channels: re-export them (dataset_tool.py --resolution) or remove it")
-        self.resolution, self.num_channels = w0, _MODE_CHANNELS[mode0]
+        self.resolution, self.num_channels = w0, MODE_CHANNELS[mode0]
 
     def _read_labels(self, has_json: bool) -> np.ndarray:
         fix = ('add dataset.json with {"labels": [["<image path>", <class>], ...]} at the root '
