@@ -9,7 +9,9 @@ The claims:
   (or the run stops naming `--config.start_over`), a snapshot is refused by post-hoc EMA
   and generate with one line naming it. Copies that disagree are not trusted either.
 - An emptied `checkpoints/` beside the run's snapshots stops the run, naming
-  `--config.start_over`, instead of starting a second run over the first one's outputs.
+  `--config.start_over`, instead of starting a second run over the first one's outputs;
+  restarted so (or when no checkpoint restores), a run that starts from another run (a student from its teacher) refuses
+  that run's edited config.json as a fresh start does.
 - Sample grids are named by the images trained on: none overwrites another.
 - Reading a healthy run prints no Orbax warning.
 
@@ -290,6 +292,40 @@ def test_cli_emptied_checkpoints_exit_1_naming_start_over(full_run, tmp_path, xl
     assert _under(_sums(old), "snapshots/") == _under(before, "snapshots/")
     assert _under(_sums(old), "records/") == _under(before, "records/")
     assert _equal(_restore(run, 4)[1], full_run["final"])
+
+
+@pytest.mark.parametrize("kind", ["run", "snapshot"])
+def test_start_over_refuses_an_edited_config_json_of_the_run_it_starts_from(
+        full_run, tmp_path, kind):
+    """A distillation student whose teacher is a run (or its snapshot), its checkpoint
+    corrupt, restarted with `--config.start_over`: the teacher's config.json edited
+    (`network.sigma_data`) is refused as a fresh start refuses it, in one message naming
+    the field and both values, before the teacher's arrays are read; nothing trained."""
+    teacher = _copy(full_run, tmp_path)
+    path = teacher / "snapshots" / "4" if kind == "snapshot" else teacher
+    config = _config(full_run["data"], objective="consistency", total_kimg=0.016,
+                     **{"distill.teacher": str(path), "distill.steps": 2,
+                        "distill.teacher_steps": 4})
+    student = tmp_path / "student"
+    assert loop.train_and_evaluate(config, str(student))["finished"]
+    assert _steps(student) == [2]
+    _finite_flip(student / "checkpoints" / "2" / "default")  # none restores: start over
+    with open(teacher / "config.json") as f:
+        edited = json.load(f)
+    edited["network"]["sigma_data"] = 0.25
+    (teacher / "config.json").write_text(json.dumps(edited))
+    message = (f"{teacher}/config.json differs from the copy of the run's config that "
+               f"checkpoint 4 keeps (network.sigma_data: checkpoint 0.5 vs now 0.25): it was "
+               f"edited, and the run's networks were not trained with it. Put those "
+               f"settings back in config.json.")
+    with pytest.raises(integrity.IntegrityError) as e:  # a fresh start, refused at set-up
+        loop.train_and_evaluate(config, str(tmp_path / "fresh"))
+    assert str(e.value) == message
+    config.start_over = True
+    with pytest.raises(integrity.IntegrityError) as e:
+        loop.train_and_evaluate(config, str(student))
+    assert str(e.value) == message, "start_over trusted the teacher's edited config.json"
+    assert _steps(student) == [] and not (tmp_path / "fresh" / "checkpoints").exists()
 
 
 def test_snapshots_before_the_first_checkpoint_restart_normally(full_run, tmp_path, capsys):
