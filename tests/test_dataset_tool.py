@@ -488,8 +488,8 @@ def test_float_images_are_refused_and_other_8_bit_modes_still_convert(tmp_path):
     ("encode", "Z" * 300 + ".zip"), ("decode", "Z" * 300)])
 def test_a_dest_name_longer_than_the_file_system_allows_is_one_line_before_any_work(
         tmp_path, command, name):
-    """`--dest` with a 300-character name was a 17-line traceback (`OSError: [Errno 36]
-    File name too long`, once the first image was written); it is one `error:` line naming
+    """`--dest` with a name longer than the file system allows (where writing the first
+    image would raise `OSError: [Errno 36] File name too long`) is one `error:` line naming
     the length and the limit before any work (the VAE, missing here, is not read), for
     convert, encode and decode, and nothing is left behind."""
     _source_folder(tmp_path / "src")

@@ -227,9 +227,9 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Model,
     if start.network is not None:  # the network the objective starts from
         role = start.network.role
         print(f"Loading the {role} {start.network.path}...", flush=True)
-        # Its metadata checked as at set-up (`setup_objective`), which a start over after
-        # no checkpoint restored skipped: a run's or snapshot's config.json against the
-        # copy its checkpoints and snapshots keep (`nets.run_config`); an edit is refused.
+        # Its metadata checked as at set-up (`setup_objective`), on a start over too: a
+        # run's or snapshot's config.json against the copy its checkpoints and snapshots
+        # keep (`nets.run_config`); an edit is refused.
         nets.net_config(start.network.path)
         variables, desc = nets.load_variables(start.network.path, start.network.ema or None)
         nets.check_shapes(model.net, variables, desc)  # the network this run trains
