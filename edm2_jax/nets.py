@@ -40,7 +40,8 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
     its arrays of the shapes its network config builds (`check_shapes`).
 
     Raises FileNotFoundError naming what was looked for, KeyError for an unknown EMA,
-    IntegrityError for arrays the network config does not build.
+    IntegrityError for arrays the network config does not build or, before any array is
+    read, for a run's or snapshot's config.json edited since its checkpoints (`run_config`).
     """
     variables, desc, net_config = _read(path, ema)
     net = precond_from_config(net_config())
@@ -83,7 +84,7 @@ def load_variables(path: str, ema: str | None = None) -> tuple[dict, str]:
 def _read(path: str, ema: str | None) -> tuple[dict, str, Callable[[], dict]]:
     """`(variables, description, net_config)` of `load_variables`, `net_config()` the
     network config of the same checkpoint (network.json's, already read; else its run's
-    config.json's, `records.run_network_config`, read when called)."""
+    config.json's, checked before its arrays are read: `_run_network`)."""
     path = paths.normalize(path)  # local or gs://
     check_one_kind(path)
     if ckpt_lib.is_network_checkpoint(path):
@@ -93,6 +94,7 @@ def _read(path: str, ema: str | None) -> tuple[dict, str, Callable[[], dict]]:
     snap = layout.snapshot_of(path)
     if snap:
         run_dir, step = snap
+        network = _run_network(run_dir)
         tree, meta = snapshots.restore_snapshot(run_dir, step)
         key = ema or max(tree["power"], key=float)
         if key not in tree["power"]:
@@ -100,9 +102,10 @@ def _read(path: str, ema: str | None) -> tuple[dict, str, Callable[[], dict]]:
         variables = {"params": tree["power"][key], "buffers": snapshots.run_buffers(run_dir)}
         return (variables,
                 f"EMA {key} of snapshot {step} ({meta['nimg'] / 1000:.1f} kimg) in {run_dir}",
-                lambda: records.run_network_config(run_dir))
+                network)
 
     if layout.is_run(path):
+        network = _run_network(path)
         state = checkpoints.restore_latest_state(path)
         if ema == "online":
             params, what = state["params"], "online weights"
@@ -114,10 +117,21 @@ def _read(path: str, ema: str | None) -> tuple[dict, str, Callable[[], dict]]:
             params, what = state["ema"]["power"][key], f"EMA sigma_rel={key}"
         return ({"params": params, "buffers": state["buffers"]},
                 f"{what} of run {path} at step {int(state['step'])}",
-                lambda: records.run_network_config(path))
+                network)
     raise FileNotFoundError(
         f"{path} is neither a network checkpoint (network.json + variables/), a training run "
         f"(config.json + checkpoints/), nor an EMA snapshot (RUN/snapshots/<step>)")
+
+
+def _run_network(run_dir: str) -> Callable[[], dict]:
+    """`net_config()` of `_read` for a run or its snapshot: its config.json checked now,
+    before any array is read (`run_config`: an edited config.json is refused for every
+    reader), its network section returned when called (FileNotFoundError then when the
+    run has no config.json, `records.run_network_config`)."""
+    config = run_config(run_dir)
+    if config is None:
+        return lambda: records.run_network_config(run_dir)
+    return lambda: config["network"]
 
 
 def check_one_kind(path: str) -> None:

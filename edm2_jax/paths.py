@@ -325,6 +325,34 @@ def _check_url(path: str, flag: str) -> None:
     _REACHED.add(bucket)
 
 
+def name_problem(path: str, margin: int = 0) -> str | None:
+    """What keeps the local `path` from being written on the file system of its nearest
+    existing folder, None when nothing: a name in it longer than `PC_NAME_MAX` (255
+    bytes on most; "the name zzz... is 300 bytes long, more than the 255 its file system
+    allows"), or the whole path, with `margin` bytes more written inside it, than
+    `PC_PATH_MAX` (4096). Checked before any work: the write would fail only at the first
+    file."""
+    path = os.path.abspath(path)
+    probe = path
+    while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+
+    def limit(key: str, default: int) -> int:
+        try:
+            return os.pathconf(probe, key)
+        except (OSError, ValueError):
+            return default
+    name_max = limit("PC_NAME_MAX", 255)
+    for name in path.split(os.sep):
+        if len(os.fsencode(name)) > name_max:
+            return (f"the name {name[:24]}... is {len(os.fsencode(name))} bytes long, more "
+                    f"than the {name_max} its file system allows")
+    path_max = limit("PC_PATH_MAX", 4096)
+    if len(os.fsencode(path)) + margin >= path_max:
+        return f"the path is longer than the {path_max} bytes its file system allows"
+    return None
+
+
 def check_output_dir(path, flag: str) -> None:
     """Check, before any work, that the directory `path` (given as `flag`, e.g.
     '--outdir') can be made and written: locally not a file, under a directory, on a

@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from edm2_jax.data.dataset_inputs import (DatasetToolError, make_transform, open_source,
                                          parse_resolution)
+from edm2_jax import paths as paths_lib
 from edm2_jax.data import raw_array
 from edm2_jax.data.latents import LatentFolder
 from edm2_jax.encoders import vae as vae_lib
@@ -55,30 +56,15 @@ _INNER = len("/00000/img-mean-std-00000000.npy")
 
 
 def check_dest_names(dest: str, paths: list[str]) -> None:
-    """Refuse (`DatasetToolError`, before any work) `--dest` when a name in one of the
-    `paths` written for it (the data set, its temporary names) is longer than the file
-    system of its nearest existing folder allows (`PC_NAME_MAX`, 255 bytes on most), or
-    the path itself than `PC_PATH_MAX`: it would fail only when the first item is written."""
-    probe = os.path.abspath(paths[0])
-    while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
-        probe = os.path.dirname(probe)
-
-    def limit(key: str, default: int) -> int:
-        try:
-            return os.pathconf(probe, key)
-        except (OSError, ValueError):
-            return default
-    name_max, path_max = limit("PC_NAME_MAX", 255), limit("PC_PATH_MAX", 4096)
+    """Refuse (`DatasetToolError`, before any work) `--dest` when one of the `paths`
+    written for it (the data set, its temporary names), with the longest name written
+    inside it, is longer than its file system allows (`paths.name_problem`): it would
+    fail only when the first item is written."""
     for path in paths:
-        for name in os.path.abspath(path).split(os.sep):
-            if len(os.fsencode(name)) > name_max:
-                raise DatasetToolError(
-                    f"--dest={dest}: the name {name[:24]}... is {len(os.fsencode(name))} "
-                    f"bytes long, more than the {name_max} its file system allows (the "
-                    f"temporary name adds {len('.unfinished')}); give a shorter one")
-        if len(os.fsencode(path)) + _INNER >= path_max:
-            raise DatasetToolError(f"--dest={dest}: the path is longer than the {path_max} "
-                                   f"bytes its file system allows; give a shorter one")
+        problem = paths_lib.name_problem(path, margin=_INNER)
+        if problem:
+            raise DatasetToolError(f"--dest={dest}: {problem} (the temporary name adds "
+                                   f"{len('.unfinished')}); give a shorter one")
 
 
 def _write_error(path: str, e: OSError) -> DatasetToolError:

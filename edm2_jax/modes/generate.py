@@ -294,24 +294,15 @@ SHOWN_FLAGS = ("steps", "sigma_min", "sigma_max", "rho", "teacher_steps")  # in 
 
 
 def check_output_name(path: str | None, flag: str) -> None:
-    """Raise `paths.OutputLocationError` naming `flag` when a name in the local `path` is
-    longer than its file system allows (255 bytes on most), before any work: it would
-    fail only when the first image is written."""
+    """Raise `paths.OutputLocationError` naming `flag` when the local `path` has a name
+    (or is itself) longer than its file system allows (`paths.name_problem`), before any
+    work: it would fail only when the first image is written."""
     if not path or paths.is_url(path):
         return
-    path = paths.normalize(path)
-    ancestor = path
-    while not os.path.isdir(ancestor) and os.path.dirname(ancestor) != ancestor:
-        ancestor = os.path.dirname(ancestor)
-    try:
-        limit = os.pathconf(ancestor, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        limit = 255
-    for name in path.split(os.sep):
-        if len(os.fsencode(name)) > limit:
-            raise paths.OutputLocationError(
-                f"{flag}={path}: the name {name[:24]}... is {len(os.fsencode(name))} bytes "
-                f"long, more than the {limit} its file system allows; give a shorter one")
+    problem = paths.name_problem(paths.normalize(path))
+    if problem:
+        raise paths.OutputLocationError(f"{flag}={paths.normalize(path)}: {problem}; give a "
+                                        f"shorter one")
 
 
 def check_outputs(outdir: str | None, grid: str | None) -> None:

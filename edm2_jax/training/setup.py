@@ -197,9 +197,8 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Model,
     `resume_step`) on the model's shardings, checked against its integrity record
     (`checkpoints.TrainCheckpoints.restore_latest`), else a fresh state from `config.seed`
     (with the arrays of the network the run starts from, if any, checked against the
-    model's network: `nets.load_variables`, `nets.check_shapes`; its run's config.json
-    first checked against the copy that run keeps, `nets.net_config`, on a start over
-    too).
+    model's network: `nets.load_variables`, which first checks a run's or snapshot's
+    config.json against the copy that run keeps, `nets.check_shapes`).
     When the run has checkpoints but none restores, or has lost them (snapshots and
     the records of its checkpoints left, `checkpoints/` empty), raises NoCheckpointError,
     unless
@@ -227,10 +226,6 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Model,
     if start.network is not None:  # the network the objective starts from
         role = start.network.role
         print(f"Loading the {role} {start.network.path}...", flush=True)
-        # Its metadata checked as at set-up (`setup_objective`), on a start over too: a
-        # run's or snapshot's config.json against the copy its checkpoints and snapshots
-        # keep (`nets.run_config`); an edit is refused.
-        nets.net_config(start.network.path)
         variables, desc = nets.load_variables(start.network.path, start.network.ema or None)
         nets.check_shapes(model.net, variables, desc)  # the network this run trains
         variables = jax.tree.map(np.asarray, dict(variables))
