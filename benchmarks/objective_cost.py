@@ -21,7 +21,8 @@ compare the objectives with each other, on one backend.
 every step and computes the generator's gradient whatever the update ratio, so its cost
 per step does not depend on `distill.dfake_gen_update_ratio`), and `scm` (sCD: the
 student's forward and backward pass, its jvp and the teacher's forward pass; its
-sampling steps change nothing of the step, so it takes no K).
+sampling steps change nothing of the step, so it takes no K), and `sct` (sCT: the same
+without the teacher, whose tangent comes from the data).
 """
 from __future__ import annotations
 
@@ -51,19 +52,22 @@ from edm2_jax.training import step as step_lib  # noqa: E402
 
 
 def objective_config(config, spec: str):
-    """`config` set for the objective `spec` ('NAME', 'NAME:K' or 'dmd:K:gan', NAME any
-    registered objective, `objectives.REGISTRY`): an objective that starts from a
+    """`config` set for the objective `spec` ('NAME', 'NAME:K', 'dmd:K:gan' or 'sct', NAME
+    any registered objective, `objectives.REGISTRY`): an objective that starts from a
     network gets a teacher path the step never opens (its weights are the train
     state's), with K `distill.steps` K on a grid of at least K points, and with ':gan'
     DMD2's GAN head (`distill.gan`, its other settings the config's)."""
-    name, _, rest = spec.partition(":")
+    sct = spec == "sct"
+    name, _, rest = ("scm", "", "") if sct else spec.partition(":")
     k, _, head = rest.partition(":")
     if name not in objectives.REGISTRY or head not in ("", "gan") or (head and name != "dmd"):
         raise SystemExit(f"error: --objectives: unknown {spec!r}; use one of "
                          f"{', '.join(sorted(objectives.REGISTRY))}, with ':K' for K steps "
-                         f"(and 'dmd:K:gan' for DMD2's GAN head)")
+                         f"(and 'dmd:K:gan' for DMD2's GAN head, 'sct' for sCT)")
     c = config.copy_and_resolve_references()
     configs.with_objective(c, name)
+    if sct:
+        c.distill.training = True
     if objectives.from_config(c).start() is not None:
         c.distill.teacher = "(random weights)"
     if k:
@@ -132,7 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="speed", choices=["speed", "memory"])
     ap.add_argument("--objectives", default="edm2,consistency:1,consistency:4,dmd:1,dmd:4,scm",
-                    help="comma list of edm2, consistency:K, dmd:K, dmd:K:gan, scm")
+                    help="comma list of edm2, consistency:K, dmd:K, dmd:K:gan, scm, sct")
     ap.add_argument("--config", default="configs/fashion_mnist.py",
                     help="--work=speed: config file[:variant] (the quick start's by default)")
     ap.add_argument("--preset", default="img64-s", help="--work=memory: a release preset")
