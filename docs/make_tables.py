@@ -92,21 +92,34 @@ CHOOSER = (("MCD (`configs/distill.py`)", "mcd"), ("DMD (`:dmd`)", "dmd"),
            ("sCT (`:sct`, [docs/scm.md](scm.md))", "sct"))
 
 
+CLASSIFIERS = {"shipped": "shipped", None: "its machine's"}
+
+
 def distill_chooser(r: dict) -> list[str]:
-    """docs/distillation.md's first table: each method at 1, 2 and 4 steps."""
-    rows = [_row(["method", "steps", "fd_cls", "recall", "FID-2000", "training (2 CPU cores)",
-                  "step cost (EDM2 step = 1)"]), _row(["---"] * 7)]
+    """docs/distillation.md's first table: each method at 1, 2 and 4 steps, with the
+    classifier its `_cls` figures come from (an entry's `classifier`: 'shipped', the
+    package's; none, the one trained on the machine that measured it), and the teacher
+    measured by each classifier the rows use."""
+    rows = [_row(["method", "steps", "fd_cls", "recall", "FID-2000", "classifier",
+                  "training (2 CPU cores)", "step cost (EDM2 step = 1)"]), _row(["---"] * 8)]
+    used = set()
     for label, key in CHOOSER:
         for k in (1, 2, 4):
             e = r.get(f"{key}-{k}")
             if e is None:
                 continue
-            v = e["values"]
+            v, c = e["values"], e.get("classifier")
+            used.add(c)
             rows.append(_row([label, str(k)] + [v.get(f, NO) for f in (
-                "fd_cls", "recall_cls", "fid2000", "training", "step_cost")]))
-    t, q = r["teacher"]["values"], r["quickstart-train"]["values"]
-    rows.append(_row(["the teacher, Heun 32 steps", t["evaluations"], t["fd_cls"],
-                      t["recall_cls"], t["fid2000"], f"{q['kimg']} kimg, {q['wall']}", "1.00"]))
+                "fd_cls", "recall_cls", "fid2000")] + [CLASSIFIERS[c]] + [
+                    v.get(f, NO) for f in ("training", "step_cost")]))
+    q = r["quickstart-train"]["values"]
+    for c, name in (("shipped", "teacher-shipped"), (None, "teacher")):
+        if c in used:
+            t = r[name]["values"]
+            rows.append(_row(["the teacher, Heun 32 steps", r["teacher"]["values"]["evaluations"],
+                              t["fd_cls"], t["recall_cls"], t["fid2000"], CLASSIFIERS[c],
+                              f"{q['kimg']} kimg, {q['wall']}", "1.00"]))
     return rows
 
 
