@@ -84,9 +84,9 @@ def test_cpu_kernels_compute_the_model_function():
                                jax.grad(lambda x: jnp.sum(mp.mp_silu(x)))(x), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param("xla", marks=[pytest.mark.slow, pytest.mark.ci]),  # ~50 s on 2 cores
-    "cpu"])
+@pytest.mark.parametrize("name", ["xla", "cpu"])
+@pytest.mark.slow
+@pytest.mark.ci  # ~40 s each on 2 cores: CI runs them after the quick suite
 def test_network_with_backend_kernels_is_the_same_network(name):
     kernels = backends.select(name).kernels
     net, ref = precond_from_config(TINY, kernels=kernels), precond_from_config(TINY)

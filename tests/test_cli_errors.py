@@ -370,6 +370,8 @@ def test_refused_with_one_line_before_any_work(case, tmp_path, tmpfs, netdir):
     assert tree(root) == before
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_a_refused_start_leaves_no_workdir_behind(tmp_path):
     """A start refused after the run's lock is taken (the data folder is not there) removes
     what it made and nothing else: a new workdir, and the new folders above it, are gone;
@@ -390,6 +392,8 @@ def test_a_refused_start_leaves_no_workdir_behind(tmp_path):
     assert tree(run) == before
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_help_names_the_modes_and_how_to_list_a_modes_flags():
     """`--help` (and `-h`) exits 0 with a short page: every mode and how to list a mode's
     flags; `--mode=generate --help` lists generate's flags, not plan's."""

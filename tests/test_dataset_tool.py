@@ -276,6 +276,8 @@ def _latent_setup(tmp_path, n=8):
     return vae_dir, _save_net(tmp_path / "net", NET), data
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_eval_decodes_a_latent_net_and_latent_reference_data(tmp_path, monkeypatch,
                                                              standin_inception_weights):
     """--mode=eval of a latent net (8x8x4) with --vae: generated latents and the latent
@@ -305,6 +307,8 @@ def test_eval_decodes_a_latent_net_and_latent_reference_data(tmp_path, monkeypat
     assert len(src) == 8 and src[4][1] == -1
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_training_eval_and_sweep_need_the_vae_for_latent_runs(tmp_path):
     import ml_collections
     from edm2_jax.training.snapshot_outputs import TrainingEval

@@ -137,6 +137,8 @@ def _train_linear_generator(fake_fn, steps=3000, lr=0.02, batch=1024, seed=0):
     return theta
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_linear_generator_reaches_the_data_mean_and_covariance_with_the_exact_fake():
     """The fake denoiser is the exact one of the generator's current N(m, B B^T)
     (stopped gradient): the generator trained on DMD's objective lands on N(mu, Sigma)."""
@@ -148,6 +150,8 @@ def test_linear_generator_reaches_the_data_mean_and_covariance_with_the_exact_fa
     np.testing.assert_allclose(theta["B"] @ theta["B"].T, SIGMA, atol=5e-3)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_linear_generator_and_online_fake_denoiser_reach_the_data_together():
     """The algorithm's two players: the fake denoiser is the denoiser of a Gaussian model
     N(m_f, L_f L_f^T) learned online by the EDM denoising loss `lambda(t_f) |D_fake(y +

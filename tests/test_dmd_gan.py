@@ -127,6 +127,8 @@ def _train_linear_generator_with_gan(dm: bool, steps: int = 3000, lr: float = 0.
     return theta
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_linear_generator_with_the_gan_terms_reaches_the_data_mean_and_covariance():
     """With DMD's gradient the GAN terms keep its fixed point: the generator lands on
     N(mu, Sigma) to DMD's own precision (tests/test_dmd.py); on the GAN terms alone,

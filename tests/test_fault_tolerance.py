@@ -438,6 +438,8 @@ def test_nonfinite_state_is_never_saved(full_run, tmp_path):
     assert _sums(run) == before
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_diverged_run_names_its_newest_healthy_checkpoint_and_is_rescued(full_run, tmp_path):
     """ref_lr=1e30 from checkpoint 2: the loss stays finite (forced weight normalisation)
     but the parameters explode; nothing of it is saved, the error names checkpoint 2 and

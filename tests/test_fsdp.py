@@ -342,6 +342,8 @@ def test_fsdp_splits_every_network_of_a_dmd_state(tmp_path):
     assert int(state_bytes) == total
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_bfloat16_compute_keeps_float32_state(reference):
     """network.dtype='bfloat16': the network runs in bfloat16 but params, Adam moments
     and EMAs stay float32, and the step is the float32 step to bfloat16 precision

@@ -49,6 +49,8 @@ def test_load_net_errors_name_the_path(tmp_path):
         nets.load_net(str(tmp_path))
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_same_seeds_same_images_batch_1_vs_8_and_1_vs_8_devices(netdir, tmp_path):
     seeds = list(range(10, 18))
     one = _images(netdir, 1, seeds)

@@ -218,6 +218,8 @@ def nets():
     ("auto", dict(sampler=Heun(4, S_churn=5.0))),
     ("cfg", dict(sampler=Heun(4, S_churn=5.0), rng="release")),
 ])
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_whole_interval_and_no_step_match_plain_sampling_bitwise(nets, guide, kw):
     """`(0, inf)` is the guided sampler and an interval with no step the unguided one,
     bit for bit (the same program), for CFG and autoguidance, with churn and the
@@ -246,6 +248,8 @@ def _device_images(out: str) -> None:
     print(f"devices={jax.device_count()}")
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_interval_images_equal_on_1_and_2_devices(tmp_path, nets):
     """Per-seed images with an interval do not depend on the device split. Tolerance: each
     of the 2N - 1 = 7 evaluations may reorder its reductions (`reorder_tol` of

@@ -215,6 +215,8 @@ def test_a_run_without_config_json_nor_a_copy_of_it_is_refused(tiny_run, tmp_pat
     assert loop.train_and_evaluate(tiny_config(tiny_run["data"]), str(run))["finished"]
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_config_json_written_again_after_deletion_keeps_every_start(tiny_run, tmp_path):
     """A run of two starts (step 0 at the config's learning rate, step 2 at a lower one),
     config.json deleted: the next start writes it again with the learning rate of every

@@ -279,10 +279,9 @@ def _loss_grads(kernels, dtype):
 
 
 @pytest.mark.parametrize("name,dtype", [
-    ("xla", "float32"), ("cpu", "bfloat16"),
-    # ~30 s each on 2 cores: CI runs them after the quick suite.
-    pytest.param("cpu", "float32", marks=[pytest.mark.slow, pytest.mark.ci]),
-    pytest.param("bytes", "bfloat16", marks=[pytest.mark.slow, pytest.mark.ci])])
+    ("xla", "float32"), ("cpu", "bfloat16"), ("cpu", "float32"), ("bytes", "bfloat16")])
+@pytest.mark.slow
+@pytest.mark.ci  # ~30 s each on 2 cores: CI runs them after the quick suite
 def test_training_gradients_are_the_former_kernels_bit_for_bit(name, dtype):
     now, former = _loss_grads(NOW[name], dtype), _loss_grads(FORMER[name], dtype)
     assert jax.tree.structure(now) == jax.tree.structure(former)

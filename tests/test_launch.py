@@ -28,6 +28,8 @@ def test_shellcheck_clean():
     assert r.returncode == 0, r.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_dry_run_prints_the_command():
     r = run("launch/single_gpu.sh", "--config=configs/img64.py:xs", "--workdir=runs/x", "--dry-run",
             "--", "--config.batch_per_device=32")
@@ -105,6 +107,8 @@ def test_ablation_script_end_to_end(tmp_path):
     assert r.returncode == 0 and "(fid20)" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_dry_run_names_the_compilation_cache_and_the_pod_workers_get_it():
     """The persistent XLA cache a run's compiled step is kept in (a resumed run loads it
     in seconds): printed by every launcher's dry run, and the one this shell sets is the

@@ -124,6 +124,8 @@ def test_resample_down_is_average_up_is_nearest():
 
 # --- Forced weight normalisation ------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_forced_weight_norm_fixes_unit_norm_and_is_idempotent(tiny):
     _, v = tiny
     params = jax.tree_util.tree_map(lambda a: a * 3.0 + 0.1, v["params"])
@@ -144,6 +146,8 @@ def test_forced_weight_norm_fixes_unit_norm_and_is_idempotent(tiny):
         np.testing.assert_allclose(a, b, rtol=1e-3)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_forward_unchanged_by_forced_weight_norm(tiny):
     """The forward normalises again, so forcing the stored weights changes nothing."""
     net, v = tiny
@@ -158,6 +162,8 @@ def test_forward_unchanged_by_forced_weight_norm(tiny):
 
 # --- Precond / U-Net ------------------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_fresh_precond_is_exactly_c_skip_x(tiny):
     net, v = tiny
     x = jax.random.normal(jax.random.PRNGKey(11), (4, 16, 16, 3))
@@ -184,6 +190,8 @@ def test_activations_stay_near_unit_rms_in_fresh_unet():
         assert 0.5 < rms(y) < 2.0
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_jit_and_grad(tiny):
     net, v = tiny
     x = jax.random.normal(jax.random.PRNGKey(12), (2, 16, 16, 3))
@@ -272,6 +280,8 @@ def test_cpu_fusion_barriers_leave_gradients_unchanged(tiny):
         assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(a) + 1e-12, path
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_dropout_only_in_training(tiny):
     net = Precond(**{**TINY, "dropout": 0.5})
     v = init_variables(net, jax.random.PRNGKey(0))
@@ -286,6 +296,8 @@ def test_dropout_only_in_training(tiny):
     assert float(jnp.abs(tr - ev1).max()) > 1e-3
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_bfloat16_path_close_to_float32(tiny):
     _, v = tiny
     params = set_gains(v["params"], 0.8)

@@ -44,6 +44,8 @@ def _tiny_network(path: Path, meta: dict) -> str:
     return network_dir.save_network(str(path), variables, cfg, meta)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_a_network_naming_a_module_not_allowed_is_refused_importing_nothing(tmp_path,
                                                                              monkeypatch):
     """A stranger's network.json naming an objective of module `payload_mod` (which

@@ -73,6 +73,8 @@ def test_bf16_training_loss_stays_within_rounding_bound_of_f32(setup):
     assert 0 < probes[0][1]["eps"] < 0.1
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_bf16_sampler_images_within_rounding_bound_of_f32(setup):
     """The deterministic Heun sampler (32 steps, 63 evaluations) on the same weights (the
     net's initialisation with its zero-initialised gains set to 1, so that F and the

@@ -275,6 +275,8 @@ def test_a_step_without_its_record_is_refused_whatever_config_json_says(full_run
 # Run directory: emptied checkpoints, sample grid names, a quiet reader
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_cli_emptied_checkpoints_exit_1_naming_start_over(full_run, tmp_path, xla_cache):
     run = _copy(full_run, tmp_path)
     for p in (run / "checkpoints").iterdir():
@@ -295,6 +297,8 @@ def test_cli_emptied_checkpoints_exit_1_naming_start_over(full_run, tmp_path, xl
 
 
 @pytest.mark.parametrize("kind", ["run", "snapshot"])
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_start_over_refuses_an_edited_config_json_of_the_run_it_starts_from(
         full_run, tmp_path, kind):
     """A distillation student whose teacher is a run (or its snapshot), its checkpoint

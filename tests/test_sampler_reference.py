@@ -73,12 +73,16 @@ def test_unguided_sampler_equals_algorithm_1(nets):
     assert np.abs(fast - ref).max() <= _tol(noise, ref, nets, guided=False)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_guided_sampler_equals_algorithm_1(nets):
     (net, v), (g_net, g_v), _ = nets
     fast, ref, noise = _both(make_denoiser(net, v, g_net, g_v, 2.0))   # autoguidance
     assert np.abs(fast - ref).max() <= _tol(noise, ref, nets, guided=True)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_guidance_interval_sampler_equals_algorithm_1(nets):
     """Steps 1 and 2 of 4 guided (`t_3 < sigma_lo < t_2`, `t_1 <= sigma_hi`); guiding
     step 3 as well (the last, Euler step) moves x_0 by more than 5x the bound (measured:

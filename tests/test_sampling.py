@@ -162,6 +162,8 @@ def test_matches_release_sampler(key, guidance):
 
 # --- Guidance ---------------------------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_guidance_interpolates_between_guide_and_main(nets):
     """D_g + w (D_main - D_g) for w = 1, 0, 1.4. The nets run inside another jit than
     the references, so XLA may order their reductions differently: the bound is
@@ -208,6 +210,8 @@ def test_seed_noise_and_labels_do_not_depend_on_the_batch():
     assert float(jnp.abs(batch[0] - batch[1]).max()) > 0.1
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_sample_images_same_seed_same_image_at_batch_1_and_4(nets):
     (net, v), _, _ = nets
     seeds = [3, 7, 11, 42]

@@ -38,6 +38,8 @@ SD = 0.5   # sigma_data
 # The EDM <-> TrigFlow identity
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_edm_network_is_a_trigflow_network_with_F_minus_the_raw_output():
     """On random weights (every layer reaching the output), `F` computed from the
     denoiser equals `-F_raw`, the U-Net's output at `c_in x = x_t / sigma_data` and
@@ -279,6 +281,8 @@ def test_a_one_step_student_maps_noise_to_the_data_mean_and_variance(mode, num_s
 # The sampler
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_sampler_steps_by_hand_and_images_follow_their_seeds():
     """One step: D(sigma_max n; sigma_max). Two: x_0 = D(80 n; 80), then x = x_0 +
     sigma_data tan(1.1) eps_0, x_0 = D(x; sigma_data tan 1.1). K steps at t_mid (K - k) /

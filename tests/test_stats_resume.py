@@ -58,6 +58,8 @@ def _without_timing(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_a_stop_between_status_points_logs_what_an_uninterrupted_run_logs(
         tmp_path, xla_cache, monkeypatch):
     """6 steps, a status line every 3, checkpoints every 2: SIGINT during step 5 stops the

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 _SLOW_DISK = """
@@ -30,6 +32,8 @@ shutil.rmtree = rmtree
 """
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_a_parallel_session_ends_on_its_summary_and_removes_its_caches(tmp_path):
     (tmp_path / "slow_disk.py").write_text(_SLOW_DISK)
     tmp = tmp_path / "tmp"

@@ -314,6 +314,8 @@ def test_ema_second_step_closed_form_and_not_normalised(two_steps):
         assert _worst(jax.device_get(force_normalize(got)), got) > 1e-4
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_accumulation_equals_one_full_batch(two_steps):
     """4 micro-batches of 4 (lax.scan) == 1 batch of 16: same objective, weights, EMAs
     and Adam moments, to summation-order error (STEP_TOL = 1.5e-5 of each tensor's
@@ -341,6 +343,8 @@ def _step_on_8_devices(tmp_path, like, num_accum: int = 1):
                              like, num_accum)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_sharded_step_equals_single_device(two_steps, tmp_path):
     """The same step with the batch split over 8 devices (SPMD, gradients all-reduced)
     gives the single-device weights, EMAs and Adam moments to float32 summation-order
@@ -473,6 +477,8 @@ class _StopBeforeCompiling(Exception):
     pass
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_labels_wanted_but_data_unlabelled(tmp_path, monkeypatch):
     data = make_image_folder(tmp_path / "data", labels=False)
     with pytest.raises(ValueError, match="no dataset.json.*use_labels=False"):
@@ -614,6 +620,8 @@ def _check_cli_outputs(workdir: Path, steps: list[int]) -> None:
     assert list((workdir / "samples").glob("*.png"))
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_cli_trains_the_tiny_config(runs, tmp_path, xla_cache):
     """`python -m edm2_jax.main --config=configs/fashion_mnist.py:tiny --config.x=...`
     on the tiny image folder (the same programs as `runs`, so compiled ones are reused)."""
@@ -642,6 +650,8 @@ EVAL_OVERRIDES = {"eval.metrics": "cls", "eval.num_images": 8, "eval.num_steps":
                   "eval.classifier_batch_size": 8}
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_eval_during_training_logs_the_metric_of_the_snapshot_ema(tmp_path, monkeypatch,
                                                                    xla_cache):
     """With eval.metrics='cls' the run logs eval/fd_cls etc. at its snapshot; the logged

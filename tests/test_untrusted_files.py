@@ -270,6 +270,8 @@ hostile_call = st.tuples(st.sampled_from(SHAPES), st.integers(min_value=0),
 @given(st.lists(hostile_call, min_size=25, max_size=30))
 @example([(shape, i, ["code", "namespace"], c) for shape in SHAPES for c in CONTAINERS
           for i in (-1,)])  # -1: numpy.testing._private.utils.runstring, below
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_pickles_naming_any_other_callable_are_refused_and_run_nothing(tmp_path_factory,
                                                                        calls):
     sandbox = tmp_path_factory.mktemp("sandbox")
@@ -406,6 +408,8 @@ _THE_ISSUE = [Header("FloatStorage", 4, 0, 0, (4096,), (1,), "zip"),   # heap as
 @SETTINGS
 @given(st.lists(headers(), min_size=25, max_size=30))
 @example(_THE_ISSUE)
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_a_tensor_is_numpys_view_of_its_storage_or_an_error(tmp_path_factory, batch):
     folder = tmp_path_factory.mktemp("tensors")
     paths, raws = [], []

@@ -110,6 +110,8 @@ def small(tmp_path_factory):
 
 # ---------------------------------------------------------------------------- parity
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_encode_and_decode_match_diffusers(saved):
     """Through the whole path (diffusers folder read without torch, config from the
     shapes and config.json, params, jitted encode/decode), float32 on random O(1)
