@@ -24,7 +24,7 @@ RESULTS = REPO / "docs" / "results.json"
 NO = "—"   # a cell never measured
 
 TABLE = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
-VALUE = re.compile(r"(<!--v ([\w-]+)\.(\w+)-->)(.*?)(<!--/v-->)")
+VALUE = re.compile(r"(<!--v ([\w-]+)\.([\w.-]+)-->)(.*?)(<!--/v-->)")
 
 
 def load(path: Path = RESULTS) -> dict[str, dict]:

@@ -61,3 +61,11 @@ def test_the_teachers_fd_cls_is_one_figure_written_from_the_results_file():
                                                  for o in others):
                 found.append(f"{p.relative_to(REPO)}: {line.strip()[:120]}")
     assert not found, "the teacher's fd_cls outside a results mark:\n" + "\n".join(found)
+
+
+def test_every_value_mark_is_one_the_script_writes():
+    """A `<!--v ENTRY.KEY-->` mark the script's pattern does not read (a key with a dot, a
+    missing close) would keep whatever text it holds: each mark opened is one it writes."""
+    for p in make_tables.doc_files():
+        text = p.read_text()
+        assert text.count("<!--v ") == len(make_tables.VALUE.findall(text)), p

@@ -376,7 +376,8 @@ def test_the_scm_configs_validate():
     preset are valid 2-step sCM configs: sCT only for 'sct'; the presets with the paper's
     proposal (img64: -1.0, 1.6; img512: -0.8, 1.6), c = 0.1, warmup 10k steps of 2048
     images, the learning rate 1/100 of the teacher's; 'scm' and 'sct' at a constant 1/10
-    of the teacher's rate for 48 kimg, the RMS-normalised tangent and the 1 / sigma weight."""
+    of the teacher's rate for 48 kimg, the RMS-normalised tangent and the 1 / sigma weight,
+    sampled through t_mid 1.45 ('scm') and 1.1 ('sct')."""
     from edm2_jax.model import presets
     from tests.test_train import _config_file
     for variant in ["scm", "scm-tiny", "sct"] + [f"scm-{p}" for p in presets.NETWORK_PRESETS]:
@@ -391,6 +392,11 @@ def test_the_scm_configs_validate():
             assert c.optim.ref_lr == pytest.approx(teacher / 10, rel=1e-9), variant
             assert c.optim.t_ref == 0 and c.total_kimg == 48, variant
             assert (c.distill.tangent_norm, c.distill.prior_weighting) == ("rms", True)
+            # The run's own sampler: sCD through t_mid 1.45 (results entry scm-t-mid),
+            # sCT through the paper's 1.1.
+            t_mid = 1.45 if variant == "scm" else 1.1
+            assert obj.sampler() == scm.ScmSampler(2, sigma_max=80.0, t_mid=t_mid,
+                                                   sigma_data=0.5), variant
         preset = variant[4:]
         if preset in presets.NETWORK_PRESETS:
             want = scm.PROPOSALS["img512" if preset.startswith("img512") else "img64"]
