@@ -75,6 +75,8 @@ def test_forced_wn_of_standard_layers_is_refused():
 
 # --- C -> D: weight normalisation in the forward pass -----------------------------------
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_standard_layer_has_he_uniform_init_and_is_linear_in_its_weight():
     conv = mp.MPConv(64, 32, (3, 3), normalize_weight=False)
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 6, 64))
@@ -95,6 +97,8 @@ def test_standard_layer_has_he_uniform_init_and_is_linear_in_its_weight():
 
 
 @pytest.mark.parametrize("learned", [True, False])
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_scaling_a_stored_weight_changes_a_block_only_without_forward_wn(learned):
     blk = Block(16, 16, 8, flavor="dec", mp_learned_layers=learned)
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 4, 4, 16))
@@ -271,6 +275,8 @@ def fresh_diag():
     return c, net, state, probe, run(state["params"]), run(gains)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_fresh_g_network_activations_are_in_the_unit_band(fresh_diag):
     out = fresh_diag[4]
     act = {k: v for k, v in out.items() if k.startswith("diag/act/")}

@@ -14,6 +14,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "edm2_jax"
 
@@ -142,6 +144,8 @@ def _environment_unchanged_by(before: str, imports: str) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_importing_the_library_changes_no_environment_variable():
     # The package and the model, from a bare interpreter.
     _environment_unchanged_by("pass", "import edm2_jax, edm2_jax.model")

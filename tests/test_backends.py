@@ -60,6 +60,8 @@ def test_from_config_reads_config_backend_with_defaults():
     assert backends.from_config({"backend": {"kernels": "xla"}}).kernels == mp.MODEL_MATH
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_clip_gradient_at_the_limits_is_torch_clamps():
     # Closed form: d clip(x, -L, L) / dx = 1 for -L <= x <= L (the limits included), else 0.
     limit = 4.0

@@ -24,6 +24,8 @@ def _qkv(dtype, n=2, length=16, heads=3, c=8, seed=0):
                  .astype(dtype) for k in ks)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_fused_attention_has_the_models_layout_and_scale():
     q, k, v = _qkv(jnp.float32)
     # The function cuDNN's kernel implements, in JAX's own composition, against ours.
@@ -95,6 +97,8 @@ def test_config_validation_names_the_backend_flag(field, value):
         configs.validate(c)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_grads_in_the_stored_layout_are_the_same_values_and_reach_the_step():
     tree = {"w": jnp.arange(2 * 3 * 4 * 5, dtype=jnp.float32).reshape(2, 3, 4, 5),
             "gain": jnp.float32(2.0), "b": jnp.ones((3,))}

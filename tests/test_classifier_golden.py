@@ -166,6 +166,8 @@ def _half_unit_of_third_digit(x: float) -> float:
     return 0.5 * 10.0 ** (math.floor(math.log10(abs(x))) - 2)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_shipped_classifier_cls_metrics_match_the_golden_values(shipped):
     train, test, clf, acc = shipped
     golden = json.loads(GOLDEN.read_text())
@@ -223,6 +225,8 @@ def test_a_tampered_weights_file_is_refused(shipped, tmp_path, monkeypatch):
     assert classifier.load_weights(str(src), classifier.FASHION_MNIST.sha256).test_accuracy > 0.85
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_another_data_set_trains_and_caches_its_own_classifier(tmp_path):
     from tests.test_train import make_image_folder
     folder = make_image_folder(tmp_path / "data", n=32)

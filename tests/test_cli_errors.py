@@ -360,6 +360,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_refused_with_one_line_before_any_work(case, tmp_path, tmpfs, netdir):
     args, env, words, root = CASES[case](tmp_path, tmpfs, netdir)
     before = tree(root)

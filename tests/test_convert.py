@@ -68,6 +68,8 @@ def assert_matches_release(D, logvar, ref):
 # --- golden parity ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind,label_dim", [("cond", 10), ("uncond", 0)])
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_converted_golden_reproduces_release_outputs(kind, label_dim):
     path = golden(kind)
     sd = P.load_state_dict(path)
@@ -178,6 +180,8 @@ def release_attention_block(x, sd, heads, balance=0.3):
     return ((1 - balance) * x + balance * y) / math.sqrt((1 - balance) ** 2 + balance**2)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_qkv_interleaving_survives_conversion_with_four_heads():
     c, cemb, cph = 64, 32, 16                                          # 4 heads
     rng = np.random.default_rng(0)

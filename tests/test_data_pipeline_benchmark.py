@@ -40,6 +40,8 @@ def test_standin_data_set_reads_back_as_written(tmp_path):
     assert not (tmp_path / "d.zip.part").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_command_measures_each_loader_of_each_kind(tmp_path, capsys):
     """One call: for PNGs and their raw conversion, the thread baseline and the worker
     processes (raw: also gathered in-process), img/s, per-core img/s and memory per row,

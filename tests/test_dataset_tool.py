@@ -331,6 +331,8 @@ def test_training_eval_and_sweep_need_the_vae_for_latent_runs(tmp_path):
         sigma_sweep.main_sweep(str(run), [0.05], metrics="fid", num_images=4, ref="x.pkl")
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_training_eval_decodes_a_latent_run(tmp_path, monkeypatch, standin_inception_weights):
     """Evaluation during training (config.eval.*) of a latent run: samples and reference
     latents decoded by config.eval.vae, a finite metric under eval/."""
@@ -401,6 +403,8 @@ def test_latent_data_without_vae_and_ref_of_latents_are_refused(tmp_path):
                            ref=None, data_config=None, vae_path=vae_dir)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_decode_writes_the_vae_decodes_as_pngs(tmp_path):
     """decode --mean: each PNG is vae.decode of the stored mean (scaled), labels kept;
     a draw (--seed) differs from the mean and is reproducible."""

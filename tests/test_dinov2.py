@@ -225,6 +225,8 @@ def test_pos_embed_resampling_matches_official_torch_call():
 
 # ---------------------------------------------------------------------------- network
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_tiny_dinov2_features_match_timm(tiny):
     """Features of uint8 images through the whole path (file read without torch,
     preprocessing, pos-embed resampling, 2 blocks, final norm, class token) equal timm's

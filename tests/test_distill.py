@@ -201,6 +201,8 @@ def test_sampler_traces_the_student_once_and_evaluates_it_at_each_segment_start(
                                rtol=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_trained_student_lands_on_the_ideal_student():
     """A per-grid-point affine student x0_hat = alpha_i x + beta_i (the ideal student's
     form on Gaussian data), trained on the distillation objective with an exact teacher

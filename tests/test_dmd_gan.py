@@ -284,6 +284,8 @@ def dmd_config(**distill):
                         "sigma_max": 2.5, "rho": 7.0, "fake_lr": 0.02, **distill}}
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_the_head_adds_its_entries_draws_and_generator_steps(tiny_net):
     _, v = tiny_net
     off = objectives.from_config(dmd_config())

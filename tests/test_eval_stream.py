@@ -262,6 +262,8 @@ def test_partial_state_is_loaded_only_for_the_same_settings(tmp_path):
     assert not os.path.exists(path)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_guidance_interval_preset_and_outdir_reach_the_stream(setup, tmp_path, monkeypatch):
     """What `modes/evaluate.py` passes (`preset`, `outdir`, the guide, guidance and
     `guidance_interval`) reaches `generate_images`: the PNGs are its images for those

@@ -77,6 +77,8 @@ def _stopped_at_2(full_run, tmp_path) -> Path:
     return run
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_corrupt_checkpoint_falls_back_and_unfinished_one_is_ignored(full_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(full_run["run"], run)
@@ -104,6 +106,8 @@ def test_corrupt_checkpoint_falls_back_and_unfinished_one_is_ignored(full_run, t
 
 # Orbax's background thread, cut short by the error, leaves an event loop to be collected.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_disk_full_while_saving_is_an_error_and_keeps_earlier_checkpoints(
         full_run, tmp_path, monkeypatch):
     """Every file write of Orbax fails with ENOSPC from the step-4 save on: the run raises
@@ -131,6 +135,8 @@ def test_disk_full_while_saving_is_an_error_and_keeps_earlier_checkpoints(
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_a_failed_asynchronous_save_is_reported_at_the_next_step(full_run, tmp_path,
                                                                   monkeypatch):
     """8 steps, checkpoints every 2; every Orbax file write fails with ENOSPC from the
@@ -466,6 +472,8 @@ def test_diverged_run_names_its_newest_healthy_checkpoint_and_is_rescued(full_ru
     assert r["finished"] and _steps(run) == [2, 4, 6]  # continued from 4, not from 2
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_all_checkpoints_corrupt_is_an_error_every_time_until_start_over(full_run, tmp_path):
     from edm2_jax.run import checkpoints
     run = tmp_path / "run"

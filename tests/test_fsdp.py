@@ -225,6 +225,8 @@ def _run_mesh_cases(reference, tmp_path_factory, cases: list[int]) -> dict:
 
 
 @pytest.mark.parametrize("case", CASE_PARAMS)
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_step_on_8_devices_equals_single_device(reference, mesh_cases, case):
     """Two steps on 8 devices (data parallel, FSDP, both, with 2 micro-batches) give the
     single-device weights, Adam state and EMAs to float32 summation-order error:
@@ -305,6 +307,8 @@ def dmd_config():
     return config
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_fsdp_splits_every_network_of_a_dmd_state(tmp_path):
     """On 8 devices with fsdp 8, every array of a DMD train state with an axis divisible
     by 8 is split 8 ways along `fsdp_spec`'s axis, in the generator's params, Adam

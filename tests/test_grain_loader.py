@@ -107,6 +107,8 @@ def test_the_stream_is_its_definition_bit_for_bit_with_0_1_2_worker_processes(pn
     assert not loader_workers()
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_latent_draws_are_the_same_in_worker_processes(tmp_path):
     """Latents (the img512 presets' data): each position's own draw, in 2 workers."""
     path = data_pipeline.write_standin(str(tmp_path / "lat.zip"), 10, 4, 3, latents=True)
@@ -204,6 +206,8 @@ def test_a_file_that_fails_to_decode_in_a_worker_is_one_error_line_naming_it(tmp
     assert not loader_workers()
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_a_worker_that_dies_is_one_error_naming_the_data_set_never_a_hang(pngs):
     src = data.ImageFolder(pngs)
     it = data.make_iterator(src, global_batch=G, seed=SEED, num_workers=2)

@@ -106,6 +106,8 @@ def _train_flags(tiny_run) -> list[str]:
 
 @pytest.mark.parametrize("overrides", [[], ["--config.total_kimg=1"],
                                        ["--config.total_kimg=1", "--config.optim.ref_lr=0.1"]])
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_missing_config_file_is_one_line_with_or_without_overrides(tmp_path, overrides):
     missing = tmp_path / "nope.py"
     r = run_cli(f"--config={missing}:tiny", f"--workdir={tmp_path / 'run'}", *overrides)
@@ -120,6 +122,8 @@ def test_missing_config_file_is_one_line_with_or_without_overrides(tmp_path, ove
 
 
 @pytest.mark.parametrize("cut", ["largest_array_file", "manifest"])
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_truncated_snapshot_is_refused_by_phema_and_generate_naming_the_fix(tiny_run, tmp_path,
                                                                             cut):
     """The largest array file of snapshot 4 cut to 1000 bytes, or its OCDBT manifest cut
@@ -151,6 +155,8 @@ def test_truncated_snapshot_is_refused_by_phema_and_generate_naming_the_fix(tiny
     assert _sums(run) == before
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_truncated_checkpoint_is_refused_by_generate_naming_the_fix(tiny_run, tmp_path):
     """The largest array file of checkpoint 4 cut to 1000 bytes: `--mode=generate
     --net=RUN` ends with one `error:` line naming the checkpoint and the fix (the
@@ -452,6 +458,8 @@ def test_a_network_json_without_its_integrity_record_is_refused(network, tmp_pat
 # Orbax's step metadata missing
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_missing_step_metadata_brings_no_orbax_warning(tiny_run, tmp_path):
     """Both checkpoints without `_CHECKPOINT_METADATA` and without the run's own copy of
     their records: the trainer sets each aside with one line and ends with one `error:`

@@ -116,6 +116,8 @@ def _denoiser_float64(net, variables, x, sigma, labels):
     return lambda x, s: _eval_float64(closed.jaxpr, closed.consts, x, s)[0]
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_tangent_is_the_derivative_of_the_denoiser_float64_central_differences(tiny):
     """dD against central differences of the same network in float64.
 
@@ -317,6 +319,8 @@ def test_a_reverse_only_kernel_refuses_jvp_and_its_forward_mode_set_traces():
 
 
 @pytest.mark.parametrize("name", ["cpu", "cpu-matmul", "bytes"])
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_every_backend_computes_the_same_tangent(tiny, name):
     kernels = {"cpu": backends.select("cpu").kernels,
                "cpu-matmul": backends.select("cpu", cpu_conv_grad="matmul").kernels,

@@ -96,6 +96,8 @@ def test_operation_is_the_majority_of_a_kernels_op_names(names, want):
     assert kernel_map.operation_of(names) == want
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_the_training_step_names_its_parts():
     """The step's lowered program carries the named scopes the join reads."""
     import gpu_table

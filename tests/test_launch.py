@@ -55,6 +55,8 @@ def test_dry_run_prints_the_command():
     assert r.returncode == 0 and "pip install" not in r.stdout and "edm2_jax.main" in r.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_dry_run_prints_the_compute_dtype():
     """The presets' 'auto' (bfloat16 on GPU/TPU), an explicit override, Fashion-MNIST's
     float32; each line before the command."""
@@ -131,6 +133,8 @@ def test_dry_run_names_the_compilation_cache_and_the_pod_workers_get_it():
     assert "EDM2_JAX_COMPILATION_CACHE" not in train
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_tpu_dry_run_plans_the_run_for_its_slice():
     """With --type, the TPU dry run runs --mode=plan for that slice after the commands
     (a slice name it does not know: one error line, exit status 1); without, it says how."""

@@ -139,6 +139,8 @@ def test_forced_weight_normalisation_matches_release(golden):
     assert err <= 1e-5, f"forced WN differs at {where}: {err:.2e}"
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_loss_per_element_and_objective_match_release(golden, golden_step, golden_written_out):
     d = golden["d"]
     ref = d["out/loss"].transpose(0, 2, 3, 1)

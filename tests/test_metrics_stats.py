@@ -227,6 +227,8 @@ def tiny_classifier(fmnist, tmp_path_factory):
     return clf, acc, cache, config
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_classifier_learns_fashion_mnist_well_above_chance(tiny_classifier):
     clf, acc, _, _ = tiny_classifier
     assert acc > 0.5  # 10 classes: chance is 0.1; 20 Adam steps on 2000 images
@@ -250,6 +252,8 @@ def test_classifier_cache_loads_without_training(tiny_classifier, fmnist, monkey
                                   config=classifier.TrainConfig(epochs=2, batch_size=100))
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_classifier_training_shows_a_bar_with_its_eta(capsys):
     """The classifier's training (minutes on a CPU, the first time `cls` is measured) is a
     progress bar over all its steps with an ETA, not a silence between epoch lines."""

@@ -39,6 +39,8 @@ def set_gains(params, value):
 
 # --- MP primitives -------------------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_normalize_gives_unit_rms_over_axes():
     x = 3.7 * jax.random.normal(jax.random.PRNGKey(1), (4, 5, 6, 7))
     y = mp.normalize(x, axis=(1, 2))

@@ -258,6 +258,8 @@ def test_an_eval_row_with_a_nan_figure_is_refused_and_nothing_is_appended(tmp_pa
 # A command never replaces a file it did not write
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_generate_refuses_a_grid_that_exists_before_any_work(tmp_path):
     import PIL.Image
     grid = tmp_path / "run" / "samples" / "000000000256.png"   # a run's own sample grid
@@ -269,6 +271,8 @@ def test_generate_refuses_a_grid_that_exists_before_any_work(tmp_path):
     assert grid.read_bytes() == before
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_ref_refuses_statistics_that_exist_before_any_work(tmp_path):
     ref = tmp_path / "existing.pkl"
     ref.write_bytes(b"statistics")
@@ -277,6 +281,8 @@ def test_ref_refuses_statistics_that_exist_before_any_work(tmp_path):
     assert ref.read_bytes() == b"statistics"
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_a_name_longer_than_the_file_system_allows_is_one_line_before_any_work(tmp_path):
     long = tmp_path / ("x" * 300)
     r = run_cli("--mode=generate", f"--net={tmp_path / 'no-such-net'}", f"--outdir={long}")

@@ -247,6 +247,8 @@ def assert_reconstructed(got, want, snaps, *weights) -> None:
     assert err <= atol, (err, atol)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_reconstructed_ema_equals_the_tracked_ema(tiny_run):
     """The paper's claim (Sec. 3.2): sigma_rel 0.075, tracked but never given to the
     solver, is reconstructed from the 0.05 / 0.10 snapshots; the error shrinks as the

@@ -79,6 +79,8 @@ def test_a_network_naming_a_module_not_allowed_is_refused_importing_nothing(tmp_
         sys.modules.pop("payload_mod", None)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_the_command_line_refuses_a_stranger_network_in_one_line(tmp_path):
     """The same refusal from `--mode=generate`: exit 1, one `error:` line, no traceback,
     and the module's code never ran."""

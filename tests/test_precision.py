@@ -87,6 +87,8 @@ def _report(bad):
 
 
 @pytest.mark.parametrize("kernels,batch_per_device", [("xla", 0), ("xla", 4), ("cpu", 0)])
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_bf16_training_step_runs_every_conv_and_matmul_in_bf16(kernels, batch_per_device):
     jaxpr = _step_jaxpr(_config("bfloat16", kernels, batch_per_device))
     ops = precision.matmuls(jaxpr)
@@ -145,6 +147,8 @@ def _conv_float32_result(x, w):
         preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_audit_finds_a_float32_result_and_its_float32_backward():
     config = _config("bfloat16")
     net = precond_from_config(config.network.to_dict(),

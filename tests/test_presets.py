@@ -159,6 +159,8 @@ def _mtimes(folder: Path) -> dict:
     return {str(p): p.stat().st_mtime_ns for p in folder.rglob("*")}
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_every_preset_resolves_converting_each_pickle_once(models, count_conversions):
     files = {f for p in presets.PRESETS.values() for f in p.files}
     for name, p in presets.PRESETS.items():
@@ -223,6 +225,8 @@ def test_a_killed_conversion_is_redone(tmp_path, monkeypatch):
     assert (r.net_path, r.guide_path) == (str(net_cache), str(guide_cache))
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_missing_pickle_is_one_error_line_naming_it(tmp_path):
     p = presets.PRESETS["edm2-img64-s-autog-fid"]
     write_models(tmp_path, [p.net])
@@ -237,6 +241,8 @@ def test_missing_pickle_is_one_error_line_naming_it(tmp_path):
         presets.get("edm2-img64-s-fdi")
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_list_presets_prints_every_preset():
     r = subprocess.run([sys.executable, "-m", "edm2_jax.main", "--list_presets"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)

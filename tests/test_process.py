@@ -181,6 +181,8 @@ def test_sampling_modes_split_the_cpu_instead_of_the_ynn_flag():
 
 
 @pytest.mark.skipif(not GLIBC_LINUX, reason="the re-exec is for Linux with glibc")
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_a_training_start_prints_its_first_line_once_before_importing_jax(tmp_path):
     """`python -m edm2_jax.main` (re-executing itself for the allocator) prints the
     start line once, in the re-executed process, before JAX is imported (`-X importtime`

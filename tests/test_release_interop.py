@@ -104,6 +104,8 @@ def _check_coefficients(meta, case, j):
     np.testing.assert_allclose(meta["weights"], np.asarray(case["coefs"])[:, j], rtol=0, atol=1e-9)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_release_run_directory_is_phema_input_as_the_release_reads_it(release_run, tmp_path):
     """The release lists the 14 files (0 kimg included) and uses the 12 after nimg 0 for
     the last time, 6144 = 6Ki; we find the same inputs and times and solve for the same

@@ -142,6 +142,8 @@ def _one_error(r: subprocess.CompletedProcess, pattern: str, compiles: bool = Fa
     ("both", False, r"has no integrity record"),   # not trusted, even if intact
     ("orbax", False, None),                        # intact, checked by the run's copy
 ])
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_checkpoint_whose_record_is_lost_is_checked_or_set_aside(full_run, tmp_path, capsys,
                                                                  lost, flipped, set_aside):
     run = _copy(full_run, tmp_path)
@@ -188,6 +190,8 @@ def test_records_that_disagree_are_not_trusted(full_run, tmp_path, capsys):
     assert _equal(_restore(run, 4)[1], full_run["final"])
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_cli_no_checkpoint_with_a_record_exits_1_naming_start_over(full_run, tmp_path,
                                                                    xla_cache):
     """Both checkpoints without records and flipped: exit 1 naming start_over; nothing
@@ -349,6 +353,8 @@ def test_sample_grids_below_1_kimg_are_all_kept(full_run):
     assert layout.samples_path_at("w", 2_147_483_648) == "w/samples/002147483648.png"
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_cli_generate_from_a_healthy_run_prints_no_orbax_warning(full_run, tmp_path,
                                                                  xla_cache):
     run = _copy(full_run, tmp_path)

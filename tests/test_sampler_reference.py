@@ -67,6 +67,8 @@ def _tol(noise, x, nets, guided):
                           np.abs(x).max())
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_unguided_sampler_equals_algorithm_1(nets):
     (net, v), _, _ = nets
     fast, ref, noise = _both(make_denoiser(net, v))

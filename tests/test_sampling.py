@@ -98,6 +98,8 @@ def test_denoiser_is_evaluated_2N_minus_1_times_under_jit():
     np.testing.assert_allclose(calls, expected, rtol=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_churn_keeps_the_data_distribution():
     # Stochastic sampling with the exact denoiser still ends at N(0, s^2): adding
     # sqrt(t_hat^2 - t^2) of noise moves x exactly from noise level t to t_hat.
@@ -148,6 +150,8 @@ def _load_release_net(kind):
 
 
 @pytest.mark.parametrize("key, guidance", [("out/x_plain", 1.0), ("out/x_guided", 1.4)])
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_matches_release_sampler(key, guidance):
     d = np.load(golden("edm2_ref/sampler_tiny.npz"))
     assert int(d["cfg/num_steps"]) == 8 and (key == "out/x_plain" or d["cfg/guidance"] == guidance)

@@ -94,6 +94,8 @@ def test_a_stop_between_status_points_logs_what_an_uninterrupted_run_logs(
         _tensorboard_scalars(full / "tb")["loss/loss"]
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_resume_from_an_older_checkpoint_keeps_one_row_per_step(tmp_path, xla_cache):
     """4 steps with a status line at every step and checkpoints at 2 and 4; checkpoint 4
     lost (a kill after the status line of step 4, before its checkpoint), the rerun

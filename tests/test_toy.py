@@ -48,6 +48,8 @@ def test_log_prob_is_a_normalised_density(mix):
         assert abs(mass - 1) < 0.01, (cls, mass)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_ideal_denoiser_is_the_posterior_mean(mix):
     # Tweedie: E[x0 | x] from the closed form equals a Monte-Carlo posterior mean near a
     # branching point, where the posterior is far from Gaussian.
@@ -63,6 +65,8 @@ def test_ideal_denoiser_is_the_posterior_mean(mix):
     assert np.linalg.norm(mc - exact) < 0.02, (mc, exact)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_untrained_denoiser_is_c_skip_x():
     net = denoiser.ToyDenoiser(label_dim=2)
     variables = denoiser.init_denoiser(net, jax.random.PRNGKey(0))

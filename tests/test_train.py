@@ -237,6 +237,8 @@ def test_global_norm_by_hand_in_one_reduction():
 
 
 @pytest.mark.parametrize("kernels", ["cpu", "xla"])
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_step_logs_each_norm_in_the_backends_form(two_steps, kernels):
     """grad_norm, update_norm and param_norm: on the 'cpu' backend each is one reduction
     reading every parameter (XLA:CPU runs one faster than hundreds); on 'xla' (GPU, TPU) a
@@ -412,6 +414,8 @@ def _fresh_copy(runs, tmp_path) -> Path:
     return dst
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_run_writes_its_outputs(runs):
     full = runs["full"]
     assert runs["r_full"]["finished"] and runs["r_full"]["step"] == 4
@@ -432,6 +436,8 @@ def test_run_writes_its_outputs(runs):
     assert _worst(ema, state["ema"]) == 0
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_resume_is_bitwise_identical(runs, monkeypatch):
     """Stopping after 2 steps and resuming (with a larger total_kimg, which may change)
     ends in exactly the state of the uninterrupted run; a finished run does nothing."""

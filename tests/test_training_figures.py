@@ -66,6 +66,8 @@ def data(tmp_path_factory, xla_cache):
 # Status lines independent of the checkpoint cadence
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_logged_loss_does_not_depend_on_the_checkpoint_cadence(data, tmp_path):
     """6 steps, a status line every 3: checkpoints every step or only at the end give
     the same logged loss (the mean of the 3 steps) at steps 3 and 6."""

@@ -147,6 +147,8 @@ def test_encode_and_decode_match_diffusers(saved):
     assert len(np.unique(pixels)) > 50  # not clamped flat
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_decode_batches_give_the_same_images(small):
     """Decoding in chunks (the last one padded) gives each image as decoded alone."""
     _, folder = small
@@ -390,6 +392,8 @@ def test_wrong_encoder_for_the_data_names_the_fix(tmp_path):
         data.make_source(dict(source="folder", path=lat, encoder="latent"))
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s or more on 2 cores: CI runs it after the quick suite
 def test_pipeline_draws_latents_per_image_per_step(tmp_path):
     """Each batch entry is `encode_latents(raw, N(0,1))` of the image at its stream
     position, with the position's own draw: the same image gets a new draw in the next
