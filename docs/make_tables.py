@@ -44,6 +44,7 @@ def _row(cells: list[str]) -> str:
 def readme_headline(r: dict) -> list[str]:
     """README.md's results: parity, speed, quality, few-step, each with where it is measured."""
     v = {k: e["values"] for k, e in r.items()}
+    teacher = v["teacher-shipped"]
     return [
         _row(["result", "figure", "measured in"]),
         _row(["---"] * 3),
@@ -60,9 +61,8 @@ def readme_headline(r: dict) -> list[str]:
               "[`benchmarks/README.md`](benchmarks/README.md#gpu)"]),
         _row([f"quality: the quick start's run ({v['quickstart-train']['kimg']} kimg, "
               f"{v['quickstart-train']['wall']} on 2 CPU cores), 2,000 images",
-              f"fd_cls {v['teacher-shipped']['fd_cls']}, recall "
-              f"{v['teacher-shipped']['recall_cls']}, "
-              f"FID-2000 {v['teacher-shipped']['fid2000']} (floor: {v['floor']['fd_cls']}, "
+              f"fd_cls {teacher['fd_cls']}, recall {teacher['recall_cls']}, "
+              f"FID-2000 {teacher['fid2000']} (floor: {v['floor']['fd_cls']}, "
               f"{v['floor']['recall_cls']}, {v['floor']['fid2000']})",
               "[`docs/evaluation.md`](docs/evaluation.md#classifier-metrics-for-small-data)"]),
         _row(["few-step students of that run (fd_cls, recall)",
@@ -135,7 +135,13 @@ def doc_files() -> list[Path]:
 
 
 def render(text: str, r: dict) -> str:
-    """`text` with every marked table and value written from `r`."""
+    """`text` with every marked table and value written from `r`. Raises ValueError on a
+    value mark `VALUE` cannot read (its text would never be checked), KeyError on a mark
+    naming no table or entry."""
+    unread = text.count("<!--v ") - len(VALUE.findall(text))
+    if unread:
+        raise ValueError(f"{unread} value mark(s) not of the form "
+                         f"<!--v ENTRY.KEY-->...<!--/v--> on one line")
     def table(m):
         if m.group(2) not in TABLES:
             raise KeyError(f"no table {m.group(2)!r}; tables: {sorted(TABLES)}")

@@ -9,6 +9,8 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("make_tables", REPO / "docs" / "make_tables.py")
 make_tables = importlib.util.module_from_spec(_spec)
@@ -69,3 +71,6 @@ def test_every_value_mark_is_one_the_script_writes():
     for p in make_tables.doc_files():
         text = p.read_text()
         assert text.count("<!--v ") == len(make_tables.VALUE.findall(text)), p
+    with pytest.raises(ValueError, match="value mark"):
+        make_tables.render("a <!--v teacher.fd_cls-->5<!--/v--> and <!--v teacher.fd cls-->",
+                           make_tables.load())
