@@ -172,8 +172,10 @@ def _gan(c, variant: str):
 def _scm(c, variant: str):
     """Continuous-time consistency (objectives/scm.py) on Fashion-MNIST: 2 steps, sCD
     through t_mid = 1.45 (sigma 4.1: objectives/scm.py's default, the paper's 1.1,
-    measures worse here, results entry `scm-t-mid`), sCT through 1.1; 48 kimg at batch
-    64 at a constant 1e-3 (the teacher's 0.01 / 10), the tangent warmed up over the
+    measures worse here, results entry `scm-t-mid`), sCT through 1.1; batches of 64 at
+    1e-3 (the teacher's 0.01 / 10), sCD for 192 kimg with the rate decaying as 1/sqrt(t)
+    from 48 kimg (t_ref = 750 batches; to half of it at 192), sCT for 48 kimg at a
+    constant rate; the tangent warmed up over the
     first 2 kimg (the paper's 10k of 200k-400k iterations is 2.5-5 % of its training; a
     short run takes more), normalised by its RMS with the error weighted by 1 / sigma
     (NVlabs/FastGen's settings; with the paper's L2 norm the tangent grows at these
@@ -189,10 +191,13 @@ def _scm(c, variant: str):
         c.distill.warmup_kimg = 0.064
         return c
     c.distill.warmup_kimg = 2.0
-    if variant == "scm":
-        c.distill.t_mid = 1.45
     c.optim.update(ref_lr=0.001, t_ref=0)
     c.total_kimg = 48
+    if variant == "scm":
+        c.distill.t_mid = 1.45
+        c.optim.t_ref = 750
+        c.total_kimg = 192
+        c.snapshot_kimg = c.checkpoint_kimg = 32
     return c
 
 

@@ -375,8 +375,9 @@ def test_the_scm_configs_validate():
     """configs/distill.py:scm, :scm-tiny, :sct and :scm-<preset> for every release
     preset are valid 2-step sCM configs: sCT only for 'sct'; the presets with the paper's
     proposal (img64: -1.0, 1.6; img512: -0.8, 1.6), c = 0.1, warmup 10k steps of 2048
-    images, the learning rate 1/100 of the teacher's; 'scm' and 'sct' at a constant 1/10
-    of the teacher's rate for 48 kimg, the RMS-normalised tangent and the 1 / sigma weight,
+    images, the learning rate 1/100 of the teacher's; 'scm' and 'sct' at 1/10 of the
+    teacher's rate, 'scm' for 192 kimg decaying from 48 kimg (t_ref 750 batches of 64),
+    'sct' constant for 48 kimg, the RMS-normalised tangent and the 1 / sigma weight,
     sampled through t_mid 1.45 ('scm') and 1.1 ('sct')."""
     from edm2_jax.model import presets
     from tests.test_train import _config_file
@@ -390,7 +391,9 @@ def test_the_scm_configs_validate():
         if variant in ("scm", "sct"):  # the teacher's 0.01 / 10 (configs/fashion_mnist.py)
             teacher = _config_file("fashion_mnist", "default").optim.ref_lr
             assert c.optim.ref_lr == pytest.approx(teacher / 10, rel=1e-9), variant
-            assert c.optim.t_ref == 0 and c.total_kimg == 48, variant
+            length = (750, 192) if variant == "scm" else (0, 48)
+            assert (c.optim.t_ref, c.total_kimg) == length, variant
+            assert c.batch_size == 64, variant
             assert (c.distill.tangent_norm, c.distill.prior_weighting) == ("rms", True)
             # The run's own sampler: sCD through t_mid 1.45 (results entry scm-t-mid),
             # sCT through the paper's 1.1.
