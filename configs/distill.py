@@ -181,9 +181,9 @@ def _scm(c, variant: str):
     (NVlabs/FastGen's settings; with the paper's L2 norm the tangent grows at these
     rates), and a wide proposal, P_mean 0.4, P_std 2.0, which trains the large noise
     levels the first step starts from (the CIFAR-10 proposal, -1.0, 1.4, leaves them as
-    the teacher had them). Measured: results entries `scm-1`, `scm-2`, `sct-2`,
-    `scm-t-mid` and `scm-settings` (docs/results.json). 'sct': the same as sCT, started
-    from the network `distill.teacher` names."""
+    the teacher had them). Measured: results entries `scm-1`, `scm-2`, `scm-length`,
+    `sct-2`, `scm-t-mid` and `scm-settings` (docs/results.json). 'sct': the same as sCT,
+    started from the network `distill.teacher` names."""
     configs.with_objective(c, "scm")
     c.distill.update(steps=2, P_mean=0.4, P_std=2.0, training=variant == "sct",
                      tangent_norm="rms", prior_weighting=True)
@@ -191,13 +191,13 @@ def _scm(c, variant: str):
         c.distill.warmup_kimg = 0.064
         return c
     c.distill.warmup_kimg = 2.0
-    c.optim.update(ref_lr=0.001, t_ref=0)
-    c.total_kimg = 48
-    if variant == "scm":
+    c.optim.ref_lr = 0.001
+    if variant == "scm":  # sCD: 192 kimg, the rate decaying from 48 kimg
         c.distill.t_mid = 1.45
-        c.optim.t_ref = 750
-        c.total_kimg = 192
+        c.optim.t_ref, c.total_kimg = 750, 192
         c.snapshot_kimg = c.checkpoint_kimg = 32
+    else:  # sCT: 48 kimg at a constant rate
+        c.optim.t_ref, c.total_kimg = 0, 48
     return c
 
 
