@@ -185,9 +185,10 @@ def non_finite_fields(c, prefix: str = "") -> list[tuple[str, object]]:
     return out
 
 
-def validate(c: ml_collections.ConfigDict) -> None:
-    """Raise ValueError naming the field and a valid value for a config that cannot
-    train (checked before anything is written or compiled)."""
+def validate(c: ml_collections.ConfigDict) -> objectives.Objective:
+    """The objective of `c`, its settings checked (`objectives.check_config`), once every
+    section of `c` is checked: raises ValueError naming the field and a valid value for a
+    config that cannot train (checked before anything is written or compiled)."""
     def need(ok: bool, field: str, what: str):
         if not ok:
             value = c
@@ -252,7 +253,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
              f"one of {', '.join(gpu_backend.CLIP_MASKS)}")
         need(str(b.get("grad_layout", "xla")) in gpu_backend.GRAD_LAYOUTS,
              "backend.grad_layout", f"one of {', '.join(gpu_backend.GRAD_LAYOUTS)}")
-    objectives.check_config(c)
+    objective = objectives.check_config(c)
     n = c.network
     need(isinstance(n.model_channels, int) and not isinstance(n.model_channels, bool)
          and n.model_channels > 0, "network.model_channels",
@@ -266,6 +267,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
          "a probability in [0, 1), e.g. 0.1 (0 = no dropout)")
     need(str(c.network.dtype) in DTYPES, "network.dtype",
          f"one of {', '.join(DTYPES)} (auto: bfloat16 on GPU/TPU, float32 on CPU)")
+    return objective
 
 
 def compute_dtype(dtype: str, platform: str, recorded: str | None = None) -> str:

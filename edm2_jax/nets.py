@@ -45,18 +45,18 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
     """
     variables, desc, net_config = _read(path, ema)
     net = precond_from_config(net_config())
-    check_shapes(net, variables, desc)
+    check_shapes(jax.eval_shape(lambda r: init_variables(net, r), jax.random.PRNGKey(0)),
+                 variables, desc)
     return net, variables, desc
 
 
-def check_shapes(net: Precond, variables: dict, what: str) -> None:
+def check_shapes(want: dict, variables: dict, what: str) -> None:
     """Raise IntegrityError naming `what`, the first arrays and both shapes when the
-    arrays of `variables` (`{'params', 'buffers'}`) are not those the network `net`
-    builds (`jax.eval_shape` of its initialisation, nothing allocated): a `.zarray`
-    whose shape was edited (transposed, say) reads bytes the checksums accept as the
-    wrong tensor."""
-    want = jax.eval_shape(lambda r: init_variables(net, r), jax.random.PRNGKey(0))
-
+    arrays of `variables` (`{'params', 'buffers'}`) are not of the shapes of `want`
+    (the same collections of the network its config builds, as arrays or
+    `jax.ShapeDtypeStruct`s: `jax.eval_shape` of its initialisation, nothing allocated):
+    a `.zarray` whose shape was edited (transposed, say) reads bytes the checksums
+    accept as the wrong tensor."""
     def shapes(tree) -> dict:
         return {"/".join(str(getattr(k, "key", k)) for k in p): tuple(np.shape(x))
                 for p, x in jax.tree_util.tree_leaves_with_path(tree)}
@@ -76,7 +76,8 @@ def load_variables(path: str, ema: str | None = None) -> tuple[dict, str]:
     """`(variables, description)` of any checkpoint kind (see module doc): its arrays
     (`{'params', 'buffers'}`, checked against their checksums), without building its
     network or checking their shapes (`load_net` does both; a caller that builds the
-    network itself checks them against it: `check_shapes`). Raises as `load_net` does."""
+    network itself checks them against its shapes: `check_shapes`). Raises as `load_net`
+    does."""
     variables, desc, _ = _read(path, ema)
     return variables, desc
 

@@ -338,7 +338,7 @@ def test_training_eval_decodes_a_latent_run(tmp_path, monkeypatch, standin_incep
     latents decoded by config.eval.vae, a finite metric under eval/."""
     from edm2_jax import configs
     from edm2_jax.evaluation import metrics
-    from edm2_jax import nets
+    from edm2_jax import nets, objectives
     from edm2_jax.training.snapshot_outputs import TrainingEval
     vae_dir, net_path, data = _latent_setup(tmp_path)
     seen = []
@@ -347,7 +347,7 @@ def test_training_eval_decodes_a_latent_run(tmp_path, monkeypatch, standin_incep
     c = configs.base_config()
     c.data.update(data)
     c.eval.update(dict(metrics="fid", num_images=4, num_steps=2, batch_size=4, vae=vae_dir))
-    ev = TrainingEval(c, log=False)
+    ev = TrainingEval(c, objectives.from_config(c), log=False)
     net, variables, _ = nets.load_net(net_path)
     out = ev(net, variables)
     assert np.isfinite(out["eval/fid4"])

@@ -403,13 +403,13 @@ def test_mode_ref_and_eval_wiring_for_fd_dinov2(tmp_path, monkeypatch):
 def test_eval_during_training_needs_vitl14_weights_before_any_step(tiny, monkeypatch):
     """`eval.metrics=fd_dinov2` fails when the evaluator is set up (before training),
     naming `eval.dinov2`; a DINOv2 file of another size is refused there too."""
-    from edm2_jax import configs
+    from edm2_jax import configs, objectives
     from edm2_jax.training.snapshot_outputs import TrainingEval
     monkeypatch.delenv(dv.WEIGHTS_ENV, raising=False)
     cfg = configs.base_config()
     cfg.eval.metrics = "fd_dinov2"
     with pytest.raises(FileNotFoundError, match="eval.dinov2=PATH"):
-        TrainingEval(cfg, log=False)
+        TrainingEval(cfg, objectives.from_config(cfg), log=False)
     cfg.eval.dinov2 = str(tiny[1])
     with pytest.raises(ValueError, match="ViT-L/14"):
-        TrainingEval(cfg, log=False)
+        TrainingEval(cfg, objectives.from_config(cfg), log=False)

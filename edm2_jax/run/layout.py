@@ -209,8 +209,9 @@ def write_config(workdir: str, config: dict) -> None:
 
 
 def read_config(workdir: str) -> dict | None:
-    """The run's config.json as a dict, or None when there is none."""
-    path = config_path(paths.normalize(workdir))
+    """The run's config.json as a dict, or None when there is none (`paths` normalises
+    the path as it reads)."""
+    path = config_path(workdir)
     if not paths.isfile(path):
         return None
     return json.loads(paths.read_text(path))

@@ -6,14 +6,14 @@
 
 `train_and_evaluate` takes the run's lock and the signal handlers and calls
 `training_loop`, one function that reads top to bottom under banners, as the release's
-function of that name does: set up (`setup.py`: the data, the run's config, the
-evaluation, the model), restore the train state (or initialise it), read the config
-once into the values the loop uses, then the loop over steps (the step of `step.py`,
-status line, EMA snapshot with its sample grid and evaluation, checkpoint, stop) and
-close. Its state is its own local variables; it calls libraries: when to report is
-`progress.py`'s, what a snapshot makes besides the EMAs (the sample grid, the evaluation)
-`snapshot_outputs.py`'s, what is written `edm2_jax.run`'s, the resume check and the advice
-after a divergence `resume.py`'s, preemption `preemption.py`'s.
+function of that name does: set up (`setup.py`: the data, the run's config, the model;
+`snapshot_outputs.py`: the evaluation), restore the train state (or initialise it), read
+the config once into the values the loop uses, then the loop over steps (the step of
+`step.py`, status line, EMA snapshot with its sample grid and evaluation, checkpoint,
+stop) and close. Its state is its own local variables; it calls libraries: when to report
+is `progress.py`'s, what a snapshot makes besides the EMAs (the sample grid, the
+evaluation) `snapshot_outputs.py`'s, what is written `edm2_jax.run`'s, the resume check
+and the advice after a divergence `resume.py`'s, preemption `preemption.py`'s.
 Nothing here asks which objective runs.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ def training_loop(config: ml_collections.ConfigDict, workdir: str, start: setup.
         # The run's record of its starts: config.json, else the copy the newest checkpoint
         # keeps, so that a config.json written again keeps every start's learning rate.
         recorded = resume.saved_config(workdir, quiet=True)
-        eval_key, evaluator = setup.setup_eval(config, start.objective, is_main)
+        eval_key, evaluator = snapshot_outputs.setup_eval(config, start.objective, is_main)
         num_devices = None if process_setup is None else process_setup.num_devices(
             int(config.batch_size), lambda d: step_lib.batch_splits(config, d))
         model = setup.setup_model(config, start, num_devices)
@@ -289,14 +289,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     CheckpointSaveError when a checkpoint cannot be written (e.g. disk full; the earlier
     ones are intact).
     """
-    configs.validate(config)  # before anything is written
+    objective = configs.validate(config)  # before anything is written
     # First, since jax.distributed installs its own SIGTERM handler (its preemption
     # notifier), which ours must replace.
     shard_lib.maybe_initialize_distributed()
     workdir = paths.normalize(workdir)  # a local path or a gs:// URL (paths.py)
     # The objective and the network it starts from, before the workdir is made: a teacher
     # that is not there leaves nothing behind.
-    start = setup.setup_objective(config, workdir)
+    start = setup.setup_objective(objective, workdir)
     outputs = layout.StartOutputs(workdir)  # a refused start removes what it made
     paths.makedirs(workdir)
     try:

@@ -1,15 +1,16 @@
 """The training loop's set-up steps, in the order `loop.training_loop` takes them,
 each failing before anything costly when its part of the config is wrong:
 
-    start = setup_objective(config, workdir)     # the objective, chosen once; its network
+    objective = configs.validate(config)         # the objective, chosen and checked once
+    start = setup_objective(objective, workdir)  # and the network it starts from
     source = setup_data(config)                  # the data: a broken dataset fails first
     config = run_config(config, workdir, start, source)   # the config, built once
-    eval_key, evaluator = setup_eval(config, start.objective, is_main)
     model = setup_model(config, start, num_devices)   # mesh, network, optimiser, shapes
     resume_step = effective_resume_step(int(config.resume_step), workdir)
     state, resumed, managers = restore_or_init(config, model, managers, resume_step)
 
-and the lines the loop prints of them (`network_line`, `restore_line`).
+and the lines the loop prints of them (`network_line`, `restore_line`); the evaluation's
+set-up, between the config and the model, is `snapshot_outputs.setup_eval`'s.
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ from edm2_jax import nets
 from edm2_jax.training import optim as optim_lib
 from edm2_jax.training import sharding as shard_lib
 from edm2_jax.training import step as step_lib
-from edm2_jax.training.snapshot_outputs import TrainingEval
 from edm2_jax.training.state import init_train_state, make_network
 
 
@@ -59,14 +59,13 @@ class Start:
         return self.network.path if self.network else None
 
 
-def setup_objective(config: ml_collections.ConfigDict, workdir: str) -> Start:
-    """The run's objective (`objectives.from_config`, checked) and the network config of
-    the network it starts from: for a run resumed in `workdir` (checkpoints and its
-    config.json there), the one config.json records, so that a resume needs nothing but
-    the run; else the network's own, from its metadata alone. Raises ValueError naming
-    the flag for bad settings, FileNotFoundError (naming the flag) where the network to
-    start from is not given or not there."""
-    objective = objectives.check_config(config)
+def setup_objective(objective: objectives.Objective, workdir: str) -> Start:
+    """The run's start: its `objective` (checked with the config: `configs.validate`) and
+    the network config of the network it starts from: for a run resumed in `workdir`
+    (checkpoints and its config.json there), the one config.json records, so that a
+    resume needs nothing but the run; else the network's own, from its metadata alone.
+    Raises ValueError (naming the flag) where the network to start from is not given,
+    FileNotFoundError (naming the flag) where it is not there."""
     network = objective.start()
     if network is None:  # from a fresh network (e.g. sCT without one named): say so
         line = objective.describe()
@@ -136,18 +135,6 @@ def run_config(config: ml_collections.ConfigDict, workdir: str, start: Start,
     return config
 
 
-def setup_eval(config: ml_collections.ConfigDict, objective: objectives.Objective,
-               is_main: bool) -> tuple[str | None, TrainingEval | None]:
-    """`(ema_key, evaluator)` of the evaluation at every snapshot (`config.eval`, sampled
-    with the objective's sampler), or `(None, None)` when none is wanted. The key is
-    checked on every process; only process 0 evaluates (`evaluator` None elsewhere).
-    Raises ValueError for a bad eval config."""
-    if not str(config.eval.metrics).strip():
-        return None, None
-    key = TrainingEval.ema_key_of(config)
-    return key, TrainingEval(config, objective) if is_main else None
-
-
 @dataclasses.dataclass(frozen=True)
 class Model:
     """What `setup_model` builds: the run's start (objective and initial network), the
@@ -197,8 +184,9 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Model,
     `resume_step`) on the model's shardings, checked against its integrity record
     (`checkpoints.TrainCheckpoints.restore_latest`), else a fresh state from `config.seed`
     (with the arrays of the network the run starts from, if any, checked against the
-    model's network: `nets.load_variables`, which first checks a run's or snapshot's
-    config.json against the copy that run keeps, `nets.check_shapes`).
+    shapes of the model's network in its train state: `nets.load_variables`, which first
+    checks a run's or snapshot's config.json against the copy that run keeps,
+    `nets.check_shapes`).
     When the run has checkpoints but none restores, or has lost them (snapshots and
     the records of its checkpoints left, `checkpoints/` empty), raises NoCheckpointError,
     unless
@@ -227,7 +215,8 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Model,
         role = start.network.role
         print(f"Loading the {role} {start.network.path}...", flush=True)
         variables, desc = nets.load_variables(start.network.path, start.network.ema or None)
-        nets.check_shapes(model.net, variables, desc)  # the network this run trains
+        nets.check_shapes({k: model.abstract_state[k] for k in ("params", "buffers")},
+                          variables, desc)  # the shapes of the network this run trains
         variables = jax.tree.map(np.asarray, dict(variables))
         print(f"{role.capitalize()}: {desc}", flush=True)
     init_fn = jax.jit(lambda r, v: init_train_state(config, model.net, model.tx, r, v,

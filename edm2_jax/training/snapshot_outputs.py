@@ -1,8 +1,8 @@
 """What a training run makes at each snapshot besides the EMAs: the sample grid of its
 largest EMA (`samples/<nimg>.png`, `SampleGrid`) and the evaluation during training (the
 `config.eval` metrics of images an EMA of the run generates, logged under `eval/` with
-the other stats: `TrainingEval`; the metrics themselves are
-`evaluation.metrics.Metrics`'), both sampled with the run's objective's sampler; the
+the other stats: `TrainingEval`, or none, as `setup_eval` decides at the run's start;
+the metrics themselves are `evaluation.metrics.Metrics`'), both sampled with the run's objective's sampler; the
 loop's snapshot calls `grid_and_eval`."""
 from __future__ import annotations
 
@@ -80,8 +80,8 @@ class TrainingEval:
     decodes a latent run's samples and reference latents to RGB before measuring;
     required when `data.encoder='sd-vae'`, refused otherwise).
 
-    `objective` (`edm2_jax.objectives`, default the config's): its sampler generates the
-    images, a distillation run's student's own few-step one.
+    `objective` (`edm2_jax.objectives`, the run's): its sampler generates the images, a
+    distillation run's student's own few-step one.
 
     Construction prepares the references (and trains the classifier once if it is not
     cached), so a config error or a missing dataset fails before the first step.
@@ -100,7 +100,7 @@ class TrainingEval:
                              f"(ema.sigma_rels={tracked}); pick one of them or 0 (largest)")
         return ema_lib.ema_key(sigma_rel)
 
-    def __init__(self, config: Any, objective: Any = None, log: bool = True):
+    def __init__(self, config: Any, objective: objectives.Objective, log: bool = True):
         e = config.eval
         self.num_images, self.num_steps = int(e.num_images), int(e.num_steps)
         self.batch_size, self.seed = int(e.batch_size), int(e.seed)
@@ -109,7 +109,6 @@ class TrainingEval:
         self.ema_key = self.ema_key_of(config)
         self.vae = self.vae_of(config)
         # The objective's sampler: a distillation run's student's own few-step sampler.
-        objective = objective or objectives.from_config(config)
         self.sampler = objective.sampler(self.num_steps)
         self.num_steps = self.sampler.num_steps
         t = time.time()
@@ -156,6 +155,18 @@ class TrainingEval:
         out = {f"eval/{k}": float(v) for k, v in res.items() if not k.startswith("time_")}
         out["eval/time_s"] = time.time() - t
         return out
+
+
+def setup_eval(config: Any, objective: objectives.Objective,
+               is_main: bool) -> tuple[str | None, TrainingEval | None]:
+    """`(ema_key, evaluator)` of the evaluation at every snapshot (`config.eval`, sampled
+    with the objective's sampler), or `(None, None)` when none is wanted. The key is
+    checked on every process; only process 0 evaluates (`evaluator` None elsewhere).
+    Raises ValueError for a bad eval config."""
+    if not str(config.eval.metrics).strip():
+        return None, None
+    key = TrainingEval.ema_key_of(config)
+    return key, TrainingEval(config, objective) if is_main else None
 
 
 def eval_line(nimg: int, ema_key: str, res: dict) -> str:
