@@ -246,8 +246,12 @@ def test_snapshot_with_one_copy_of_its_record_is_still_checked(full_run, tmp_pat
     _lose_records(run, "snapshots", 4, "orbax")
     [net] = reconstruct(str(run), [0.07], out_dir=str(tmp_path / "ok"), progress=False)
     assert Path(net).is_dir()  # intact: read through the run's copy
+    # The flipped bytes fall in compressed data: they decode to wrong values, which the
+    # run's copy of the record catches, or (where they hit a compressed block's header,
+    # as Orbax packed the arrays) the reader fails first; refused in one line either way.
     _finite_flip(run / "snapshots" / "4" / "ema")
-    with pytest.raises(integrity.IntegrityError, match=r"snapshots/4.*checksum mismatch"):
+    with pytest.raises(integrity.IntegrityError,
+                       match=r"snapshots/4.*(checksum mismatch|is unreadable)"):
         reconstruct(str(run), [0.07], out_dir=str(tmp_path / "bad"), progress=False)
 
 
