@@ -332,14 +332,13 @@ def network_checker(path: str) -> integrity.LeafChecker:
 
 
 def load_network(path: str) -> tuple[dict, dict, dict]:
-    """Read a directory written by `save_network`, `path` normalised as the callers'
-    entry makes it (`paths.normalize`; `nets.load_net` takes any path), as
-    `read_network_json` takes it.
+    """Read a directory written by `save_network`.
 
     Returns `(net_config, variables, meta)` with numpy leaves, checked against the
     checksums recorded in network.json and for NaN/inf. Raises FileNotFoundError naming
     the path when it is not a network checkpoint, IntegrityError when it is corrupt.
     """
+    path = paths.normalize(path)
     if not is_network_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a network checkpoint (expected network.json and "
                                 f"variables/ written by `--mode=convert` or post-hoc EMA)")

@@ -45,8 +45,8 @@ def step_metadata(record: dict) -> dict:
 
 def _owner(step_dir: str) -> tuple[str, str, int] | None:
     """`(workdir, kind, step)` of `WORKDIR/<kind>/<step>` (kind `checkpoints` or
-    `snapshots`; as its savers and readers join it from the run's workdir), or None for a
-    step directory outside a run's layout."""
+    `snapshots`), or None for a step directory outside a run's layout."""
+    step_dir = paths.normalize(step_dir)
     root, name = os.path.split(step_dir)
     workdir, kind = os.path.split(root)
     if not name.isdigit() or kind not in (layout.CHECKPOINTS, layout.SNAPSHOTS):
