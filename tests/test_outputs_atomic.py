@@ -287,3 +287,24 @@ def test_a_name_longer_than_the_file_system_allows_is_one_line_before_any_work(t
     long = tmp_path / ("x" * 300)
     r = run_cli("--mode=generate", f"--net={tmp_path / 'no-such-net'}", f"--outdir={long}")
     assert_one_error(r, "--outdir=", "is 300 bytes long, more than the 255")
+
+
+def test_a_network_checkpoint_reads_from_a_relative_path_and_a_trailing_slash(tmp_path,
+                                                                             monkeypatch):
+    """`load_network` takes the path as a user gives it (Orbax itself reads only absolute
+    paths): relative, or ending in '/', it reads the same arrays, checksummed."""
+    out = tmp_path / "net"
+    network_dir.save_network(str(out), _variables(), NET)
+    want = network_dir.load_network(str(out))[1]
+    monkeypatch.chdir(tmp_path)
+    for path in ("net", "net/", "./net"):
+        got = network_dir.load_network(path)[1]
+        assert _flat(got).keys() == _flat(want).keys()
+        for k, v in _flat(want).items():
+            np.testing.assert_array_equal(_flat(got)[k], v, err_msg=f"{path}: {k}")
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    if not isinstance(tree, dict):
+        return {prefix: np.asarray(tree)}
+    return {k2: v2 for k, v in tree.items() for k2, v2 in _flat(v, f"{prefix}/{k}").items()}
