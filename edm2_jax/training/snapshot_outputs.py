@@ -2,8 +2,8 @@
 largest EMA (`samples/<nimg>.png`, `SampleGrid`) and the evaluation during training (the
 `config.eval` metrics of images an EMA of the run generates, logged under `eval/` with
 the other stats: `TrainingEval`, or none, as `setup_eval` decides at the run's start;
-the metrics themselves are `evaluation.metrics.Metrics`'), both sampled with the run's objective's sampler; the
-loop's snapshot calls `grid_and_eval`."""
+the metrics themselves are `evaluation.metrics.Metrics`'), both sampled with the run's
+objective's sampler; the loop's snapshot calls `grid_and_eval`."""
 from __future__ import annotations
 
 import dataclasses
