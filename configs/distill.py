@@ -182,8 +182,8 @@ def _scm(c, variant: str):
     rates), and a wide proposal, P_mean 0.4, P_std 2.0, which trains the large noise
     levels the first step starts from (the CIFAR-10 proposal, -1.0, 1.4, leaves them as
     the teacher had them). Measured: results entries `scm-1`, `scm-2`, `scm-length`,
-    `scm-longer`, `sct-2`, `scm-t-mid` and `scm-settings` (docs/results.json). 'sct':
-    the same as sCT, started from the network `distill.teacher` names."""
+    `scm-longer`, `scm-proposal`, `sct-2`, `scm-t-mid` and `scm-settings`
+    (docs/results.json). 'sct': the same as sCT, started from the network `distill.teacher` names."""
     configs.with_objective(c, "scm")
     c.distill.update(steps=2, P_mean=0.4, P_std=2.0, training=variant == "sct",
                      tangent_norm="rms", prior_weighting=True)
