@@ -183,7 +183,8 @@ def _scm(c, variant: str):
     levels the first step starts from (the CIFAR-10 proposal, -1.0, 1.4, leaves them as
     the teacher had them). Measured: results entries `scm-1`, `scm-2`, `scm-length`,
     `scm-longer`, `scm-proposal`, `sct-2`, `scm-t-mid` and `scm-settings`
-    (docs/results.json). 'sct': the same as sCT, started from the network `distill.teacher` names."""
+    (docs/results.json). 'sct': the same as sCT, started from the network
+    `distill.teacher` names."""
     configs.with_objective(c, "scm")
     c.distill.update(steps=2, P_mean=0.4, P_std=2.0, training=variant == "sct",
                      tangent_norm="rms", prior_weighting=True)
