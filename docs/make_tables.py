@@ -76,15 +76,19 @@ def readme_headline(r: dict) -> list[str]:
 
 
 def quality(r: dict) -> list[str]:
-    """The quick start's run and the floor in every `_cls` metric and FID-2000 (the
-    shipped classifier)."""
+    """The quick start's run, unguided and autoguided, and the floor in every `_cls`
+    metric and FID-2000 (the shipped classifier)."""
     rows = [_row(["images", "fd_cls", "kid_cls", "precision_cls", "recall_cls", "FID-2000"]),
             _row(["---"] * 6)]
-    for name, label in (("teacher", "generated (64 kimg run)"),
-                        ("floor", "floor: 2,000 test images vs the train split")):
-        v = r[name]["values"]
-        rows.append(_row([label] + [v[k] for k in ("fd_cls", "kid_cls", "precision_cls",
-                                                   "recall_cls", "fid2000")]))
+    cols = ("fd_cls", "kid_cls", "precision_cls", "recall_cls", "fid2000")
+    v = r["teacher"]["values"]
+    rows.append(_row(["generated (64 kimg run)"] + [v[k] for k in cols]))
+    g = r["teacher-autoguided"]["values"]
+    for w in ("1.5", "2"):
+        rows.append(_row([f"the same, autoguided by its 16-kimg snapshot, w = {w}"]
+                         + [g.get(f"{k}_w{w}", "—") for k in cols]))
+    v = r["floor"]["values"]
+    rows.append(_row(["floor: 2,000 test images vs the train split"] + [v[k] for k in cols]))
     return rows
 
 
