@@ -80,15 +80,15 @@ def quality(r: dict) -> list[str]:
     metric and FID-2000 (the shipped classifier)."""
     rows = [_row(["images", "fd_cls", "kid_cls", "precision_cls", "recall_cls", "FID-2000"]),
             _row(["---"] * 6)]
-    cols = ("fd_cls", "kid_cls", "precision_cls", "recall_cls", "fid2000")
-    v = r["teacher"]["values"]
-    rows.append(_row(["generated (64 kimg run)"] + [v[k] for k in cols]))
     g = r["teacher-autoguided"]["values"]
-    for w in ("1.5", "2"):
-        rows.append(_row([f"the same, autoguided by its 16-kimg snapshot, w = {w}"]
-                         + [g.get(f"{k}_w{w}", "—") for k in cols]))
-    v = r["floor"]["values"]
-    rows.append(_row(["floor: 2,000 test images vs the train split"] + [v[k] for k in cols]))
+    for label, v, suffix in (
+            ("generated (64 kimg run)", r["teacher"]["values"], ""),
+            ("the same, autoguided by its 16-kimg snapshot, w = 1.5", g, "_w1.5"),
+            ("the same, autoguided by its 16-kimg snapshot, w = 2", g, "_w2"),
+            ("floor: 2,000 test images vs the train split", r["floor"]["values"], "")):
+        rows.append(_row([label] + [v[k + suffix] for k in ("fd_cls", "kid_cls",
+                                                            "precision_cls", "recall_cls",
+                                                            "fid2000")]))
     return rows
 
 
