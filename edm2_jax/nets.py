@@ -50,6 +50,22 @@ def load_net(path: str, ema: str | None = None) -> tuple[Precond, dict, str]:
     return net, variables, desc
 
 
+def shape_differences(want: dict, variables: dict) -> list[str]:
+    """'col/path: SHAPE where its network config builds SHAPE' for each array of
+    `variables` (`{'params', 'buffers'}`) missing from `want`, absent from it, or of
+    another shape (`want`: arrays or `jax.ShapeDtypeStruct`s of the same collections)."""
+    def shapes(tree) -> dict:
+        return {"/".join(str(getattr(k, "key", k)) for k in p): tuple(np.shape(x))
+                for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+    differ = []
+    for col in ("params", "buffers"):
+        a, b = shapes(want.get(col, {})), shapes(variables.get(col, {}))
+        differ += [f"{col}/{k}: {'missing' if k not in b else b[k]} where its network "
+                   f"config builds {a[k] if k in a else 'none'}"
+                   for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return differ
+
+
 def check_shapes(want: dict, variables: dict, what: str) -> None:
     """Raise IntegrityError naming `what`, the first arrays and both shapes when the
     arrays of `variables` (`{'params', 'buffers'}`) are not of the shapes of `want`
@@ -57,19 +73,12 @@ def check_shapes(want: dict, variables: dict, what: str) -> None:
     `jax.ShapeDtypeStruct`s: `jax.eval_shape` of its initialisation, nothing allocated):
     a `.zarray` whose shape was edited (transposed, say) reads bytes the checksums
     accept as the wrong tensor."""
-    def shapes(tree) -> dict:
-        return {"/".join(str(getattr(k, "key", k)) for k in p): tuple(np.shape(x))
-                for p, x in jax.tree_util.tree_leaves_with_path(tree)}
-    for col in ("params", "buffers"):
-        a, b = shapes(want.get(col, {})), shapes(variables.get(col, {}))
-        differ = [f"{col}/{k}: {'missing' if k not in b else b[k]} where its network config "
-                  f"builds {a[k] if k in a else 'none'}" for k in sorted(set(a) | set(b))
-                  if a.get(k) != b.get(k)]
-        if differ:
-            raise integrity.IntegrityError(
-                f"{what} is not the network its config describes ({'; '.join(differ[:3])}"
-                f"{'; ...' if len(differ) > 3 else ''}): its files were edited or damaged; "
-                f"write it again (--mode=convert, post-hoc EMA) or restore it")
+    differ = shape_differences(want, variables)
+    if differ:
+        raise integrity.IntegrityError(
+            f"{what} is not the network its config describes ({'; '.join(differ[:3])}"
+            f"{'; ...' if len(differ) > 3 else ''}): its files were edited or damaged; "
+            f"write it again (--mode=convert, post-hoc EMA) or restore it")
 
 
 def load_variables(path: str, ema: str | None = None) -> tuple[dict, str]:

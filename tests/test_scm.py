@@ -12,8 +12,11 @@ Claims tested:
 - a 1-step student trained on the objective maps noise to the data's mean and variance;
 - the sampler: one step is the denoiser at sigma_max, two re-noise at t_mid with each
   seed's own noise; images follow their seeds;
-- bad settings are refused naming the flag, before anything is built;
-- a tiny sCD run trains, resumes bitwise, and generates with its own sampler.
+- the teacher autoguided by a frozen guide is `D_g + w (D - D_g)` (random weights);
+- bad settings are refused naming the flag, before anything is built; a guide of
+  another architecture, in one line before the step compiles;
+- a tiny sCD run trains, resumes bitwise, and generates with its own sampler; its
+  autoguided twin carries the guide frozen and resumes bitwise too.
 (The jvp of the network itself against float64 differences is tests/test_jvp.py's.)
 """
 from __future__ import annotations
@@ -362,7 +365,8 @@ def test_bad_settings_are_refused_naming_the_flag(name, value):
 
 @pytest.mark.parametrize("name, value", [("steps", 1.5), ("steps", True),
                                          ("training", "yes"), ("teacher", 3),
-                                         ("prior_weighting", 1)])
+                                         ("prior_weighting", 1), ("guide", 3),
+                                         ("guide_ema", 0.1)])
 def test_mistyped_settings_of_a_config_json_are_refused_naming_the_flag(name, value):
     """A config.json's section (a dict: no ConfigDict type check) is checked too."""
     c = _config().to_dict()
@@ -409,6 +413,56 @@ def test_the_scm_configs_validate():
             assert c.optim.ref_lr == pytest.approx(ref_lr / 100, rel=1e-9), variant
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # two tiny networks traced and run: ~10 s on 2 cores
+def test_autoguided_teacher_is_the_guide_plus_w_times_the_difference():
+    """With a guide, `guided_teacher` is `D_g + w (D - D_g)` of the two networks'
+    denoisers at the same labels (not the teacher's unconditional slot), float32 and
+    stopped; w = 1 is the teacher alone."""
+    from tests.test_jvp import TINY, _variables
+    net = precond_from_config(TINY)
+    teacher, guide = _variables(net, seed=0), _variables(net, seed=1, gain=0.5)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((3, 8, 8, 2)), jnp.float32)
+    sigma = jnp.asarray([0.1, 1.0, 20.0], jnp.float32)
+    labels = jax.nn.one_hot(jnp.asarray([0, 2, 1]), 3)
+    d_t = np.asarray(net.apply(teacher, x, sigma, labels), np.float64)
+    d_g = np.asarray(net.apply(guide, x, sigma, labels), np.float64)
+    got = scm.guided_teacher(net, teacher, labels, 1.5, guide=guide)(x, sigma)
+    assert got.dtype == jnp.float32
+    # Two float32 network outputs combined: a few ulps of their magnitude.
+    np.testing.assert_allclose(np.asarray(got), d_g + 1.5 * (d_t - d_g), rtol=0,
+                               atol=8 * EPS32 * (np.abs(d_t).max() + np.abs(d_g).max()))
+    assert np.abs(d_t - d_g).max() > 0.1  # the guide is another network
+    cfg = np.asarray(scm.guided_teacher(net, teacher, labels, 1.5)(x, sigma))
+    assert np.abs(cfg - np.asarray(got)).max() > 0.01
+    np.testing.assert_array_equal(
+        np.asarray(scm.guided_teacher(net, teacher, labels, 1.0, guide=guide)(x, sigma)),
+        np.asarray(net.apply(teacher, x, sigma, labels)))
+    grad = jax.grad(lambda v: jnp.sum(scm.guided_teacher(net, v, labels, 1.5,
+                                                         guide=guide)(x, sigma)))(teacher)
+    assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grad))
+
+
+def test_a_guide_is_a_frozen_network_of_the_sCD_run():
+    """`distill.guide` names the objective's one frozen network (`'guide'`, its flag
+    and EMA), costs the guided pass, and shows in the run's description; bad guide
+    settings are refused naming the flag."""
+    c = _config(teacher="runs/t", guide="runs/t/snapshots/250", guide_ema="0.050",
+                guidance=1.5)
+    c.data.use_labels = False  # autoguidance needs no unconditional slot
+    obj = objectives.check_config(c)
+    assert obj.frozen_networks() == {"guide": objectives.StartNetwork(
+        "runs/t/snapshots/250", "0.050", "guide", "--config.distill.guide")}
+    assert obj.flops_per_image(1.0) == 7
+    assert "autoguided by runs/t/snapshots/250 at 1.5" in obj.describe()
+    assert objectives.check_config(_config(teacher="runs/t")).frozen_networks() == {}
+    for name, bad, what in [("guide", dict(guide="g"), "guidance > 1"),
+                            ("guide", dict(guide="g", training=True), "sCT")]:
+        with pytest.raises(ValueError, match=rf"^--config\.distill\.{name}=.*{what}"):
+            configs.validate(_config(**bad))
+
+
 def test_guidance_needs_a_teacher_and_labels():
     with pytest.raises(ValueError, match="^--config.distill.guidance=.*sCT"):
         configs.validate(_config(training=True, guidance=2.0))
@@ -447,7 +501,31 @@ def scm_runs(tmp_path_factory, xla_cache):
     r_full = loop.train_and_evaluate(tiny_config(data, **over), str(full))
     loop.train_and_evaluate(tiny_config(data, total_kimg=0.016, **over), str(half))
     r_half = loop.train_and_evaluate(tiny_config(data, **over), str(half))
-    return dict(teacher=teacher, full=full, half=half, r_full=r_full, r_half=r_half)
+    return dict(teacher=teacher, full=full, half=half, r_full=r_full, r_half=r_half,
+                data=data, over=over, net_config=cfg)
+
+
+@pytest.fixture(scope="module")
+def guided_runs(scm_runs, tmp_path_factory):
+    """The tiny sCD runs' teacher autoguided at w = 2 by another random network of its
+    architecture: 4 steps in one go, and the same stopped after 2 and resumed."""
+    from edm2_jax.model.networks import precond_from_config
+    from edm2_jax.objectives import distill
+    from edm2_jax.run import network_dir
+    from edm2_jax.training import loop
+    from tests.test_jvp import _variables
+    from tests.test_train import tiny_config
+    root = tmp_path_factory.mktemp("scm-guided")
+    cfg = scm_runs["net_config"]
+    net = precond_from_config(cfg)
+    guide = network_dir.save_network(str(root / "guide"), _variables(net, seed=5, gain=0.5),
+                                     distill.network_config(net))
+    over = dict(scm_runs["over"], **{"distill.guide": guide, "distill.guidance": 2.0})
+    full, half = root / "full", root / "half"
+    r_full = loop.train_and_evaluate(tiny_config(scm_runs["data"], **over), str(full))
+    loop.train_and_evaluate(tiny_config(scm_runs["data"], total_kimg=0.016, **over), str(half))
+    r_half = loop.train_and_evaluate(tiny_config(scm_runs["data"], **over), str(half))
+    return dict(guide=guide, full=full, half=half, r_full=r_full, r_half=r_half, root=root)
 
 
 # Slow (~50 s on 2 busy cores): the two tiny runs, built once for these tests.
@@ -490,3 +568,58 @@ def test_a_student_is_sampled_with_its_own_sampler_and_images_follow_seeds(scm_r
     b = np.asarray(sampling.sample_images(net, variables, np.array([4, 1]), sampler=sampler))
     np.testing.assert_array_equal(a[[4, 1]], b)
     assert a.std() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_an_autoguided_scd_run_carries_its_guide_frozen_and_resumes_bitwise(
+        scm_runs, guided_runs):
+    """The guide rides in the train state as `'guide'`, the guide network's arrays bit
+    for bit, untouched by the steps; the run stopped after 2 steps and resumed ends on
+    the arrays of the one that never stopped; the guide changes what the student
+    learns (another student than the unguided run's)."""
+    from edm2_jax.run import network_dir
+    from tests.test_train import _restore
+    r = guided_runs["r_full"]
+    assert r["finished"] and guided_runs["r_half"]["finished"] and np.isfinite(r["loss/loss"])
+    (sa, a), (sb, b) = _restore(guided_runs["full"]), _restore(guided_runs["half"])
+    assert sa == sb == 4
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.array_equal(x, y)
+    _, guide, _ = network_dir.load_network(guided_runs["guide"])
+    for col in ("params", "buffers"):
+        for x, y in zip(jax.tree.leaves(a["guide"][col]), jax.tree.leaves(guide[col]),
+                        strict=True):
+            assert np.array_equal(x, y)
+    _, unguided = _restore(scm_runs["full"])
+    assert max(np.max(np.abs(x - y)) for x, y in zip(jax.tree.leaves(a["params"]),
+                                                      jax.tree.leaves(unguided["params"]))) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_a_guide_of_another_architecture_is_refused_before_the_step_compiles(
+        scm_runs, guided_runs, capsys):
+    """A guide whose arrays are not of the teacher's shapes: one ValueError line naming
+    the flag, the path and the first differing array, raised before the train state is
+    built (no checkpoint written)."""
+    from edm2_jax.model.networks import precond_from_config
+    from edm2_jax.objectives import distill
+    from edm2_jax.run import network_dir
+    from edm2_jax.training import loop
+    from tests.test_jvp import _variables
+    from tests.test_train import tiny_config
+    cfg = scm_runs["net_config"]
+    net = precond_from_config(dict(cfg, model_channels=2 * cfg["model_channels"]))
+    root = guided_runs["root"]
+    wide = network_dir.save_network(str(root / "wide"), _variables(net),
+                                    distill.network_config(net))
+    over = dict(scm_runs["over"], **{"distill.guide": wide, "distill.guidance": 2.0})
+    with pytest.raises(ValueError) as e:
+        loop.train_and_evaluate(tiny_config(scm_runs["data"], **over), str(root / "bad"))
+    msg = str(e.value)
+    assert msg.startswith(f"--config.distill.guide={wide}: ") and "\n" not in msg
+    assert "not of the architecture this run trains (params/" in msg
+    assert "Compiling the training step" not in capsys.readouterr().out
+    assert not (root / "bad" / "checkpoints").exists() or not any(
+        (root / "bad" / "checkpoints").iterdir())

@@ -7,6 +7,8 @@ dict of a run's config.json, or a network.json's meta merged over it) and gives:
 - `section`, `section_fields()`, `check()`: its own config section, its fields'
   defaults, and their validation (ValueError naming the flag);
 - `start()`: the network the run starts from (a teacher), or None;
+- `frozen_networks()`: further networks of the run's architecture it reads frozen (a
+  guide), each loaded into the train-state entry of its name at a fresh start;
 - `init_state(params)`, `trained`: the train-state entries it adds (frozen networks, its
   own trained networks and their optimiser states) and those of them its loss trains;
 - `draws(...)`, `loss(...)`, `update(...)`: the step's random draws, the scalar it
@@ -86,6 +88,14 @@ class Objective:
         """The network whose weights and config the run starts from, or None (a freshly
         initialised network)."""
         return None
+
+    def frozen_networks(self) -> dict[str, StartNetwork]:
+        """Further networks the loss reads frozen, by train-state entry: a fresh state
+        holds at `state[name]` the `{'params', 'buffers'}` of the network `start()`
+        gives (or the fresh one), replaced, before the first step, by the arrays of the
+        named network, which must be of the same architecture (its shapes are checked
+        before anything compiles); a resumed state restores them. Default: none."""
+        return {}
 
     def describe(self) -> str | None:
         """A line for the start of the run, or None."""

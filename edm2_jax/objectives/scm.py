@@ -28,7 +28,9 @@ student is sampled by any code that takes an EDM denoiser (`ScmSampler`).
 One training example (Algorithm 1), `sg` the stopped gradient:
 
     dx_t/dt = sigma_data F_teacher(x_t, t)           sCD (the teacher frozen; optionally
-                                                     guided, `distill.guidance`)
+                                                     guided, `distill.guidance`: by its
+                                                     own unconditional slot, or by a
+                                                     frozen guide, `distill.guide`)
             = cos t z - sin t x_0                    sCT (`distill.training=True`)
     (F-, cos t sin t dF-/dt) = jvp(F_sg(theta), (x_t, t), (cos t sin t dx_t/dt, cos t sin t))
     g     = -cos^2 t (sigma_data F- - dx_t/dt) - r (cos t sin t x_t + sigma_data cos t sin t dF-/dt)
@@ -312,9 +314,11 @@ class ScmSampler(solvers.Sampler):
 # The section `distill` of an sCM run (and a student network's record of it): the
 # teacher (sCD) or the network sCT starts from (`teacher`, `teacher_ema`; sCT may start
 # from a fresh network: `teacher=''`), sCT or sCD (`training`), the proposal, the
-# tangent's `tangent_c` and warmup, the teacher's guidance (its own unconditional slot:
-# `D_u + w (D_c - D_u)`, 1 = off), and the sampler's steps, `t_mid`, `sigma_max`.
-SCM_FIELDS = dict(teacher="", teacher_ema="", training=False,
+# tangent's `tangent_c` and warmup, the teacher's guidance (1 = off: by its own
+# unconditional slot, `D_u + w (D_c - D_u)`, or with `guide` (`guide_ema`), a network of
+# the teacher's architecture, by autoguidance, `D_g + w (D - D_g)`), and the sampler's
+# steps, `t_mid`, `sigma_max`.
+SCM_FIELDS = dict(teacher="", teacher_ema="", guide="", guide_ema="", training=False,
                   P_mean=PROPOSALS["img64"][0], P_std=PROPOSALS["img64"][1],
                   tangent_c=TANGENT_C, tangent_norm="l2", prior_weighting=False,
                   warmup_kimg=WARMUP_KIMG, guidance=1.0,
@@ -362,6 +366,14 @@ class ContinuousConsistency(Objective):
             return None
         return dataclasses.replace(network, role="pretrained network")
 
+    def frozen_networks(self) -> dict[str, StartNetwork]:
+        """sCD autoguided (`distill.guide`): the guide, frozen as `'guide'`."""
+        if self.training or not self.setting("guide"):
+            return {}
+        return {"guide": StartNetwork(str(self.setting("guide")),
+                                      str(self.setting("guide_ema") or ""), "guide",
+                                      "--config.distill.guide")}
+
     def describe(self) -> str:
         steps = f"a {self.setting('steps')}-step student"
         if self.training:
@@ -369,7 +381,9 @@ class ContinuousConsistency(Objective):
             return (f"sCT (continuous-time consistency training) from "
                     f"{start.path if start else 'a fresh network'}: {steps}")
         w = float(self.setting("guidance"))
-        guided = f", the teacher guided at {w}" if w != 1 else ""
+        guide = self.setting("guide")
+        guided = ("" if w == 1 else f", the teacher autoguided by {guide} at {w}" if guide
+                  else f", the teacher guided at {w}")
         return (teacher_line(self.config) + f"; sCD (continuous-time consistency "
                 f"distillation): {steps}{guided}")
 
@@ -404,7 +418,7 @@ class ContinuousConsistency(Objective):
 
         teacher = None if self.training else guided_teacher(
             net, {"params": state["teacher"], "buffers": buffers}, labels,
-            float(self.setting("guidance")))
+            float(self.setting("guidance")), guide=state.get("guide"))
         r = tangent_warmup(state["iters"], batch_size, float(self.setting("warmup_kimg")))
         loss, aux = scm_loss_per_image(
             student, student_sg, teacher, images, rnd_normal=draws["rnd_normal"],
@@ -434,14 +448,18 @@ class ContinuousConsistency(Objective):
 
 
 def guided_teacher(net: Any, variables: Any, labels: Array | None,
-                   guidance: float) -> DenoiseFn:
-    """The teacher's denoiser `(x, sigma) -> D`, stopped; with `guidance = w != 1`,
-    classifier-free guidance by its own unconditional slot (labels None: zeros),
-    `D_u + w (D_c - D_u)` (meaningful for a teacher trained with label dropout)."""
+                   guidance: float, guide: Any = None) -> DenoiseFn:
+    """The teacher's denoiser `(x, sigma) -> D` (float32 `[B, H, W, C]`), stopped; with
+    `guidance = w != 1`, guided: without `guide`, classifier-free guidance by its own
+    unconditional slot (labels None: zeros), `D_u + w (D_c - D_u)` (meaningful for a
+    teacher trained with label dropout); with `guide` (the `{'params', 'buffers'}` of a
+    network of `net`'s architecture, given the same labels), autoguidance (Karras et
+    al. 2024, Eq. 1), `D_g + w (D - D_g)`."""
     def D(x, sigma):
         d = net.apply(variables, x, sigma, labels).astype(jnp.float32)
         if guidance != 1:
-            u = net.apply(variables, x, sigma, None).astype(jnp.float32)
+            u = (net.apply(variables, x, sigma, None) if guide is None
+                 else net.apply(guide, x, sigma, labels)).astype(jnp.float32)
             d = u + guidance * (d - u)
         return jax.lax.stop_gradient(d)
     return D
@@ -495,8 +513,17 @@ def check_scm(config: Any) -> None:
          "the teacher's guidance weight, >= 1 (1: off), e.g. 1.5")
     need(g == 1 or value("training") is False, "guidance",
          "sCT (distill.training=True) has no teacher to guide: set distill.guidance=1")
-    need(g == 1 or field(config, "data.use_labels", True) is not False, "guidance",
-         "guidance needs a conditional teacher (data.use_labels=True): its unconditional "
-         "slot is the guide")
+    guide = value("guide")
+    need(isinstance(guide, str), "guide", "a path (a network of the teacher's "
+         "architecture: a run, snapshot or network checkpoint) or '' (none)")
+    need(isinstance(value("guide_ema"), str), "guide_ema",
+         "the guide's EMA (e.g. '0.100'), or '' (its default)")
+    need(not guide or value("training") is False, "guide",
+         "sCT (distill.training=True) has no teacher to guide: set distill.guide=''")
+    need(not guide or g != 1, "guide", "a guide needs distill.guidance > 1, e.g. 1.5 "
+         "(or set distill.guide='')")
+    need(g == 1 or bool(guide) or field(config, "data.use_labels", True) is not False,
+         "guidance", "guidance without distill.guide needs a conditional teacher "
+         "(data.use_labels=True): its unconditional slot is the guide")
     need(isinstance(value("teacher"), str), "teacher", "a path (a run, snapshot or "
          "network checkpoint)")

@@ -219,12 +219,39 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Model,
                           variables, desc)  # the shapes of the network this run trains
         variables = jax.tree.map(np.asarray, dict(variables))
         print(f"{role.capitalize()}: {desc}", flush=True)
+    frozen = {name: load_frozen_network(other, model.abstract_state[name])
+              for name, other in start.objective.frozen_networks().items()}
     init_fn = jax.jit(lambda r, v: init_train_state(config, model.net, model.tx, r, v,
                                                     objective=start.objective),
                       out_shardings=model.state_sharding)
     state = init_fn(jax.random.PRNGKey(config.seed), variables)
+    if frozen:
+        state = {**state, **jax.device_put(
+            frozen, {name: model.state_sharding[name] for name in frozen})}
     managers.reference_rms = {"params": integrity.rms(state["params"])}
     return state, False, managers
+
+
+def load_frozen_network(network: objectives.StartNetwork, want: dict) -> dict:
+    """The `{'params', 'buffers'}` of one of an objective's `frozen_networks`, as the
+    arrays of `want` (its placeholder in the abstract train state: same structure, shapes
+    and dtypes). Raises ValueError naming the flag when the network's arrays are not of
+    those shapes (a network of another architecture than the one the run trains)."""
+    print(f"Loading the {network.role} {network.path}...", flush=True)
+    variables, desc = nets.load_variables(network.path, network.ema or None)
+    differ = nets.shape_differences(want, variables)
+    if differ:
+        raise ValueError(
+            f"{network.flag}={network.path}: {desc} is not of the architecture this run "
+            f"trains ({'; '.join(differ[:2])}{'; ...' if len(differ) > 2 else ''}); the "
+            f"{network.role} must be a network of the teacher's config (e.g. an earlier "
+            f"snapshot of its run)")
+    arrays = {"/".join(str(getattr(k, "key", k)) for k in path): x for path, x in
+              jax.tree_util.tree_leaves_with_path(dict(variables))}
+    print(f"{network.role.capitalize()}: {desc}", flush=True)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: np.asarray(arrays["/".join(str(getattr(k, "key", k)) for k in path)],
+                                   a.dtype), want)
 
 
 def effective_resume_step(step: int, workdir: str) -> int:

@@ -50,7 +50,8 @@ def init_train_state(config: ml_collections.ConfigDict, net: Precond,
     `variables` (`{'params', 'buffers'}`, e.g. a distillation run's teacher) are given,
     those as float32 (`rng` is then the state's key itself: nothing is drawn for an
     init); Adam's state; every EMA equal to the weights; and the entries `objective`
-    adds (`objectives.Objective.init_state` of the weights; none when None)."""
+    adds (`objectives.Objective.init_state` of the weights, and a copy of the weights and
+    buffers for each of its `frozen_networks`; none when None)."""
     if variables is None:
         init_rng, state_rng = jax.random.split(rng)
         variables = init_variables(net, init_rng)
@@ -58,13 +59,18 @@ def init_train_state(config: ml_collections.ConfigDict, net: Precond,
     else:
         state_rng = rng
         params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), variables["params"])
+    buffers = jax.tree.map(jnp.asarray, variables.get("buffers", {}))
+    frozen = objective.frozen_networks() if objective is not None else {}
     return {
         "step": jnp.zeros((), jnp.int32),
         "params": params,
-        "buffers": jax.tree.map(jnp.asarray, variables.get("buffers", {})),
+        "buffers": buffers,
         "opt_state": tx.init(params),
         "ema": ema_lib.init_ema_state(params, tuple(config.ema.sigma_rels),
                                       float(config.ema.trad_halflife_kimg)),
         "rng": state_rng,
         **(objective.init_state(params) if objective is not None else {}),
+        # The objective's frozen networks: placeholders of the weights' structure, which
+        # `setup.restore_or_init` replaces by the networks they name.
+        **{name: {"params": params, "buffers": buffers} for name in frozen},
     }
