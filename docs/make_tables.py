@@ -95,6 +95,7 @@ def quality(r: dict) -> list[str]:
 CHOOSER = (("MCD (`configs/distill.py`)", "mcd"), ("DMD (`:dmd`)", "dmd"),
            ("DMD with the GAN head (`:dmd-gan`)", "dmd-gan"),
            ("sCD (`:scm`, [docs/scm.md](scm.md))", "scm"),
+           ("sCD of the autoguided teacher (`:scm`, `distill.guide`)", "scm-ag"),
            ("sCT (`:sct`, [docs/scm.md](scm.md))", "sct"))
 
 
