@@ -70,7 +70,8 @@ def readme_headline(r: dict) -> list[str]:
               f"{v['dmd-gan-1']['recall_cls']}; 2 steps (DMD): {v['dmd-2']['fd_cls']}, "
               f"{v['dmd-2']['recall_cls']}; 4 steps (DMD): {v['dmd-4']['fd_cls']}, "
               f"{v['dmd-4']['recall_cls']}; 2 steps (sCM, sCD): {v['scm-2']['fd_cls']}, "
-              f"{v['scm-2']['recall_cls']}",
+              f"{v['scm-2']['recall_cls']}; of the autoguided teacher: "
+              f"{v['scm-ag-2']['fd_cls']}, {v['scm-ag-2']['recall_cls']}",
               "[`docs/distillation.md`](docs/distillation.md)"]),
     ]
 
