@@ -221,13 +221,10 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Model,
         print(f"{role.capitalize()}: {desc}", flush=True)
     frozen = {name: load_frozen_network(other, model.abstract_state[name])
               for name, other in start.objective.frozen_networks().items()}
-    init_fn = jax.jit(lambda r, v: init_train_state(config, model.net, model.tx, r, v,
-                                                    objective=start.objective),
+    init_fn = jax.jit(lambda r, v, f: init_train_state(config, model.net, model.tx, r, v,
+                                                       objective=start.objective, frozen=f),
                       out_shardings=model.state_sharding)
-    state = init_fn(jax.random.PRNGKey(config.seed), variables)
-    if frozen:
-        state = {**state, **jax.device_put(
-            frozen, {name: model.state_sharding[name] for name in frozen})}
+    state = init_fn(jax.random.PRNGKey(config.seed), variables, frozen or None)
     managers.reference_rms = {"params": integrity.rms(state["params"])}
     return state, False, managers
 
@@ -246,12 +243,12 @@ def load_frozen_network(network: objectives.StartNetwork, want: dict) -> dict:
             f"trains ({'; '.join(differ[:2])}{'; ...' if len(differ) > 2 else ''}); the "
             f"{network.role} must be a network of the teacher's config (e.g. an earlier "
             f"snapshot of its run)")
-    arrays = {"/".join(str(getattr(k, "key", k)) for k in path): x for path, x in
-              jax.tree_util.tree_leaves_with_path(dict(variables))}
+    def name(path) -> str:
+        return "/".join(str(getattr(k, "key", k)) for k in path)
+    arrays = {name(p): x for p, x in jax.tree_util.tree_leaves_with_path(dict(variables))}
     print(f"{network.role.capitalize()}: {desc}", flush=True)
     return jax.tree_util.tree_map_with_path(
-        lambda path, a: np.asarray(arrays["/".join(str(getattr(k, "key", k)) for k in path)],
-                                   a.dtype), want)
+        lambda p, a: np.asarray(arrays[name(p)], a.dtype), want)
 
 
 def effective_resume_step(step: int, workdir: str) -> int:

@@ -45,13 +45,16 @@ def make_network(config: ml_collections.ConfigDict) -> Precond:
 
 def init_train_state(config: ml_collections.ConfigDict, net: Precond,
                      tx: optax.GradientTransformation, rng: Array,
-                     variables: dict | None = None, objective: Any = None) -> dict:
+                     variables: dict | None = None, objective: Any = None,
+                     frozen: dict | None = None) -> dict:
     """Fresh train state: the weights of a network initialised from `rng` or, when
     `variables` (`{'params', 'buffers'}`, e.g. a distillation run's teacher) are given,
     those as float32 (`rng` is then the state's key itself: nothing is drawn for an
     init); Adam's state; every EMA equal to the weights; and the entries `objective`
-    adds (`objectives.Objective.init_state` of the weights, and a copy of the weights and
-    buffers for each of its `frozen_networks`; none when None)."""
+    adds (`objectives.Objective.init_state` of the weights; none when None), with, for
+    each of its `frozen_networks`, that network's `{'params', 'buffers'}` from `frozen`
+    (by name; `setup.load_frozen_network`), or without `frozen` a placeholder of the
+    weights and buffers (the abstract state's shapes)."""
     if variables is None:
         init_rng, state_rng = jax.random.split(rng)
         variables = init_variables(net, init_rng)
@@ -60,7 +63,7 @@ def init_train_state(config: ml_collections.ConfigDict, net: Precond,
         state_rng = rng
         params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), variables["params"])
     buffers = jax.tree.map(jnp.asarray, variables.get("buffers", {}))
-    frozen = objective.frozen_networks() if objective is not None else {}
+    names = objective.frozen_networks() if objective is not None else {}
     return {
         "step": jnp.zeros((), jnp.int32),
         "params": params,
@@ -70,7 +73,6 @@ def init_train_state(config: ml_collections.ConfigDict, net: Precond,
                                       float(config.ema.trad_halflife_kimg)),
         "rng": state_rng,
         **(objective.init_state(params) if objective is not None else {}),
-        # The objective's frozen networks: placeholders of the weights' structure, which
-        # `setup.restore_or_init` replaces by the networks they name.
-        **{name: {"params": params, "buffers": buffers} for name in frozen},
+        **{name: frozen[name] if frozen else {"params": params, "buffers": buffers}
+           for name in names},
     }
